@@ -1,0 +1,262 @@
+"""Typed, validated views of the ``ml_collections.ConfigDict`` a run is given.
+
+The ConfigDict stops here: :func:`from_config_dict` turns it into frozen,
+keyword-only dataclasses, rejecting unknown keys and wrong types with one
+sentence that names the field and what is accepted. Library code receives
+these dataclasses, never the ConfigDict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from knitjax.models.transformer import TransformerConfig
+
+MODES = ("colocated", "disaggregated")
+POLICIES = ("train_batch", "minibatch", "greedy")
+WEIGHT_SYNC = ("minibatch", "step")
+DTYPES = ("float32", "bfloat16")
+ADVANTAGES = ("grpo", "drgrpo", "rloo")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+
+
+def _one_of(path: str, value: Any, allowed: tuple[str, ...]) -> None:
+  if value not in allowed:
+    raise ValueError(f"{path}={value!r} is not accepted; choose one of: {', '.join(allowed)}.")
+
+
+def _positive(path: str, value: float, *, allow_zero: bool = False) -> None:
+  if value < 0 or (value == 0 and not allow_zero):
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"{path}={value!r} is not accepted; it must be {bound}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+  """Which prompts and which reward function."""
+
+  name: str = "arith"
+  reward: str = "arith_exact"
+  path: str = ""  # JSONL file for file-backed tasks (gsm8k)
+  prompt_len: int = 0  # 0: the task's own maximum prompt length
+
+  def __post_init__(self):
+    _positive("config.task.prompt_len", self.prompt_len, allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+  """Sampling of a group of responses per prompt."""
+
+  group_size: int = 8
+  max_new_tokens: int = 4
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    _positive("config.rollout.group_size", self.group_size)
+    _positive("config.rollout.max_new_tokens", self.max_new_tokens)
+    _positive("config.rollout.temperature", self.temperature)
+    _positive("config.rollout.top_k", self.top_k, allow_zero=True)
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"config.rollout.top_p={self.top_p!r} is not accepted; it must be in (0, 1].")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  """Optimizer, RL loss and micro-batching."""
+
+  lr: float = 1e-3
+  warmup_steps: int = 10  # optimizer updates (versions), not train steps
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.99
+  grad_clip: float = 1.0
+  micro_batches: int = 1
+  advantage: str = "grpo"
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  aggregation: str = "token_mean"
+  tis_cap: float = 0.0  # 0: off
+  kl_coef: float = 0.0
+  entropy_coef: float = 0.0
+
+  def __post_init__(self):
+    _positive("config.train.lr", self.lr)
+    _positive("config.train.warmup_steps", self.warmup_steps, allow_zero=True)
+    _positive("config.train.micro_batches", self.micro_batches)
+    _positive("config.train.grad_clip", self.grad_clip, allow_zero=True)
+    _positive("config.train.tis_cap", self.tis_cap, allow_zero=True)
+    _positive("config.train.kl_coef", self.kl_coef, allow_zero=True)
+    _one_of("config.train.advantage", self.advantage, ADVANTAGES)
+    _one_of("config.train.aggregation", self.aggregation, AGGREGATIONS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdmissionConfig:
+  """Quota spec and admission policy (see docs/admission.md)."""
+
+  policy: str = "minibatch"
+  quotas: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  minibatches: int = 1
+  min_per_minibatch: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  max_per_minibatch: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  dynamic_sampling: bool = False
+
+  def __post_init__(self):
+    _one_of("config.admission.policy", self.policy, POLICIES)
+    if not self.quotas:
+      raise ValueError("config.admission.quotas is empty; give groups per train step per class.")
+    _positive("config.admission.minibatches", self.minibatches)
+    total = sum(self.quotas.values())
+    if total % self.minibatches:
+      raise ValueError(
+          f"config.admission.quotas sum to {total} groups per step, which is not divisible by "
+          f"config.admission.minibatches={self.minibatches}."
+      )
+
+  @property
+  def groups_per_step(self) -> int:
+    return sum(self.quotas.values())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+  """The loop: how many steps, colocated or disaggregated, logging."""
+
+  mode: str = "colocated"
+  steps: int = 100
+  log_every: int = 10
+  weight_sync: str = "minibatch"
+  max_lag_steps: float = 1.0
+
+  def __post_init__(self):
+    _one_of("config.runtime.mode", self.mode, MODES)
+    _one_of("config.runtime.weight_sync", self.weight_sync, WEIGHT_SYNC)
+    _positive("config.runtime.steps", self.steps)
+    _positive("config.runtime.log_every", self.log_every)
+    _positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """Device mesh (data, fsdp, tensor); -1 infers one axis from the device count."""
+
+  shape: tuple[int, ...] = (-1, 1, 1)
+  cpu_devices: int = 2  # fake CPU devices when running on the CPU (0: leave JAX's default)
+
+  def __post_init__(self):
+    if len(self.shape) != 3:
+      raise ValueError(f"config.mesh.shape={self.shape!r} must have 3 entries (data, fsdp, tensor).")
+    _positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+  every_steps: int = 50
+  keep: int = 2
+
+  def __post_init__(self):
+    _positive("config.checkpoint.every_steps", self.every_steps)
+    _positive("config.checkpoint.keep", self.keep)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """The whole run, validated."""
+
+  seed: int
+  model: TransformerConfig
+  task: TaskConfig
+  rollout: RolloutConfig
+  train: TrainConfig
+  admission: AdmissionConfig
+  runtime: RuntimeConfig
+  mesh: MeshConfig
+  checkpoint: CheckpointConfig
+
+
+_SECTIONS = {
+    "task": TaskConfig,
+    "rollout": RolloutConfig,
+    "train": TrainConfig,
+    "admission": AdmissionConfig,
+    "runtime": RuntimeConfig,
+    "mesh": MeshConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def _to_plain(x: Any) -> Any:
+  if hasattr(x, "to_dict"):
+    return x.to_dict()
+  return x
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+  """Checks a config value against a (simple) dataclass field annotation."""
+  origin = typing.get_origin(annotation)
+  if annotation is Any:
+    return True
+  if origin in (typing.Union, types.UnionType):
+    return any(_type_ok(value, a) for a in typing.get_args(annotation))
+  if annotation is type(None):
+    return value is None
+  if annotation is float:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+  if annotation is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if annotation in (bool, str):
+    return isinstance(value, annotation)
+  if origin is tuple:
+    return isinstance(value, tuple | list)
+  if origin is Mapping or annotation is Mapping:
+    return isinstance(value, Mapping)
+  return True
+
+
+def build_section(cls: type, values: Mapping[str, Any], path: str) -> Any:
+  """Builds a frozen dataclass from a mapping, naming unknown keys and wrong types."""
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls) if f.init}
+  kwargs = {}
+  for key, value in values.items():
+    if key not in fields:
+      raise ValueError(
+          f"{path}.{key} is not a known field; known fields: {', '.join(sorted(fields))}."
+      )
+    value = _to_plain(value)
+    if not _type_ok(value, hints[key]):
+      want = getattr(hints[key], "__name__", str(hints[key]))
+      raise ValueError(f"{path}.{key}={value!r} has the wrong type; expected {want}.")
+    if isinstance(value, list):
+      value = tuple(value)
+    kwargs[key] = value
+  return cls(**kwargs)
+
+
+def from_config_dict(config: Mapping[str, Any]) -> Config:
+  """Validates a ConfigDict (or plain dict) and returns the typed :class:`Config`.
+
+  Raises:
+    ValueError: one sentence naming the bad field and what is accepted.
+  """
+  config = _to_plain(config)
+  known = {"seed", "model", *_SECTIONS}
+  for key in config:
+    if key not in known:
+      raise ValueError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}.")
+  sections = {
+      name: build_section(cls, config.get(name, {}), f"config.{name}")
+      for name, cls in _SECTIONS.items()
+  }
+  model = build_section(TransformerConfig, config.get("model", {}), "config.model")
+  seed = config.get("seed", 0)
+  if not isinstance(seed, int):
+    raise ValueError(f"config.seed={seed!r} has the wrong type; expected int.")
+  return Config(seed=seed, model=model, **sections)

@@ -1,0 +1,115 @@
+"""Per-step metrics: ``metrics.jsonl``, TensorBoard, terminal progress and the reward plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+
+from absl import logging
+
+
+def _jsonable(v):
+  if hasattr(v, "item"):
+    v = v.item()
+  if isinstance(v, float) and not math.isfinite(v):
+    return None
+  return v
+
+
+class MetricsWriter:
+  """Appends one JSON object per train step and mirrors scalars to TensorBoard.
+
+  Resuming appends to the same ``metrics.jsonl``; rows from steps after the
+  checkpoint being resumed are dropped first, so every step appears once.
+  """
+
+  def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0, log_every: int = 10):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._truncate_after(start_step)
+    self._file = open(self.path, "a")
+    self._tb = None
+    try:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    except ImportError:  # TensorBoard is optional; metrics.jsonl is the record.
+      logging.warning("tensorboardX is not installed; writing metrics.jsonl only.")
+    self._total = total_steps
+    self._start_step = start_step
+    self._log_every = log_every
+    self._t0 = time.time()
+
+  def _truncate_after(self, step: int) -> None:
+    if not os.path.exists(self.path):
+      return
+    with open(self.path) as f:
+      rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(self.path, "w") as f:
+      f.writelines(rows)
+
+  def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    """Records the metrics of train step ``step`` (1-based: steps completed)."""
+    row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in row.items():
+        if isinstance(v, int | float) and k != "step":
+          self._tb.add_scalar(k, v, step)
+    done = step - self._start_step
+    if step % self._log_every == 0 or step == self._total or done == 1:
+      elapsed = time.time() - self._t0
+      eta = elapsed / max(done, 1) * (self._total - step)
+      logging.info(
+          "step %d/%d  version %s  reward %.3f  loss %.4f  tokens/s %.0f  arch_staleness %.2f  ETA %.0fs",
+          step,
+          self._total,
+          row.get("version"),
+          row.get("reward_mean") or 0.0,
+          row.get("loss") or 0.0,
+          row.get("tokens_per_s") or 0.0,
+          row.get("arch_staleness_mean") or 0.0,
+          eta,
+      )
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """Reads ``workdir/metrics.jsonl``."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_reward(workdir: str, *, window: int = 10) -> str:
+  """Writes ``workdir/reward.png``: reward per step and its moving average."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = read_metrics(workdir)
+  steps = [r["step"] for r in rows]
+  reward = [r.get("reward_mean") or 0.0 for r in rows]
+  avg = [sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
+         for i in range(len(reward))]
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  ax.plot(steps, reward, alpha=0.35, label="reward_mean")
+  ax.plot(steps, avg, label=f"{window}-step moving average")
+  ax.set_xlabel("train step")
+  ax.set_ylabel("reward")
+  ax.set_ylim(-0.02, 1.02)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  fig.tight_layout()
+  path = os.path.join(workdir, "reward.png")
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path

@@ -1,0 +1,202 @@
+"""The jitted train step: one optimizer update per mini-batch.
+
+A mini-batch arrives as ``[K, rows / K, T]`` arrays (K micro-batches). The
+step scans over the micro-batches, accumulating gradients. Every micro-batch
+is normalised by the *mini-batch's* token and sequence counts
+(:class:`~knitjax.train.losses.Normalizer`), so the summed loss and gradient are
+exactly those of the whole mini-batch however it is split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from knitjax import sharding
+from knitjax.train import losses
+
+MICRO_BATCH_FIELDS = (
+    "tokens",
+    "positions",
+    "valid",
+    "targets",
+    "loss_mask",
+    "behavior_logp",
+    "advantages",
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  """Trainer state on device: parameters and optimizer state."""
+
+  params: nnx.State
+  opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepHParams:
+  """Static hyperparameters the step is compiled for."""
+
+  loss: losses.LossConfig
+  temperature: float = 1.0
+  max_new_tokens: int = 1  # Dr. GRPO's constant normaliser
+
+
+def sequence_logprobs(
+    graphdef: nnx.GraphDef, params: nnx.State, mb: dict[str, jax.Array], temperature: float
+) -> tuple[jax.Array, jax.Array]:
+  """Per-token log-probs and entropies of the targets, at the sampling temperature."""
+  model = nnx.merge(graphdef, params)
+  logits = model(mb["tokens"], mb["positions"], mb["valid"]).astype(jnp.float32)
+  logits = logits / temperature
+  return losses.token_logprobs(logits, mb["targets"]), losses.token_entropy(logits)
+
+
+def micro_batch_loss(
+    params: nnx.State,
+    mb: dict[str, jax.Array],
+    norm: losses.Normalizer,
+    *,
+    graphdef: nnx.GraphDef,
+    hparams: StepHParams,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """One micro-batch's contribution to the mini-batch loss, and its metric sums."""
+  logp, entropy = sequence_logprobs(graphdef, params, mb, hparams.temperature)
+  return losses.policy_loss(
+      logp,
+      mb["behavior_logp"],
+      mb["advantages"],
+      mb["loss_mask"],
+      config=hparams.loss,
+      norm=norm,
+      ref_logp_bt=mb.get("ref_logp"),
+      entropy_bt=entropy,
+  )
+
+
+def train_step(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    hparams: StepHParams,
+    ref_params: nnx.State | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """Applies one optimizer update from a mini-batch of K micro-batches.
+
+  Args:
+    state: parameters and optimizer state.
+    batch: ``[K, rows / K, ...]`` arrays (see :mod:`knitjax.train.batch`).
+    graphdef: the model's graph definition.
+    optimizer: the optax transformation.
+    hparams: loss settings, sampling temperature, response budget.
+    ref_params: frozen reference policy, used when ``hparams.loss.kl_coef > 0``.
+
+  Returns:
+    The new state and a dict of scalar metrics.
+  """
+  mask = batch["loss_mask"]
+  norm = losses.Normalizer(
+      num_tokens=jnp.maximum(mask.sum(), 1.0),
+      num_seqs=jnp.asarray(mask.shape[0] * mask.shape[1], jnp.float32),
+      max_len=jnp.asarray(hparams.max_new_tokens, jnp.float32),
+  )
+  grad_fn = jax.value_and_grad(
+      functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams), has_aux=True
+  )
+
+  def body(carry, mb):
+    grads_acc, loss_acc, sums_acc = carry
+    if ref_params is not None and hparams.loss.kl_coef > 0:
+      ref_logp, _ = sequence_logprobs(graphdef, ref_params, mb, hparams.temperature)
+      mb = {**mb, "ref_logp": jax.lax.stop_gradient(ref_logp)}
+    (loss, sums), grads = grad_fn(state.params, mb, norm)
+    grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+    sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
+    return (grads_acc, loss_acc + loss, sums_acc), None
+
+  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  first = jax.tree.map(lambda x: x[0], batch)
+  sums_shape = jax.eval_shape(lambda: grad_fn(state.params, first, norm)[0][1])
+  sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+  (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
+
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **losses.finalize_metrics(sums)}
+  return TrainState(params=params, opt_state=opt_state), metrics
+
+
+def opt_state_shardings(
+    optimizer: optax.GradientTransformation, params: nnx.State, param_shardings: Any, mesh
+) -> Any:
+  """Optimizer-state shardings that follow the parameters' (counters replicated)."""
+  abstract = jax.eval_shape(optimizer.init, params)
+  rep = sharding.replicated(mesh)
+  return optax.tree_map_params(
+      optimizer,
+      lambda _, s: s,
+      abstract,
+      param_shardings,
+      transform_non_params=lambda _: rep,
+  )
+
+
+def batch_shardings(mesh, *, with_ref: bool = False) -> dict[str, NamedSharding]:
+  """``[K, rows, ...]`` batch arrays: micro-batch axis unsharded, rows over data and fsdp."""
+  rows = NamedSharding(mesh, P(None, ("data", "fsdp")))
+  fields = MICRO_BATCH_FIELDS + (("ref_logp",) if with_ref else ())
+  return {k: rows for k in fields}
+
+
+def compile_train_step(
+    *,
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    hparams: StepHParams,
+    state_shardings: TrainState,
+    mesh,
+    with_ref: bool = False,
+) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
+  """``jax.jit`` of :func:`train_step` with explicit shardings and the state donated."""
+  fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, hparams=hparams)
+  rep = sharding.replicated(mesh)
+  in_shardings = [state_shardings, batch_shardings(mesh)]
+  if with_ref:
+    in_shardings.append(state_shardings.params)
+    step = lambda state, batch, ref: fn(state, batch, ref_params=ref)  # noqa: E731
+  else:
+    step = lambda state, batch: fn(state, batch)  # noqa: E731
+  return jax.jit(
+      step,
+      in_shardings=tuple(in_shardings),
+      out_shardings=(state_shardings, rep),
+      donate_argnums=(0,),
+  )
+
+
+def init_train_state(
+    params: nnx.State, optimizer: optax.GradientTransformation, mesh
+) -> tuple[TrainState, TrainState]:
+  """Initialises the optimizer state next to already sharded params.
+
+  Returns:
+    ``(state, state_shardings)``.
+  """
+  param_shardings = sharding.state_shardings(params, mesh)
+  opt_shardings = opt_state_shardings(optimizer, params, param_shardings, mesh)
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+  shardings = TrainState(params=param_shardings, opt_state=opt_shardings)
+  return TrainState(params=params, opt_state=opt_state), shardings
