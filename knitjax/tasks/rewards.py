@@ -1,0 +1,42 @@
+"""Registry of reward functions (verifiers), chosen by name in configs.
+
+Signature, the one the runtime calls::
+
+    fn(prompt: Prompt, completion_ids: np.ndarray, tokenizer: CharTokenizer) -> float
+
+``completion_ids`` is the 1-D int array of tokens sampled after the prompt: either trimmed to the
+completion's length (the EOS, when produced, is its last token) or the whole padded generation
+buffer. Rewards look only up to the first EOS, so both forms give the same reward; an EOS was
+produced iff ``tokenizer.eos_id`` occurs in ``completion_ids``. Token ids rather than decoded text
+are passed so that a reward can require the EOS (``arith_exact``) or look at single tokens
+(``arith_first``).
+
+Rewards:
+  arith_first: 1.0 when the first generated token is the (first) answer digit; EOS not required.
+  arith_exact: 1.0 when the completion is exactly the answer then EOS.
+  numeric_match: 1.0 when the last number before EOS equals the answer's number (GSM8K-style);
+    EOS not required.
+"""
+
+from collections.abc import Callable
+
+import numpy as np
+
+from knitjax.tasks import arith, gsm8k
+from knitjax.tasks.prompts import Prompt
+from knitjax.tasks.tokenizer import CharTokenizer
+
+RewardFn = Callable[[Prompt, np.ndarray, CharTokenizer], float]
+
+REWARDS: dict[str, RewardFn] = {
+  "arith_first": arith.first_token_reward,
+  "arith_exact": arith.exact_reward,
+  "numeric_match": gsm8k.numeric_match_reward,
+}
+
+
+def get_reward_fn(name: str) -> RewardFn:
+  """Returns the reward function registered as ``name``."""
+  if name not in REWARDS:
+    raise ValueError(f"unknown reward {name!r}; choose one of: {', '.join(REWARDS)}")
+  return REWARDS[name]

@@ -1,0 +1,75 @@
+"""Character-level tokenizer for the synthetic and GSM8K-style tasks.
+
+Ids: ``pad=0``, ``bos=1``, ``eos=2``, then one id per character of the alphabet in order. A tiny
+vocabulary lets a randomly initialised policy learn a task by RL alone on a CPU (NOTES.md).
+"""
+
+from collections.abc import Iterable
+
+import numpy as np
+
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+_NUM_SPECIAL = 3
+
+
+class CharTokenizer:
+  """Maps each character of ``alphabet`` to one token id, after three special ids."""
+
+  def __init__(self, alphabet: str):
+    if not alphabet:
+      raise ValueError("alphabet must hold at least one character.")
+    if len(set(alphabet)) != len(alphabet):
+      dupes = sorted({c for c in alphabet if alphabet.count(c) > 1})
+      raise ValueError(f"alphabet has repeated characters {dupes!r}; each must appear once.")
+    self.alphabet = alphabet
+    self._char_to_id = {c: i + _NUM_SPECIAL for i, c in enumerate(alphabet)}
+    self.pad_id = PAD_ID
+    self.bos_id = BOS_ID
+    self.eos_id = EOS_ID
+    self.vocab_size = len(alphabet) + _NUM_SPECIAL
+
+  def encode(self, text: str, *, bos: bool = True) -> list[int]:
+    """Returns the ids of ``text``, preceded by BOS when ``bos``; never appends EOS."""
+    ids = [self.bos_id] if bos else []
+    for pos, c in enumerate(text):
+      tok = self._char_to_id.get(c)
+      if tok is None:
+        raise ValueError(
+          f"character {c!r} at position {pos} is not in the tokenizer alphabet {self.alphabet!r}."
+        )
+      ids.append(tok)
+    return ids
+
+  def decode(self, ids: Iterable[int] | np.ndarray, *, stop_at_eos: bool = True) -> str:
+    """Returns the text of ``ids``; BOS and PAD are dropped, EOS ends the text when ``stop_at_eos``.
+
+    With ``stop_at_eos=False`` an EOS is kept visible as ``"<eos>"`` so callers can tell that it
+    was produced.
+    """
+    out = []
+    for tok in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
+      if tok == self.eos_id:
+        if stop_at_eos:
+          break
+        out.append("<eos>")
+      elif tok in (self.pad_id, self.bos_id):
+        continue
+      elif _NUM_SPECIAL <= tok < self.vocab_size:
+        out.append(self.alphabet[tok - _NUM_SPECIAL])
+      else:
+        raise ValueError(f"token id {tok} is outside the vocabulary [0, {self.vocab_size}).")
+    return "".join(out)
+
+  def __repr__(self) -> str:
+    return f"CharTokenizer(alphabet={self.alphabet!r})"
+
+
+def split_at_eos(ids: Iterable[int] | np.ndarray, eos_id: int) -> tuple[np.ndarray, bool]:
+  """Returns (the ids before the first EOS, whether an EOS was produced)."""
+  ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+  hits = np.flatnonzero(ids == eos_id)
+  if hits.size:
+    return ids[: hits[0]], True
+  return ids, False
