@@ -1,0 +1,111 @@
+"""Group metadata: what the admission index knows about one complete group.
+
+The payload (tokens, log-probs, images) stays in its storage unit; only this small record
+travels through admission, consumer planning and the simulator.
+"""
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupMeta:
+  """Metadata of one complete group (the `G` responses sampled for one prompt).
+
+  Attributes:
+    group_id: unique id of the group (also its key in the storage unit).
+    cls: quota class of the group's prompt (e.g. ``"math"``).
+    gen_version: gen version of the group: the oldest rollout version over its samples.
+    num_samples: number of responses `G` in the group.
+    prompt_tokens: prompt length of each sample.
+    response_tokens: response length of each sample.
+    reward_mean: mean reward over the samples.
+    reward_std: standard deviation of the rewards (0 means no learning signal).
+    storage_unit: index of the storage unit that holds the payload.
+    image_hashes: sha256 content hashes of the images the prompt uses (multimodal).
+    completion_time: time the last sample was rewarded (seconds, caller's clock).
+    gen_version_newest: newest rollout version used (partial rollout); ``None`` means the same
+      as ``gen_version``.
+  """
+
+  group_id: int
+  cls: str
+  gen_version: int
+  num_samples: int
+  prompt_tokens: tuple[int, ...]
+  response_tokens: tuple[int, ...]
+  reward_mean: float = 0.0
+  reward_std: float = 0.0
+  storage_unit: int = 0
+  image_hashes: tuple[str, ...] = ()
+  completion_time: float = 0.0
+  gen_version_newest: int | None = None
+
+  def __post_init__(self):
+    # Lists (e.g. from a checkpoint) become tuples so records stay immutable and hashable.
+    for name in ("prompt_tokens", "response_tokens", "image_hashes"):
+      value = getattr(self, name)
+      if not isinstance(value, tuple):
+        object.__setattr__(self, name, tuple(value))
+    if not _is_int(self.group_id):
+      raise ValueError(f"GroupMeta.group_id={self.group_id!r} must be an int.")
+    if not isinstance(self.cls, str) or not self.cls:
+      raise ValueError(f"GroupMeta.cls={self.cls!r} must be a non-empty class name.")
+    if not _is_int(self.gen_version) or self.gen_version < 0:
+      raise ValueError(f"GroupMeta.gen_version={self.gen_version!r} must be an int >= 0.")
+    newest = self.gen_version_newest
+    if newest is not None and (not _is_int(newest) or newest < self.gen_version):
+      raise ValueError(
+        f"GroupMeta.gen_version_newest={newest!r} must be None or an int >= "
+        f"gen_version={self.gen_version}."
+      )
+    if not _is_int(self.num_samples) or self.num_samples < 1:
+      raise ValueError(f"GroupMeta.num_samples={self.num_samples!r} must be an int >= 1.")
+    for name in ("prompt_tokens", "response_tokens"):
+      value = getattr(self, name)
+      if len(value) != self.num_samples:
+        raise ValueError(
+          f"GroupMeta.{name} has {len(value)} entries but num_samples={self.num_samples}; "
+          "give one token count per sample."
+        )
+      if any(not _is_int(n) or n < 0 for n in value):
+        raise ValueError(f"GroupMeta.{name}={value!r} must hold ints >= 0.")
+    for name in ("reward_mean", "reward_std", "completion_time"):
+      if not math.isfinite(getattr(self, name)):
+        raise ValueError(f"GroupMeta.{name}={getattr(self, name)!r} must be finite.")
+    if self.reward_std < 0:
+      raise ValueError(f"GroupMeta.reward_std={self.reward_std!r} must be >= 0.")
+    if not _is_int(self.storage_unit) or self.storage_unit < 0:
+      raise ValueError(f"GroupMeta.storage_unit={self.storage_unit!r} must be an int >= 0.")
+    if any(not isinstance(h, str) or not h for h in self.image_hashes):
+      raise ValueError(f"GroupMeta.image_hashes={self.image_hashes!r} must hold non-empty str.")
+
+  @property
+  def total_tokens(self) -> int:
+    """Prompt plus response tokens over all samples."""
+    return sum(self.prompt_tokens) + sum(self.response_tokens)
+
+  @property
+  def newest_version(self) -> int:
+    """Newest rollout version used by the group (``gen_version`` without partial rollout)."""
+    return self.gen_version if self.gen_version_newest is None else self.gen_version_newest
+
+  def to_dict(self) -> dict[str, Any]:
+    """Plain-Python form (lists instead of tuples), e.g. for checkpoints."""
+    d = dataclasses.asdict(self)
+    for name in ("prompt_tokens", "response_tokens", "image_hashes"):
+      d[name] = list(d[name])
+    return d
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "GroupMeta":
+    """Inverse of `to_dict`."""
+    return cls(**d)
+
+
+def _is_int(x) -> bool:
+  # numbers.Integral also admits NumPy integers, which callers often pass.
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
