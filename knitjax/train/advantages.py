@@ -68,10 +68,15 @@ def compute_advantages(rewards_gn, estimator: str, *, eps: float = 1e-6):
       f"unknown advantage estimator {estimator!r}; choose one of: {', '.join(ESTIMATORS)}."
     )
   xp = _xp(rewards_gn)
-  rewards_gn = xp.asarray(rewards_gn, dtype=xp.float32)
+  # NumPy computes in float64; jax in float32 (its default without x64).
+  rewards_gn = xp.asarray(rewards_gn, dtype=xp.float64 if xp is np else xp.float32)
   if rewards_gn.ndim != 2:
     raise ValueError(f"rewards must have shape [num_groups, G], got shape {rewards_gn.shape}.")
-  return ESTIMATORS[estimator](rewards_gn, eps=eps)
+  adv = ESTIMATORS[estimator](rewards_gn, eps=eps)
+  # Rounding in the mean would give equal-reward groups tiny (and, under grpo, rescaled)
+  # advantages; such groups carry no signal, so zero them exactly.
+  has_signal = rewards_gn.max(axis=1, keepdims=True) > rewards_gn.min(axis=1, keepdims=True)
+  return xp.where(has_signal, adv, 0.0).astype(xp.float32)
 
 
 def reward_metrics(rewards_gn) -> dict[str, float]:

@@ -101,7 +101,10 @@ class Normalizer:
 
   @classmethod
   def from_mask(cls, mask_bt, *, max_len: float) -> "Normalizer":
-    """Builds the normalizer of a mini-batch from its whole ``[B, T]`` response mask."""
+    """Builds the normalizer of a mini-batch from its whole response mask.
+
+    The mask is ``[..., T]``: leading axes (e.g. ``[K, B / K, T]`` micro-batches) all count.
+    """
     xp = jnp if isinstance(mask_bt, jax.Array) else np
     lengths = xp.asarray(mask_bt, dtype=xp.float32).sum(axis=-1)
     return cls(

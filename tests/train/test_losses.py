@@ -234,3 +234,10 @@ def test_config_errors():
     _loss(LossConfig(kl_coef=0.1))
   with pytest.raises(ValueError, match="needs entropy_bt"):
     _loss(LossConfig(entropy_coef=0.1))
+
+
+def test_normalizer_from_stacked_micro_batch_mask():
+  mask = np.array([[[1, 1, 0], [0, 0, 0]], [[1, 0, 0], [1, 1, 1]]], np.float32)  # [K, B/K, T]
+  for m in (mask, jnp.asarray(mask)):
+    norm = Normalizer.from_mask(m, max_len=3.0)
+    assert (float(norm.num_tokens), float(norm.num_seqs), norm.max_len) == (6.0, 3.0, 3.0)
