@@ -1,0 +1,182 @@
+"""Building blocks of the decoder: RMSNorm, RoPE, embedding, grouped-query attention, SwiGLU MLP.
+
+Every parameter is float32 and carries its logical axis names as `out_sharding` metadata
+(`knitjax.sharding` maps them onto the mesh). Computation runs in a configurable `dtype`: params
+are cast at use, while norms, RoPE, attention softmax and the output logits stay in float32.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Masked attention scores: finite so that a query with no visible key (a left-padding slot) gets a
+# harmless uniform average instead of NaN.
+_MASK_VALUE = -1e30
+
+
+def param(
+  rngs: nnx.Rngs, init: Callable, shape: tuple[int, ...], axes: tuple[str | None, ...]
+) -> nnx.Param:
+  """A float32 parameter annotated with logical axes (no eager sharding: placement is explicit)."""
+  if len(shape) != len(axes):
+    raise ValueError(f"shape {shape} and logical axes {axes} must have the same length.")
+  value = init(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value, eager_sharding=False, out_sharding=axes)
+
+
+def _normal(stddev: float) -> Callable:
+  return jax.nn.initializers.normal(stddev=stddev)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with a learned scale (initialised to 1), computed in float32."""
+
+  def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.scale[...]).astype(x.dtype)
+
+
+def rope_sin_cos(positions_bt: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, ...]:
+  """Sine and cosine tables [B, T, head_dim/2] (float32) for rotary embeddings."""
+  fraction = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+  inv_freq = 1.0 / (theta**fraction)
+  angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x_btnh: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+  """Rotary embedding in the "rotate half" layout of Llama / Qwen checkpoints."""
+  x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+  sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_btnh.dtype)
+
+
+class Embed(nnx.Module):
+  """Token embedding; `attend` gives float32 logits with the same (tied) table."""
+
+  def __init__(self, vocab_size: int, d_model: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    self.dtype = dtype
+    # 1/sqrt(d) keeps tied logits of a fresh model near unit scale (a diffuse initial policy).
+    self.embedding = param(rngs, _normal(d_model**-0.5), (vocab_size, d_model), ("vocab", "embed"))
+
+  def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.dtype)
+
+  def attend(self, x_btd: jax.Array) -> jax.Array:
+    table = self.embedding[...].astype(self.dtype)
+    return jnp.einsum("...d,vd->...v", x_btd, table, preferred_element_type=jnp.float32)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE, optional q/k RMSNorm and optional q/k/v bias."""
+
+  def __init__(
+    self,
+    *,
+    d_model: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope_theta: float,
+    norm_eps: float,
+    qk_norm: bool,
+    qkv_bias: bool,
+    dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+  ):
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.rope_theta, self.dtype = rope_theta, dtype
+    fan_in = _normal(d_model**-0.5)
+    self.q_kernel = param(
+      rngs, fan_in, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim")
+    )
+    kv_shape, kv_axes = (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim")
+    self.k_kernel = param(rngs, fan_in, kv_shape, kv_axes)
+    self.v_kernel = param(rngs, fan_in, kv_shape, kv_axes)
+    self.o_kernel = param(
+      rngs,
+      _normal((num_heads * head_dim) ** -0.5),
+      (num_heads, head_dim, d_model),
+      ("heads", "head_dim", "embed"),
+    )
+    if qkv_bias:
+      zeros = jax.nn.initializers.zeros
+      self.q_bias = param(rngs, zeros, (num_heads, head_dim), ("heads", "head_dim"))
+      self.k_bias = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"))
+      self.v_bias = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"))
+    else:
+      self.q_bias = self.k_bias = self.v_bias = None
+    if qk_norm:
+      self.q_norm = RMSNorm(head_dim, eps=norm_eps, rngs=rngs)
+      self.k_norm = RMSNorm(head_dim, eps=norm_eps, rngs=rngs)
+    else:
+      self.q_norm = self.k_norm = None
+
+  def _project(self, x_btd: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+    out = jnp.einsum("btd,dnh->btnh", x_btd, kernel[...].astype(self.dtype))
+    if bias is not None:
+      out = out + bias[...].astype(self.dtype)
+    return out
+
+  def __call__(
+    self,
+    x_btd: jax.Array,
+    sin_cos: tuple[jax.Array, jax.Array],
+    mask_bts: jax.Array,
+    kv_cache: tuple[jax.Array, jax.Array] | None = None,
+    cache_index: jax.Array | None = None,
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Attends the T new positions to the keys of `mask_bts` (S = T, or the cache length).
+
+    Args:
+      x_btd: normalised inputs of the new positions.
+      sin_cos: RoPE tables of the new positions.
+      mask_bts: True where query t may see key slot s.
+      kv_cache: (k, v) [B, S, K, H] of this layer; the new keys are written at `cache_index`.
+      cache_index: scalar slot of the first new position in the cache.
+
+    Returns:
+      The attention output [B, T, D] and the (updated) keys and values.
+    """
+    q = self._project(x_btd, self.q_kernel, self.q_bias)
+    k = self._project(x_btd, self.k_kernel, self.k_bias)
+    v = self._project(x_btd, self.v_kernel, self.v_bias)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
+    if kv_cache is not None:
+      start = (0, cache_index, 0, 0)
+      k = jax.lax.dynamic_update_slice(kv_cache[0], k.astype(kv_cache[0].dtype), start)
+      v = jax.lax.dynamic_update_slice(kv_cache[1], v.astype(kv_cache[1].dtype), start)
+    b, t = q.shape[:2]
+    groups = self.num_heads // self.num_kv_heads
+    q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_bts[:, None, None], scores * self.head_dim**-0.5, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, self.num_heads, self.head_dim)
+    out = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(self.dtype))
+    return out, (k, v)
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, d_model: int, ffn_dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.gate_kernel = param(rngs, _normal(d_model**-0.5), (d_model, ffn_dim), ("embed", "mlp"))
+    self.up_kernel = param(rngs, _normal(d_model**-0.5), (d_model, ffn_dim), ("embed", "mlp"))
+    self.down_kernel = param(rngs, _normal(ffn_dim**-0.5), (ffn_dim, d_model), ("mlp", "embed"))
+
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    gate = x_btd @ self.gate_kernel[...].astype(self.dtype)
+    up = x_btd @ self.up_kernel[...].astype(self.dtype)
+    return (jax.nn.silu(gate) * up) @ self.down_kernel[...].astype(self.dtype)

@@ -1,0 +1,231 @@
+"""Decoder-only transformer of the Qwen2 / Qwen2.5 / Qwen3 / Llama-3 family in Flax NNX.
+
+Two paths share the same blocks: `__call__` runs a whole sequence (training), and `prefill` /
+`decode_step` run against a preallocated `KVCache` (sampling). Sequences are laid out with the
+prompt LEFT-padded, so every sequence of a batch writes the same cache slot at each step; positions
+come from the caller (`cumsum(valid) - 1`), so padding never shifts RoPE.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from knitjax.models import layers
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+  """Shape and options of the decoder. Params are always float32; `dtype` is the compute dtype."""
+
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  qk_norm: bool = False  # Qwen3
+  qkv_bias: bool = False  # Qwen2 / Qwen2.5
+  dtype: str = "float32"  # "float32" | "bfloat16"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"TransformerConfig.{name} must be a positive integer, got {value!r}.")
+    if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+      raise ValueError(
+        f"TransformerConfig.head_dim must be a positive even integer (RoPE), got {self.head_dim!r}."
+      )
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+        f"({self.num_kv_heads})."
+      )
+    if self.dtype not in _DTYPES:
+      raise ValueError(
+        f"TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}."
+      )
+    if not self.rope_theta > 0:
+      raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
+    if not self.norm_eps > 0:
+      raise ValueError(f"TransformerConfig.norm_eps must be > 0, got {self.norm_eps!r}.")
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return _DTYPES[self.dtype]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Keys and values of every layer for `max_len` slots, filled left to right.
+
+  One scalar `index` for the whole batch says where the next position goes (prompts are
+  left-padded, so all sequences advance together); `valid_bs` marks slots that hold real tokens.
+  """
+
+  k: tuple[jax.Array, ...]  # per layer [B, S, num_kv_heads, head_dim], compute dtype
+  v: tuple[jax.Array, ...]  # per layer [B, S, num_kv_heads, head_dim], compute dtype
+  valid_bs: jax.Array  # [B, S] bool
+  index: jax.Array  # int32 scalar: next free slot
+
+  @property
+  def max_len(self) -> int:
+    return self.valid_bs.shape[1]
+
+
+def _attention_mask(causal_ts: jax.Array, valid_bs: jax.Array, self_ts: jax.Array) -> jax.Array:
+  """Query t sees key s if s is not later and valid; a padding query sees only itself.
+
+  The self-slot only matters for padding queries (a valid query's own key is valid): it keeps
+  their (discarded) outputs causal instead of averaging over every key.
+  """
+  return causal_ts[None] & (valid_bs[:, None, :] | self_ts[None])
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    dtype = config.compute_dtype
+    self.attn_norm = layers.RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+    self.attn = layers.Attention(
+      d_model=config.d_model,
+      num_heads=config.num_heads,
+      num_kv_heads=config.num_kv_heads,
+      head_dim=config.head_dim,
+      rope_theta=config.rope_theta,
+      norm_eps=config.norm_eps,
+      qk_norm=config.qk_norm,
+      qkv_bias=config.qkv_bias,
+      dtype=dtype,
+      rngs=rngs,
+    )
+    self.mlp_norm = layers.RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+    self.mlp = layers.MLP(config.d_model, config.ffn_dim, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x_btd, sin_cos, mask_bts, kv_cache=None, cache_index=None):
+    attn_out, kv = self.attn(self.attn_norm(x_btd), sin_cos, mask_bts, kv_cache, cache_index)
+    x_btd = x_btd + attn_out
+    return x_btd + self.mlp(self.mlp_norm(x_btd)), kv
+
+
+class Transformer(nnx.Module):
+  """Decoder-only language model returning float32 logits."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    dtype = config.compute_dtype
+    self.embedder = layers.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
+    self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+    self.final_norm = layers.RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+    if config.tie_embeddings:
+      self.lm_head = None
+    else:
+      self.lm_head = layers.param(
+        rngs,
+        jax.nn.initializers.normal(stddev=config.d_model**-0.5),
+        (config.d_model, config.vocab_size),
+        ("embed", "vocab"),
+      )
+
+  def embed(self, tokens_bt: jax.Array) -> jax.Array:
+    """Token embeddings [B, T, D] in the compute dtype."""
+    return self.embedder(tokens_bt)
+
+  def _logits(self, x_btd: jax.Array) -> jax.Array:
+    x_btd = self.final_norm(x_btd)
+    if self.lm_head is None:
+      return self.embedder.attend(x_btd)
+    head = self.lm_head[...].astype(x_btd.dtype)
+    return jnp.einsum("...d,dv->...v", x_btd, head, preferred_element_type=jnp.float32)
+
+  def _inputs(self, tokens_bt, embeddings_btd):
+    if embeddings_btd is None:
+      return self.embed(tokens_bt)
+    return embeddings_btd.astype(self.config.compute_dtype)
+
+  def __call__(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    valid_bt: jax.Array,
+    *,
+    embeddings_btd: jax.Array | None = None,
+  ) -> jax.Array:
+    """Full-sequence forward: float32 logits [B, T, V].
+
+    Args:
+      tokens_bt: int token ids.
+      positions_bt: RoPE positions (`cumsum(valid) - 1`, clipped at 0).
+      valid_bt: bool, False on padding; a query sees keys that are earlier-or-equal AND valid.
+      embeddings_btd: used instead of `embed(tokens_bt)` when given (e.g. image rows spliced in).
+    """
+    x = self._inputs(tokens_bt, embeddings_btd)
+    t = x.shape[1]
+    causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    mask_bts = _attention_mask(causal_ts, valid_bt.astype(jnp.bool_), jnp.eye(t, dtype=jnp.bool_))
+    sin_cos = layers.rope_sin_cos(positions_bt, self.config.head_dim, self.config.rope_theta)
+    for block in self.blocks:
+      x, _ = block(x, sin_cos, mask_bts)
+    return self._logits(x)
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    """An empty cache for `batch` sequences of up to `max_len` positions (prompt + response)."""
+    c = self.config
+    shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+    return KVCache(
+      k=tuple(jnp.zeros(shape, c.compute_dtype) for _ in range(c.num_layers)),
+      v=tuple(jnp.zeros(shape, c.compute_dtype) for _ in range(c.num_layers)),
+      valid_bs=jnp.zeros((batch, max_len), jnp.bool_),
+      index=jnp.zeros((), jnp.int32),
+    )
+
+  def _extend(self, x_btd, positions_bt, valid_bt, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Runs T new positions at slots [index, index + T) against everything cached so far."""
+    t = x_btd.shape[1]
+    valid_bs = jax.lax.dynamic_update_slice(
+      cache.valid_bs, valid_bt.astype(jnp.bool_), (0, cache.index)
+    )
+    query_slot_t = cache.index + jnp.arange(t)
+    slot_s = jnp.arange(cache.max_len)
+    causal_ts = slot_s[None, :] <= query_slot_t[:, None]
+    mask_bts = _attention_mask(causal_ts, valid_bs, slot_s[None, :] == query_slot_t[:, None])
+    sin_cos = layers.rope_sin_cos(positions_bt, self.config.head_dim, self.config.rope_theta)
+    new_k, new_v = [], []
+    for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
+      x_btd, (k, v) = block(x_btd, sin_cos, mask_bts, (k, v), cache.index)
+      new_k.append(k)
+      new_v.append(v)
+    return x_btd, KVCache(tuple(new_k), tuple(new_v), valid_bs, cache.index + t)
+
+  def prefill(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    valid_bt: jax.Array,
+    cache: KVCache,
+    *,
+    embeddings_btd: jax.Array | None = None,
+  ) -> tuple[jax.Array, KVCache]:
+    """Writes a left-padded prompt into the cache; returns the last position's logits [B, V]."""
+    x = self._inputs(tokens_bt, embeddings_btd)
+    x, cache = self._extend(x, positions_bt, valid_bt, cache)
+    return self._logits(x[:, -1]), cache
+
+  def decode_step(
+    self, tokens_b: jax.Array, positions_b: jax.Array, cache: KVCache
+  ) -> tuple[jax.Array, KVCache]:
+    """Appends one token per sequence to the cache; returns its next-token logits [B, V]."""
+    x = self.embed(tokens_b[:, None])
+    valid_b1 = jnp.ones(x.shape[:2], jnp.bool_)
+    x, cache = self._extend(x, positions_b[:, None], valid_b1, cache)
+    return self._logits(x[:, 0]), cache

@@ -1,0 +1,195 @@
+"""Batched sampling: prefill + decode over a preallocated KV cache, one jitted call per shape.
+
+The whole generation (prefill, then a `lax.while_loop` of decode steps that exits once every
+sequence has produced EOS) runs inside `jax.shard_map` over the batch axes, so sampling (top-k,
+top-p, categorical draws) never triggers a collective: each batch shard draws with its own key,
+`fold_in(rng, shard index)`, then `fold_in(., step)`. Params enter the shard_map replicated, so
+sharded params are all-gathered once per call, not per token.
+
+Log-probs: `Samples.logprobs` holds log_softmax(logits / temperature) at each sampled token, the
+distribution before top-k / top-p truncation (no renormalisation), which is what the trainer
+recomputes from its own forward pass. With `temperature == 0` (greedy) it is log_softmax(logits).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from knitjax import sharding
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+  """How tokens are drawn. `temperature == 0` is greedy; `top_k == 0` and `top_p == 1` are off."""
+
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(
+        f"SamplingConfig.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}."
+      )
+    if not self.temperature >= 0:
+      raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature!r}.")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"SamplingConfig.top_k must be an integer >= 0, got {self.top_k!r}.")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+  """Generated responses (host arrays)."""
+
+  tokens: np.ndarray  # [B, N] int32, pad_id after the end
+  lengths: np.ndarray  # [B] int32, generated tokens including the EOS token if produced
+  logprobs: np.ndarray  # [B, N] float32, log_softmax(logits / T) at each token, 0 beyond length
+
+
+def _sample(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
+  """Draws one token per row; returns (tokens [B], untruncated log-probs [B])."""
+  if config.temperature == 0:
+    tokens = jnp.argmax(logits_bv, axis=-1)
+    scaled = logits_bv
+  else:
+    scaled = logits_bv / config.temperature
+    masked = scaled
+    if config.top_k or config.top_p < 1:
+      vocab = scaled.shape[-1]
+      k = min(config.top_k, vocab) if config.top_k else vocab
+      top_bk = jax.lax.top_k(scaled, k)[0]  # sorted, descending
+      if config.top_p < 1:
+        # Smallest prefix whose mass reaches top_p; the first token is always kept.
+        probs_bk = jax.nn.softmax(top_bk, axis=-1)
+        mass_before = jnp.cumsum(probs_bk, axis=-1) - probs_bk
+        top_bk = jnp.where(mass_before < config.top_p, top_bk, jnp.inf)
+      threshold_b1 = jnp.min(top_bk, axis=-1, keepdims=True)
+      masked = jnp.where(scaled >= threshold_b1, scaled, -jnp.inf)
+    tokens = jax.random.categorical(key, masked, axis=-1)
+  logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)
+  return tokens.astype(jnp.int32), logprobs[:, 0]
+
+
+class Sampler:
+  """Generates `max_new_tokens` continuations of left-padded prompts with a KV cache."""
+
+  def __init__(
+    self,
+    graphdef: nnx.GraphDef,
+    *,
+    mesh: jax.sharding.Mesh,
+    sampling: SamplingConfig,
+    eos_id: int,
+    pad_id: int,
+    prompt_len: int,
+  ):
+    if prompt_len < 1:
+      raise ValueError(f"Sampler prompt_len must be >= 1, got {prompt_len}.")
+    self.graphdef = graphdef
+    self.mesh = mesh
+    self.sampling = sampling
+    self.eos_id = eos_id
+    self.pad_id = pad_id
+    self.prompt_len = prompt_len
+    self.batch_shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
+    batch_spec = PartitionSpec(sharding.BATCH_AXES)
+    generate = jax.shard_map(
+      self._generate_shard,
+      mesh=mesh,
+      in_specs=(PartitionSpec(), batch_spec, batch_spec, PartitionSpec()),
+      out_specs=(batch_spec, batch_spec, batch_spec),
+    )
+    self._generate = jax.jit(generate)
+
+  def _generate_shard(self, params, prompts_bp, prompt_lens_b, rng):
+    """Generation for one batch shard (inside shard_map: no collectives)."""
+    shard = jax.lax.axis_index(sharding.BATCH_AXES)
+    rng = jax.random.fold_in(rng, shard)
+    model = nnx.merge(self.graphdef, params)
+    b, p = prompts_bp.shape
+    n = self.sampling.max_new_tokens
+    valid_bp = jnp.arange(p)[None, :] >= (p - prompt_lens_b)[:, None]
+    positions_bp = jnp.maximum(jnp.cumsum(valid_bp, axis=1) - 1, 0)
+    cache = model.init_cache(b, p + n)
+    logits_bv, cache = model.prefill(prompts_bp, positions_bp, valid_bp, cache)
+
+    def emit(step, logits_bv, state):
+      """Samples token `step`, records it unless the sequence already ended."""
+      tokens_bn, logprobs_bn, lengths_b, done_b = state
+      token_b, logprob_b = _sample(logits_bv, jax.random.fold_in(rng, step), self.sampling)
+      token_b = jnp.where(done_b, self.pad_id, token_b)
+      logprob_b = jnp.where(done_b, 0.0, logprob_b)
+      tokens_bn = jax.lax.dynamic_update_slice(tokens_bn, token_b[:, None], (0, step))
+      logprobs_bn = jax.lax.dynamic_update_slice(logprobs_bn, logprob_b[:, None], (0, step))
+      lengths_b = lengths_b + (~done_b).astype(jnp.int32)
+      done_b = done_b | (token_b == self.eos_id)
+      return token_b, (tokens_bn, logprobs_bn, lengths_b, done_b)
+
+    state = (
+      jnp.full((b, n), self.pad_id, jnp.int32),
+      jnp.zeros((b, n), jnp.float32),
+      jnp.zeros((b,), jnp.int32),
+      jnp.zeros((b,), jnp.bool_),
+    )
+    # Per-shard values: mark them as varying over the batch axes, like everything they mix with.
+    state = jax.lax.pcast(state, sharding.BATCH_AXES, to="varying")
+    token_b, state = emit(0, logits_bv, state)
+
+    def cond(carry):
+      step, _, _, state = carry
+      return (step < n) & ~jnp.all(state[3])
+
+    def body(carry):
+      step, token_b, cache, state = carry
+      # Token `step - 1` sits at RoPE position prompt_len + step - 1.
+      logits_bv, cache = model.decode_step(token_b, prompt_lens_b + step - 1, cache)
+      token_b, state = emit(step, logits_bv, state)
+      return step + 1, token_b, cache, state
+
+    _, _, _, (tokens_bn, logprobs_bn, lengths_b, _) = jax.lax.while_loop(
+      cond, body, (jnp.ones((), jnp.int32), token_b, cache, state)
+    )
+    return tokens_bn, lengths_b, logprobs_bn
+
+  def __call__(
+    self, params: nnx.State, prompts: np.ndarray, prompt_lens: np.ndarray, rng: jax.Array
+  ) -> Samples:
+    """Samples one response per prompt.
+
+    Args:
+      params: model params (any sharding on `mesh`; gathered once for generation).
+      prompts: [B, prompt_len] int32, LEFT-padded; B divisible by the batch shards of the mesh.
+      prompt_lens: [B] int32, real prompt tokens per row, in [1, prompt_len].
+      rng: PRNG key.
+    """
+    prompts = np.asarray(prompts, np.int32)
+    prompt_lens = np.asarray(prompt_lens, np.int32)
+    if prompts.ndim != 2 or prompts.shape[1] != self.prompt_len:
+      raise ValueError(f"prompts must be [B, {self.prompt_len}], got shape {prompts.shape}.")
+    b = prompts.shape[0]
+    if b % self.batch_shards:
+      raise ValueError(
+        f"batch size {b} must be divisible by the mesh's {self.batch_shards} batch shards."
+      )
+    if prompt_lens.shape != (b,) or prompt_lens.min() < 1 or prompt_lens.max() > self.prompt_len:
+      raise ValueError(f"prompt_lens must be [{b}] values in [1, {self.prompt_len}].")
+    batch = functools.partial(sharding.batch_sharding, self.mesh)
+    with jax.set_mesh(self.mesh):
+      tokens, lengths, logprobs = self._generate(
+        params,
+        jax.device_put(prompts, batch(2)),
+        jax.device_put(prompt_lens, batch(1)),
+        rng,
+      )
+    return Samples(
+      tokens=np.asarray(tokens), lengths=np.asarray(lengths), logprobs=np.asarray(logprobs)
+    )
