@@ -129,10 +129,17 @@ class AdmissionIndex:
     self._note_stall()
     return released
 
+  def open_groups(self) -> tuple[GroupMeta, ...]:
+    """Groups placed in the open mini-batch (not released yet), in placed order."""
+    return tuple(self._open)
+
+  def waiting(self) -> list[GroupMeta]:
+    """Pending groups not placed in any mini-batch yet, in arrival (FIFO) order."""
+    return [g for _, g in sorted(e for q in self._waiting for e in q)]
+
   def pending(self) -> list[GroupMeta]:
     """Every offered group not yet released (placed in the open mini-batch, then waiting FIFO)."""
-    waiting = sorted(e for q in self._waiting for e in q)
-    return list(self._open) + [g for _, g in waiting]
+    return list(self._open) + self.waiting()
 
   def stats(self) -> dict:
     """Counters (cumulative) and the current backlog.

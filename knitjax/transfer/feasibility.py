@@ -10,7 +10,7 @@ Theorem (proved in docs/admission.md, checked against brute force in tests): a c
 exists iff, with per class
 
   L[c] = max(0, lo[c] - x[c], r[c] - k * hi[c])
-  U[c] = min(hi[c] - x[c], r[c] - k * lo[c], r[c]),
+  U[c] = min(hi[c] - x[c], r[c] - k * lo[c]),
 
 every ``L[c] <= U[c]`` and ``sum(L) <= a <= sum(U)``. (`L`/`U` bound how many groups of class
 `c` the open mini-batch may still take: the rest, ``r[c] - z[c]``, must fit into `k` identical
@@ -54,7 +54,7 @@ def completion_feasible(
     if r < 0:
       return False
     low = max(0, lo - x, r - k * hi)
-    high = min(hi - x, r - k * lo, r)
+    high = min(hi - x, r - k * lo)
     if low > high:
       return False
     sum_lo += low
@@ -140,7 +140,7 @@ class FeasibilityTracker:
 
   def _bounds(self, c: int, x: int, r: int) -> tuple[int, int]:
     lo, hi, k = self.lows[c], self.highs[c], self.empty
-    return max(0, lo - x, r - k * hi), min(hi - x, r - k * lo, r)
+    return max(0, lo - x, r - k * hi), min(hi - x, r - k * lo)
 
 
 def balanced_split(quotas: Sequence[int], minibatches: int) -> list[list[int]]:
