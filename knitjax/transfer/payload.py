@@ -136,7 +136,7 @@ def _prompts(gid, x, vocab_size: int, max_seq_len: int) -> tuple[np.ndarray, np.
         gid,
         "prompt_tokens",
         "too_long",
-        f"sample {i} has {n} tokens; max_seq_len is {max_seq_len}.",
+        f"sample {i} has {n} tokens; accepted: at most max_seq_len {max_seq_len}.",
       )
     _check_tokens(gid, "prompt_tokens", r, vocab_size, row_offset=i)
   padded = np.zeros((len(rows), int(lengths.max())), np.int32)
@@ -181,18 +181,28 @@ def validate_payload(
     PayloadError: naming the first bad field and what is accepted.
   """
   if not isinstance(payload, Mapping):
-    raise PayloadError(group_id, "payload", "dtype", "is not a mapping of field -> np.ndarray.")
+    raise PayloadError(
+      group_id, "payload", "dtype", "is not a mapping; accepted: a mapping of field -> np.ndarray."
+    )
   for name in payload:
     if name not in INPUT_FIELDS:
       raise PayloadError(
-        group_id, name, "unknown_field", f"is not accepted; accepted fields: {list(INPUT_FIELDS)}."
+        group_id, name, "unknown_field", f"is unknown; accepted: {list(INPUT_FIELDS)}."
       )
   for name in REQUIRED_FIELDS:
     if name not in payload:
-      raise PayloadError(group_id, name, "missing_field", "is missing; it is required.")
+      raise PayloadError(
+        group_id,
+        name,
+        "missing_field",
+        f"is missing; accepted: payloads with all of {list(REQUIRED_FIELDS)}.",
+      )
   if "response_mask" not in payload and "response_lengths" not in payload:
     raise PayloadError(
-      group_id, "response_mask", "missing_field", "and response_lengths are both missing; give one."
+      group_id,
+      "response_mask",
+      "missing_field",
+      "and response_lengths are both missing; accepted: either or both.",
     )
 
   prompt, prompt_len = _prompts(group_id, payload["prompt_tokens"], vocab_size, max_seq_len)
@@ -203,7 +213,10 @@ def validate_payload(
     raise PayloadError(group_id, "response_tokens", "shape", "has width 0; accepted: N >= 1.")
   if n > max_seq_len:
     raise PayloadError(
-      group_id, "response_tokens", "too_long", f"has width {n}; max_seq_len is {max_seq_len}."
+      group_id,
+      "response_tokens",
+      "too_long",
+      f"has width {n}; accepted: at most max_seq_len {max_seq_len}.",
     )
   _check_tokens(group_id, "response_tokens", resp, vocab_size)
 

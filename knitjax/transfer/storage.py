@@ -137,7 +137,8 @@ class StorageUnit(abc.ABC):
 
   @abc.abstractmethod
   def stats(self) -> dict:
-    """Counters: groups, bytes, images, image_refs, rejected (per reason), puts, gets, ..."""
+    """Gauges and counters: groups, bytes, images, image_refs, rejected (per reason), puts, gets,
+    releases, full (StorageFull raised), waiting, blocked_puts, blocked_s, ..."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +175,9 @@ class InProcessStorageUnit(StorageUnit):
     self, group_id: int, payload: Mapping[str, np.ndarray], images: Sequence[np.ndarray] = ()
   ) -> int:
     if isinstance(group_id, bool) or not isinstance(group_id, int | np.integer):
-      raise self._reject(PayloadError(group_id, "group_id", "dtype", "is not an int."))
+      raise self._reject(
+        PayloadError(group_id, "group_id", "dtype", "is not an int; accepted: an int.")
+      )
     gid = int(group_id)
     lim = self.limits
     # Validation and hashing run outside the lock: they touch no shared state.
@@ -205,12 +208,15 @@ class InProcessStorageUnit(StorageUnit):
       if gid in self._groups or gid in self._reserved:
         self._rejected["duplicate"] += 1
         raise PayloadError(
-          gid, "group_id", "duplicate", f"is already held by storage unit {self.unit_id}."
+          gid,
+          "group_id",
+          "duplicate",
+          f"is already held by storage unit {self.unit_id}; accepted: an id not held.",
         )
       ticket = next(self._tickets)
       self._queue.append(ticket)
       self._reserved.add(gid)
-      start = time.monotonic()
+      start, waited = time.monotonic(), False
       try:
         while True:
           need = payload_bytes + sum(im.nbytes for h, im in unique.items() if h not in self._images)
@@ -225,6 +231,7 @@ class InProcessStorageUnit(StorageUnit):
               f"{f' after waiting {lim.timeout_s} s' if lim.on_full == 'block' else ''}; "
               "release consumed groups sooner or raise max_bytes."
             )
+          waited = True
           self._cond.wait(left)
         for h, im in unique.items():
           if h in self._images:
@@ -237,7 +244,9 @@ class InProcessStorageUnit(StorageUnit):
         self._counts["puts"] += 1
         return need
       finally:
-        self._blocked_s += time.monotonic() - start
+        if waited:
+          self._blocked_s += time.monotonic() - start
+          self._counts["blocked_puts"] += 1
         self._queue.remove(ticket)
         self._reserved.discard(gid)
         self._cond.notify_all()
@@ -308,5 +317,6 @@ class InProcessStorageUnit(StorageUnit):
         "releases": self._counts["releases"],
         "full": self._counts["full"],
         "waiting": len(self._queue),
+        "blocked_puts": self._counts["blocked_puts"],
         "blocked_s": self._blocked_s,
       }
