@@ -296,7 +296,7 @@ class AdmissionIndex:
       self._release_open(released)
 
   def _release_open(self, released: list[MiniBatch]) -> None:
-    self._emit(self._open, released)
+    self._emit(self._open, self._open_counts, released)
     self._open, self._open_counts = [], [0] * len(self._quotas)
     self._stalled = False
     if self._index + 1 < self.spec.minibatches:
@@ -317,16 +317,13 @@ class AdmissionIndex:
         groups += taken[c][cursor[c] : cursor[c] + n]
         cursor[c] += n
       self._counters["admitted"] += len(groups)
-      self._emit(groups, released)
+      self._emit(groups, counts, released)
     self._placed = list(self._quotas)
     self._finish_step()
 
-  def _emit(self, groups: list[GroupMeta], released: list[MiniBatch]) -> None:
-    counts = collections.Counter(g.cls for g in groups)
-    if any(
-      not lo <= counts.get(name, 0) <= hi
-      for name, lo, hi in zip(self.spec.classes, self._lows, self._highs, strict=True)
-    ):
+  def _emit(self, groups: list[GroupMeta], counts: list[int], released: list[MiniBatch]) -> None:
+    """Releases `groups` (class counts `counts`) as the mini-batch at (step, index)."""
+    if any(not lo <= n <= hi for lo, n, hi in zip(self._lows, counts, self._highs, strict=True)):
       self._counters["bound_violations"] += 1
     for g in groups:
       self._pending_ids.discard(g.group_id)

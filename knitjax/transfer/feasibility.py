@@ -99,16 +99,12 @@ class FeasibilityTracker:
     self.remaining = list(remaining)
     self.empty = empty
     self.free = self.size - sum(self.counts)
-    self._low = [0] * len(self.quotas)
-    self._high = [0] * len(self.quotas)
-    self._bad = 0
-    self._sum_low = self._sum_high = 0
-    for c in range(len(self.quotas)):
-      low, high = self._bounds(c, self.counts[c], self.remaining[c])
-      self._low[c], self._high[c] = low, high
-      self._bad += low > high
-      self._sum_low += low
-      self._sum_high += high
+    k, cols = empty, (self.lows, self.highs, self.counts, self.remaining)
+    self._low = [max(0, lo - x, r - k * hi) for lo, hi, x, r in zip(*cols, strict=True)]
+    self._high = [min(hi - x, r - k * lo) for lo, hi, x, r in zip(*cols, strict=True)]
+    self._bad = sum(low > high for low, high in zip(self._low, self._high, strict=True))
+    self._sum_low = sum(self._low)
+    self._sum_high = sum(self._high)
 
   def feasible(self) -> bool:
     """Whether the current state admits a completion."""
