@@ -37,6 +37,7 @@ _COUNTERS = (
   "quota_violations",
   "bound_violations",
   "stalls",
+  "checks",
 )
 
 
@@ -148,7 +149,8 @@ class AdmissionIndex:
     ``released_minibatches``, ``released_groups``, ``released_steps``, ``quota_violations``
     (released steps whose class counts differ from the quotas), ``bound_violations`` (released
     mini-batches with a class outside its min/max), ``violations`` (their sum), ``stalls``
-    (mini-batches that stalled, see docs/admission.md), ``pending`` and ``pending_per_class``
+    (mini-batches that stalled, see docs/admission.md), ``checks`` (admissibility checks made),
+    ``pending`` and ``pending_per_class``
     (offered, not released), ``waiting`` (pending, not yet placed), ``step``, ``minibatch_index``.
     """
     pending_per_class = {c: len(q) for c, q in zip(self.spec.classes, self._waiting, strict=True)}
@@ -248,6 +250,7 @@ class AdmissionIndex:
     self._short -= was_short and not self._is_short(c)
 
   def _admissible(self, c: int) -> bool:
+    self._counters["checks"] += 1
     if self.policy == "minibatch":
       return self._tracker.can_place(c)
     return self._open_counts[c] < self._highs[c]  # greedy: the local max bound only
