@@ -474,6 +474,14 @@ def test_worked_example_from_docs():
     [(3, [5, 7])],
   ]
   assert when["train_batch"] == [[]] * 7 + [[(0, [0, 1]), (1, [2, 3]), (2, [4, 6]), (3, [5, 7])]]
+  greedy = AdmissionIndex(spec, "greedy")
+  out = [mb for i, c in enumerate(order) for mb in greedy.offer(group(i, c))]
+  assert [[g.group_id for g in mb.groups] for mb in out] == [[0, 1], [2, 3], [4, 5]]
+  assert [g.group_id for g in greedy.waiting()] == [7]  # max count 1 blocks c7: a stall
+  assert greedy.stats()["stalls"] == 1
+  out = greedy.offer(group(8, "math"))  # a math group beyond the quota unblocks it
+  assert [g.group_id for g in out[0].groups] == [6, 8]
+  assert greedy.stats()["quota_violations"] == 1
 
 
 @PROPS
