@@ -190,7 +190,7 @@ class AdmissionIndex:
       "step": self._step,
       "index": self._index,
       "seq": self._seq,
-      "placed": list(self._placed),
+      "placed": dict(zip(self.spec.classes, self._placed, strict=True)),
       "open": [g.to_dict() for g in self._open],
       "waiting": [[s, g.to_dict()] for s, g in waiting],
       "stalled": self._stalled,
@@ -210,7 +210,7 @@ class AdmissionIndex:
         f"this index has policy={self.policy!r} and spec {self.spec.to_dict()}."
       )
     self._reset(step=state["step"], index=state["index"], seq=state["seq"])
-    self._placed = list(state["placed"])
+    self._placed = [state["placed"][c] for c in self.spec.classes]  # by name: order may differ
     self._open = [GroupMeta.from_dict(d) for d in state["open"]]
     counts = [0] * len(self._quotas)
     for g in self._open:
