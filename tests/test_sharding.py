@@ -1,4 +1,4 @@
-"""Tests of mesh construction, the logical-axis rules and sharded initialisation (8 fake devices)."""
+"""Tests of mesh construction, the logical-axis rules and sharded init on 8 fake devices."""
 
 import dataclasses
 
@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 
-# Heads, kv heads, d_model, ffn and vocab all divisible by 8, so every big param can be split 8 ways.
+# Heads, kv heads, d_model, ffn and vocab all divide by 8: every big param can be split 8 ways.
 CONFIG = TransformerConfig(
   vocab_size=256,
   num_layers=2,
@@ -97,7 +97,8 @@ def test_params_and_optimizer_state_are_sharded(shape, split):
   }
   for name, x in params.items():
     local = x.addressable_shards[0].data.shape
-    expected = tuple(d // split.get(a, 1) for d, a in zip(x.shape, axes[name[: -len(".value")]]))
+    logical = axes[name.removesuffix(".value")]
+    expected = tuple(d // split.get(a, 1) for d, a in zip(x.shape, logical, strict=True))
     assert local == expected, (name, local, expected)
     if x.size >= MIN_SIZE:
       assert not x.sharding.is_fully_replicated, name
@@ -106,7 +107,9 @@ def test_params_and_optimizer_state_are_sharded(shape, split):
   # Same values as an eager, unsharded init with the same seed (jit may round the last ulp).
   reference = nnx.state(Transformer(CONFIG, rngs=nnx.Rngs(0)))
   for (_, a), (_, b) in zip(
-    jax.tree_util.tree_leaves_with_path(state), jax.tree_util.tree_leaves_with_path(reference)
+    jax.tree_util.tree_leaves_with_path(state),
+    jax.tree_util.tree_leaves_with_path(reference),
+    strict=True,
   ):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 

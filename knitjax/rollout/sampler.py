@@ -79,6 +79,69 @@ def _sample(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
   return tokens.astype(jnp.int32), logprobs[:, 0]
 
 
+def _generate_shard(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, *, graphdef, sampling):
+  """Generation for one batch shard (inside shard_map: no collectives)."""
+  rng = jax.random.fold_in(rng, jax.lax.axis_index(sharding.BATCH_AXES))
+  model = nnx.merge(graphdef, params)
+  b, p = prompts_bp.shape
+  n = sampling.max_new_tokens
+  valid_bp = jnp.arange(p)[None, :] >= (p - prompt_lens_b)[:, None]
+  positions_bp = jnp.maximum(jnp.cumsum(valid_bp, axis=1) - 1, 0)
+  cache = model.init_cache(b, p + n)
+  logits_bv, cache = model.prefill(prompts_bp, positions_bp, valid_bp, cache)
+
+  def emit(step, logits_bv, state):
+    """Samples token `step`; records it unless the sequence already ended."""
+    tokens_bn, logprobs_bn, lengths_b, done_b = state
+    token_b, logprob_b = _sample(logits_bv, jax.random.fold_in(rng, step), sampling)
+    token_b = jnp.where(done_b, pad_id, token_b)
+    logprob_b = jnp.where(done_b, 0.0, logprob_b)
+    tokens_bn = jax.lax.dynamic_update_slice(tokens_bn, token_b[:, None], (0, step))
+    logprobs_bn = jax.lax.dynamic_update_slice(logprobs_bn, logprob_b[:, None], (0, step))
+    lengths_b = lengths_b + (~done_b).astype(jnp.int32)
+    done_b = done_b | (token_b == eos_id)
+    return token_b, (tokens_bn, logprobs_bn, lengths_b, done_b)
+
+  state = (
+    jnp.full((b, n), pad_id, jnp.int32),
+    jnp.zeros((b, n), jnp.float32),
+    jnp.zeros((b,), jnp.int32),
+    jnp.zeros((b,), jnp.bool_),
+  )
+  # Per-shard values: mark them as varying over the batch axes, like everything they mix with.
+  state = jax.lax.pcast(state, sharding.BATCH_AXES, to="varying")
+  token_b, state = emit(0, logits_bv, state)
+
+  def cond(carry):
+    step, _, _, state = carry
+    return (step < n) & ~jnp.all(state[3])  # per shard: no collective to agree on the exit
+
+  def body(carry):
+    step, token_b, cache, state = carry
+    # Response token `step - 1` sits at RoPE position prompt_len + step - 1.
+    logits_bv, cache = model.decode_step(token_b, prompt_lens_b + step - 1, cache)
+    token_b, state = emit(step, logits_bv, state)
+    return step + 1, token_b, cache, state
+
+  _, _, _, (tokens_bn, logprobs_bn, lengths_b, _) = jax.lax.while_loop(
+    cond, body, (jnp.ones((), jnp.int32), token_b, cache, state)
+  )
+  return tokens_bn, lengths_b, logprobs_bn
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "sampling"))
+def _generate(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, *, graphdef, mesh, sampling):
+  """Whole generation as one jitted call; compiled once per (model, mesh, sampling, shapes)."""
+  batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
+  shard_fn = functools.partial(_generate_shard, graphdef=graphdef, sampling=sampling)
+  return jax.shard_map(
+    shard_fn,
+    mesh=mesh,
+    in_specs=(rep, batch, batch, rep, rep, rep),
+    out_specs=(batch, batch, batch),
+  )(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id)
+
+
 class Sampler:
   """Generates `max_new_tokens` continuations of left-padded prompts with a KV cache."""
 
@@ -101,64 +164,6 @@ class Sampler:
     self.pad_id = pad_id
     self.prompt_len = prompt_len
     self.batch_shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
-    batch_spec = PartitionSpec(sharding.BATCH_AXES)
-    generate = jax.shard_map(
-      self._generate_shard,
-      mesh=mesh,
-      in_specs=(PartitionSpec(), batch_spec, batch_spec, PartitionSpec()),
-      out_specs=(batch_spec, batch_spec, batch_spec),
-    )
-    self._generate = jax.jit(generate)
-
-  def _generate_shard(self, params, prompts_bp, prompt_lens_b, rng):
-    """Generation for one batch shard (inside shard_map: no collectives)."""
-    shard = jax.lax.axis_index(sharding.BATCH_AXES)
-    rng = jax.random.fold_in(rng, shard)
-    model = nnx.merge(self.graphdef, params)
-    b, p = prompts_bp.shape
-    n = self.sampling.max_new_tokens
-    valid_bp = jnp.arange(p)[None, :] >= (p - prompt_lens_b)[:, None]
-    positions_bp = jnp.maximum(jnp.cumsum(valid_bp, axis=1) - 1, 0)
-    cache = model.init_cache(b, p + n)
-    logits_bv, cache = model.prefill(prompts_bp, positions_bp, valid_bp, cache)
-
-    def emit(step, logits_bv, state):
-      """Samples token `step`, records it unless the sequence already ended."""
-      tokens_bn, logprobs_bn, lengths_b, done_b = state
-      token_b, logprob_b = _sample(logits_bv, jax.random.fold_in(rng, step), self.sampling)
-      token_b = jnp.where(done_b, self.pad_id, token_b)
-      logprob_b = jnp.where(done_b, 0.0, logprob_b)
-      tokens_bn = jax.lax.dynamic_update_slice(tokens_bn, token_b[:, None], (0, step))
-      logprobs_bn = jax.lax.dynamic_update_slice(logprobs_bn, logprob_b[:, None], (0, step))
-      lengths_b = lengths_b + (~done_b).astype(jnp.int32)
-      done_b = done_b | (token_b == self.eos_id)
-      return token_b, (tokens_bn, logprobs_bn, lengths_b, done_b)
-
-    state = (
-      jnp.full((b, n), self.pad_id, jnp.int32),
-      jnp.zeros((b, n), jnp.float32),
-      jnp.zeros((b,), jnp.int32),
-      jnp.zeros((b,), jnp.bool_),
-    )
-    # Per-shard values: mark them as varying over the batch axes, like everything they mix with.
-    state = jax.lax.pcast(state, sharding.BATCH_AXES, to="varying")
-    token_b, state = emit(0, logits_bv, state)
-
-    def cond(carry):
-      step, _, _, state = carry
-      return (step < n) & ~jnp.all(state[3])
-
-    def body(carry):
-      step, token_b, cache, state = carry
-      # Token `step - 1` sits at RoPE position prompt_len + step - 1.
-      logits_bv, cache = model.decode_step(token_b, prompt_lens_b + step - 1, cache)
-      token_b, state = emit(step, logits_bv, state)
-      return step + 1, token_b, cache, state
-
-    _, _, _, (tokens_bn, logprobs_bn, lengths_b, _) = jax.lax.while_loop(
-      cond, body, (jnp.ones((), jnp.int32), token_b, cache, state)
-    )
-    return tokens_bn, lengths_b, logprobs_bn
 
   def __call__(
     self, params: nnx.State, prompts: np.ndarray, prompt_lens: np.ndarray, rng: jax.Array
@@ -184,11 +189,16 @@ class Sampler:
       raise ValueError(f"prompt_lens must be [{b}] values in [1, {self.prompt_len}].")
     batch = functools.partial(sharding.batch_sharding, self.mesh)
     with jax.set_mesh(self.mesh):
-      tokens, lengths, logprobs = self._generate(
+      tokens, lengths, logprobs = _generate(
         params,
         jax.device_put(prompts, batch(2)),
         jax.device_put(prompt_lens, batch(1)),
         rng,
+        np.int32(self.eos_id),
+        np.int32(self.pad_id),
+        graphdef=self.graphdef,
+        mesh=self.mesh,
+        sampling=self.sampling,
       )
     return Samples(
       tokens=np.asarray(tokens), lengths=np.asarray(lengths), logprobs=np.asarray(logprobs)

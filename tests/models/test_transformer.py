@@ -1,4 +1,4 @@
-"""Tests of the decoder: reference numerics, padding, KV-cache decode, dtypes, variants, sharding."""
+"""Decoder tests: reference numerics, padding, KV-cache decode, dtypes, variants, sharding."""
 
 import dataclasses
 
