@@ -1,0 +1,124 @@
+"""The event loop on the tiny preset: conservation, Little's law, determinism, policy invariants."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from knitjax.runtime.staleness import staleness
+from knitjax.sim.engine import CONSUMED, REJECTED, simulate
+from knitjax.sim.metrics import counts, littles_law, summarize_result
+from knitjax.sim.workload import Pipeline
+
+
+def _run(w, steps=30, seed=0, **pipeline):
+  return simulate(w, Pipeline(**pipeline), num_steps=steps, warmup_steps=3, seed=seed)
+
+
+@pytest.mark.parametrize("policy", ["train_batch", "minibatch", "greedy"])
+@pytest.mark.parametrize("scheduling", ["plain", "admission_aware"])
+def test_every_generated_group_is_consumed_rejected_or_pending(make_tiny, policy, scheduling):
+  w = make_tiny(reject_a=0.2, reject_b=0.1)
+  r = _run(w, policy=policy, scheduling=scheduling, max_lag_steps=0.5)
+  n = counts(r)
+  assert n["completed"] == n["consumed"] + n["rejected"] + n["pending"] + n["queued"]
+  assert n["started"] == n["completed"] + n["generating"]
+  stats = r.index_stats
+  assert stats["offered"] == n["completed"]
+  assert stats["rejected"] == n["rejected"] > 0
+  assert stats["pending"] == n["pending"]
+  assert stats["released_groups"] == n["consumed"] + n["queued"]
+  # Each consumed group is consumed once, in whole mini-batches of B/M groups.
+  assert len(set(r.consumed_id.tolist())) == r.consumed_id.size == n["consumed"]
+  assert n["consumed"] == 30 * w.groups_per_step
+  assert (r.outcome[r.consumed_id] == CONSUMED).all()
+  assert np.isnan(r.t_depart[r.outcome < CONSUMED]).all()
+  assert (r.t_depart[r.outcome == REJECTED] == r.t_complete[r.outcome == REJECTED]).all()
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.5])
+def test_littles_law_holds_on_the_simulated_queue(make_tiny, depth):
+  r = _run(make_tiny(), steps=60, max_lag_steps=depth)
+  law = littles_law(r)
+  assert law["littles_L"] > 0
+  assert law["littles_rel_error"] < 0.05, law
+
+
+def test_same_seed_same_result_other_seed_differs(make_tiny):
+  w = make_tiny(reject_a=0.2)
+  a, b = _run(w, seed=3), _run(w, seed=3)
+  for f in dataclasses.fields(a):
+    x, y = getattr(a, f.name), getattr(b, f.name)
+    if isinstance(x, np.ndarray):
+      np.testing.assert_array_equal(x, y, err_msg=f.name)
+    elif f.name != "wall_s":
+      assert x == y, f.name
+  c = _run(w, seed=4)
+  assert c.t_end != a.t_end
+
+
+def test_colocated_has_zero_architectural_staleness(make_tiny):
+  r = _run(make_tiny(), mode="colocated", policy="train_batch", max_lag_steps=0.0)
+  m = summarize_result(r)
+  assert m["arch_staleness_max"] == 0
+  # Colocated staleness is exactly the mini-batch index j: mean (M - 1) / 2.
+  assert m["staleness_mean"] == pytest.approx(0.5)
+  # Turns: while the trainer computes, no group generates, so the busy times add up.
+  assert m["trainer_idle_fraction"] > 0.3 and m["rollout_idle_fraction"] > 0.3
+
+
+def test_depth_bound_limits_groups_started_ahead_of_the_trainer(make_tiny):
+  w = make_tiny()
+  depth = 0.5
+  r = _run(w, policy="minibatch", max_lag_steps=depth)
+  # No rejections and weights published every mini-batch: a group's gen version is the trainer
+  # version at its start, so the i-th start (0-based) needs i < B * (v // M + 1 + depth).
+  i = np.arange(r.gen_version.size)
+  bound = w.groups_per_step * (r.gen_version // w.minibatches + 1 + depth)
+  assert (i < bound).all()
+  assert (i + 1 == bound).any()  # the bound is reached, not just respected
+
+
+def test_minibatch_never_violates_quotas_greedy_does(make_tiny):
+  w = make_tiny()
+  for depth in (0.0, 1.0, 2.0):
+    m = summarize_result(_run(w, policy="minibatch", max_lag_steps=depth))
+    assert m["quota_violations"] == 0 and m["stalls"] == 0
+  g = summarize_result(_run(w, policy="greedy", max_lag_steps=1.0))
+  assert g["quota_violations"] > 0
+
+
+def test_step_sync_and_mid_generation_adoption_change_staleness_as_expected(make_tiny):
+  w = make_tiny()
+  per_mb = summarize_result(_run(w, max_lag_steps=1.0))
+  per_step = summarize_result(_run(w, max_lag_steps=1.0, weight_sync="step"))
+  assert per_step["staleness_mean"] > per_mb["staleness_mean"]
+  mid = _run(w, max_lag_steps=1.0, adoption="mid_generation")
+  gid = mid.consumed_id
+  assert (mid.gen_version_newest[gid] >= mid.gen_version[gid]).all()
+  assert (mid.gen_version_newest[gid] > mid.gen_version[gid]).any()
+  m = summarize_result(mid)
+  assert m["arch_staleness_newest_mean"] < m["arch_staleness_mean"]
+  # The oldest convention is the same as without partial rollout (same lengths, same starts).
+  assert m["arch_staleness_mean"] == pytest.approx(per_mb["arch_staleness_mean"])
+
+
+def test_metrics_match_the_runtime_staleness_accounting(make_tiny):
+  w = make_tiny()
+  r = _run(w, max_lag_steps=1.0)
+  m = summarize_result(r)
+  keep = r.consumed_step >= r.warmup_steps
+  s, arch = staleness(
+    r.gen_version[r.consumed_id[keep]], r.consume_version[keep], r.consumed_index[keep]
+  )
+  assert m["arch_staleness_mean"] == pytest.approx(arch.mean())
+  assert m["staleness_mean"] == pytest.approx(s.mean())
+  assert m["staleness_generating_mean"] + m["staleness_waiting_mean"] == pytest.approx(s.mean())
+  assert m["arch_staleness_count"] == keep.sum() * w.group_size
+
+
+def test_bad_arguments_raise_one_clear_sentence(make_tiny):
+  with pytest.raises(ValueError, match="warmup_steps"):
+    simulate(make_tiny(), Pipeline(), num_steps=3, warmup_steps=3)
+  with pytest.raises(ValueError, match="multiple of 1/M"):
+    simulate(make_tiny(), Pipeline(max_lag_steps=0.3), num_steps=3)
