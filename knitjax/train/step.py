@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,58 +106,49 @@ def train_step(
   Returns:
     The new state and a dict of scalar metrics.
   """
-  mask = batch["loss_mask"]
-  norm = losses.Normalizer(
-      num_tokens=jnp.maximum(mask.sum(), 1.0),
-      num_seqs=jnp.asarray(mask.shape[0] * mask.shape[1], jnp.float32),
-      max_len=jnp.asarray(hparams.max_new_tokens, jnp.float32),
-  )
+  norm = losses.Normalizer.from_mask(batch["loss_mask"], max_len=float(hparams.max_new_tokens))
   grad_fn = jax.value_and_grad(
       functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams), has_aux=True
   )
 
+  def with_ref(mb):
+    if ref_params is None or hparams.loss.kl_coef <= 0:
+      return mb
+    ref_logp, _ = sequence_logprobs(graphdef, ref_params, mb, hparams.temperature)
+    return {**mb, "ref_logp": jax.lax.stop_gradient(ref_logp)}
+
   def body(carry, mb):
     grads_acc, loss_acc, sums_acc = carry
-    if ref_params is not None and hparams.loss.kl_coef > 0:
-      ref_logp, _ = sequence_logprobs(graphdef, ref_params, mb, hparams.temperature)
-      mb = {**mb, "ref_logp": jax.lax.stop_gradient(ref_logp)}
-    (loss, sums), grads = grad_fn(state.params, mb, norm)
+    (loss, sums), grads = grad_fn(state.params, with_ref(mb), norm)
     grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
     sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
     return (grads_acc, loss_acc + loss, sums_acc), None
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
   first = jax.tree.map(lambda x: x[0], batch)
-  sums_shape = jax.eval_shape(lambda: grad_fn(state.params, first, norm)[0][1])
+  sums_shape = jax.eval_shape(lambda: grad_fn(state.params, with_ref(first), norm)[0][1])
   sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
   (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
 
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **losses.finalize_metrics(sums)}
+  # Metric sums are finalised on the host (losses.finalize_metrics) after device_get.
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **sums}
   return TrainState(params=params, opt_state=opt_state), metrics
 
 
-def opt_state_shardings(
-    optimizer: optax.GradientTransformation, params: nnx.State, param_shardings: Any, mesh
-) -> Any:
-  """Optimizer-state shardings that follow the parameters' (counters replicated)."""
-  abstract = jax.eval_shape(optimizer.init, params)
-  rep = sharding.replicated(mesh)
-  return optax.tree_map_params(
-      optimizer,
-      lambda _, s: s,
-      abstract,
-      param_shardings,
-      transform_non_params=lambda _: rep,
-  )
+def host_metrics(metrics: dict) -> dict[str, float]:
+  """Turns a step's device metrics (scalars and metric sums) into plain floats on the host."""
+  metrics = jax.device_get(metrics)
+  sums = {k: v for k, v in metrics.items() if k.endswith("_sum")}
+  rest = {k: float(v) for k, v in metrics.items() if not k.endswith("_sum")}
+  return {**rest, **losses.finalize_metrics(sums)}
 
 
-def batch_shardings(mesh, *, with_ref: bool = False) -> dict[str, NamedSharding]:
+def batch_shardings(mesh) -> dict[str, NamedSharding]:
   """``[K, rows, ...]`` batch arrays: micro-batch axis unsharded, rows over data and fsdp."""
   rows = NamedSharding(mesh, P(None, ("data", "fsdp")))
-  fields = MICRO_BATCH_FIELDS + (("ref_logp",) if with_ref else ())
-  return {k: rows for k in fields}
+  return {k: rows for k in MICRO_BATCH_FIELDS}
 
 
 def compile_train_step(
@@ -196,7 +186,7 @@ def init_train_state(
     ``(state, state_shardings)``.
   """
   param_shardings = sharding.state_shardings(params, mesh)
-  opt_shardings = opt_state_shardings(optimizer, params, param_shardings, mesh)
+  opt_shardings = sharding.optimizer_shardings(optimizer, params, mesh)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
   shardings = TrainState(params=param_shardings, opt_state=opt_shardings)
   return TrainState(params=params, opt_state=opt_state), shardings

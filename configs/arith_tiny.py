@@ -1,0 +1,49 @@
+"""Tiny GRPO run that learns ``(a + b) mod 10`` from random init by RL alone, on a CPU.
+
+Usage:
+  python -m knitjax.main --config configs/arith_tiny.py --workdir /tmp/arith
+  python -m knitjax.main --config configs/arith_tiny.py:quick --workdir /tmp/q   # 2 steps, smoke
+Settings follow ../shared/NOTES.md: 32 prompts x G=8 per step, lr 1e-3, entropy bonus 0.01,
+PPO-clip 0.2, token-mean, no KL; the reward requires the answer digit then the end token.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.model = dict(
+      vocab_size=16,
+      num_layers=2,
+      d_model=64,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=16,
+      ffn_dim=128,
+      qk_norm=True,
+      tie_embeddings=True,
+      dtype="float32",
+  )
+  c.task = dict(name="arith", reward="arith_exact")
+  c.rollout = dict(group_size=8, max_new_tokens=4, temperature=1.0)
+  c.train = dict(
+      lr=1e-3,
+      warmup_steps=10,
+      grad_clip=1.0,
+      micro_batches=1,
+      advantage="grpo",
+      aggregation="token_mean",
+      entropy_coef=0.01,
+  )
+  c.admission = dict(policy="minibatch", quotas={"arith": 32}, minibatches=1)
+  c.runtime = dict(mode="colocated", steps=600, log_every=25)
+  c.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)
+  c.checkpoint = dict(every_steps=100, keep=2)
+  if arg == "quick":
+    c.runtime.steps = 2
+    c.runtime.log_every = 1
+    c.checkpoint.every_steps = 1
+  elif arg not in (None, ""):
+    raise ValueError(f"unknown variant {arg!r} of configs/arith_tiny.py; choose: quick.")
+  return c

@@ -1,0 +1,51 @@
+"""Training entry: ``python -m knitjax.main --config configs/<x>.py --workdir DIR``.
+
+This file is intentionally kept short: it parses flags, optionally starts
+multi-host JAX, and calls :func:`knitjax.runtime.train.train`.
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots go here.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() (multi-host runs)."
+)
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  from knitjax.config import from_config_dict
+
+  try:
+    config = from_config_dict(_CONFIG.value)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  # Fake CPU devices must be requested before JAX starts; harmless on TPU/GPU.
+  if config.mesh.cpu_devices and "xla_force_host_platform_device_count" not in os.environ.get(
+      "XLA_FLAGS", ""
+  ):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={config.mesh.cpu_devices}"
+    )
+  import jax
+
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()
+  from knitjax.runtime.train import train
+
+  logging.info("devices: %s", jax.devices())
+  try:
+    train(config, _WORKDIR.value)
+  except (ValueError, FileNotFoundError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)

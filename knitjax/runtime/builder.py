@@ -1,0 +1,183 @@
+"""Builds the parts of a run from a validated :class:`~knitjax.config.Config`.
+
+Each part is constructed here and passed to the loops that use it, so the
+loops themselves hold no construction logic and tests can swap parts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+
+from knitjax import sharding
+from knitjax.config import Config
+from knitjax.models.transformer import Transformer
+from knitjax.rollout.sampler import Sampler, SamplingConfig
+from knitjax.rollout.worker import RolloutWorker
+from knitjax.tasks.prompts import PromptSource, make_prompt_source
+from knitjax.tasks.rewards import get_reward_fn
+from knitjax.tasks.tokenizer import CharTokenizer
+from knitjax.train import losses
+from knitjax.train.optimizer import make_optimizer
+from knitjax.train.step import StepHParams, TrainState, compile_train_step, init_train_state
+from knitjax.transfer.admission import AdmissionIndex
+from knitjax.transfer.quota import QuotaSpec
+from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
+
+
+@dataclasses.dataclass
+class Prompts:
+  """One prompt stream per quota class (DESIGN.md: per-class streams)."""
+
+  sources: dict[str, PromptSource]
+  tokenizer: CharTokenizer
+  prompt_len: int
+
+  def next(self, counts: dict[str, int]) -> list:
+    out = []
+    for cls, n in counts.items():
+      if n:
+        out += self.sources[cls].next(n)
+    return out
+
+  def state_dict(self) -> dict:
+    return {cls: s.get_state() for cls, s in self.sources.items()}
+
+  def load_state_dict(self, state: dict) -> None:
+    for cls, s in self.sources.items():
+      s.set_state(state[cls])
+
+
+def _longest_prompt(source: PromptSource) -> int:
+  """Longest prompt of one epoch, read from a copy so the stream does not advance."""
+  probe = copy.copy(source)
+  return max(len(p.tokens) for p in probe.next(source.num_examples))
+
+
+def build_prompts(config: Config) -> Prompts:
+  """Per-class prompt streams; the quota classes name the task's classes."""
+  sources, tokenizer = {}, None
+  for i, cls in enumerate(sorted(config.admission.quotas)):
+    kwargs = {"cls": cls}
+    if config.task.path:
+      kwargs["path"] = config.task.path
+    source, tokenizer = make_prompt_source(config.task.name, seed=config.seed + 1000 * i, **kwargs)
+    sources[cls] = source
+  longest = max(_longest_prompt(s) for s in sources.values())
+  prompt_len = config.task.prompt_len or longest
+  if prompt_len < longest:
+    raise ValueError(
+        f"config.task.prompt_len={prompt_len} is shorter than the longest prompt ({longest} tokens)."
+    )
+  if tokenizer.vocab_size > config.model.vocab_size:
+    raise ValueError(
+        f"config.model.vocab_size={config.model.vocab_size} is smaller than the task's "
+        f"tokenizer ({tokenizer.vocab_size} tokens)."
+    )
+  return Prompts(sources=sources, tokenizer=tokenizer, prompt_len=prompt_len)
+
+
+def build_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
+  return sharding.make_mesh(config.mesh.shape, devices=devices)
+
+
+def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
+  """Sharded random init of the policy (seeded by ``config.seed``)."""
+  return sharding.init_sharded(
+      lambda: Transformer(config.model, rngs=nnx.Rngs(config.seed)), mesh
+  )
+
+
+def build_trainer(config: Config, graphdef, params, mesh):
+  """Returns ``(state, state_shardings, compiled step, reference params or None)``."""
+  optimizer = make_optimizer(config.train)
+  state, shardings = init_train_state(params, optimizer, mesh)
+  t = config.train
+  hparams = StepHParams(
+      loss=losses.LossConfig(
+          eps_low=t.eps_low,
+          eps_high=t.eps_high,
+          aggregation=t.aggregation,
+          tis_cap=t.tis_cap or None,
+          kl_coef=t.kl_coef,
+          entropy_coef=t.entropy_coef,
+      ),
+      temperature=config.rollout.temperature,
+      max_new_tokens=config.rollout.max_new_tokens,
+  )
+  with_ref = t.kl_coef > 0
+  step = compile_train_step(
+      graphdef=graphdef,
+      optimizer=optimizer,
+      hparams=hparams,
+      state_shardings=shardings,
+      mesh=mesh,
+      with_ref=with_ref,
+  )
+  ref = jax.tree.map(lambda x: x.copy(), params) if with_ref else None
+  return state, shardings, step, ref
+
+
+def build_worker(config: Config, graphdef, mesh, prompts: Prompts, *, storage_unit: int = 0):
+  r = config.rollout
+  sampler = Sampler(
+      graphdef,
+      mesh=mesh,
+      sampling=SamplingConfig(
+          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
+      ),
+      eos_id=prompts.tokenizer.eos_id,
+      pad_id=prompts.tokenizer.pad_id,
+      prompt_len=prompts.prompt_len,
+  )
+  return RolloutWorker(
+      sampler=sampler,
+      tokenizer=prompts.tokenizer,
+      reward_fn=get_reward_fn(config.task.reward),
+      group_size=r.group_size,
+      prompt_len=prompts.prompt_len,
+      storage_unit=storage_unit,
+  )
+
+
+def build_admission(config: Config, on_reject=None) -> AdmissionIndex:
+  a = config.admission
+  spec = QuotaSpec(
+      class_quotas=dict(a.quotas),
+      minibatches=a.minibatches,
+      min_per_minibatch=dict(a.min_per_minibatch),
+      max_per_minibatch=dict(a.max_per_minibatch),
+  )
+  return AdmissionIndex(spec, a.policy, dynamic_sampling=a.dynamic_sampling, on_reject=on_reject)
+
+
+def build_storage(config: Config, prompts: Prompts, *, unit_id: int = 0) -> InProcessStorageUnit:
+  """A storage unit sized for a few train steps of payload (float32 log-probs + int32 tokens)."""
+  r = config.rollout
+  seq = prompts.prompt_len + r.max_new_tokens
+  step_bytes = config.admission.groups_per_step * r.group_size * seq * 16
+  limits = StorageLimits(
+      vocab_size=config.model.vocab_size,
+      max_seq_len=seq,
+      max_bytes=int(max(8 * step_bytes, 1 << 24)),
+  )
+  return InProcessStorageUnit(limits, unit_id=unit_id)
+
+
+def init_state(config: Config, mesh) -> tuple[nnx.GraphDef, TrainState, TrainState, object, object]:
+  graphdef, params = build_model(config, mesh)
+  state, shardings, step, ref = build_trainer(config, graphdef, params, mesh)
+  return graphdef, state, shardings, step, ref
+
+
+def rng_for(seed: int, step: int) -> jax.Array:
+  """The rollout RNG of a train step: a pure function of the seed and step (resumable)."""
+  return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def numpy_rng(seed: int) -> np.random.Generator:
+  return np.random.default_rng(seed)

@@ -1,0 +1,151 @@
+"""Colocated execution: rollout and training take turns on one mesh.
+
+Each train step generates complete groups with the current policy, passes
+them through the storage unit and the admission index (the same parts the
+disaggregated runtime uses), and applies the M released mini-batches as M
+optimizer updates. Staleness here is exactly the colocated gap ``j``, which
+makes this loop the reference that architectural staleness is measured
+against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+from knitjax.config import Config
+from knitjax.runtime import builder
+from knitjax.runtime.metrics import MetricsWriter, plot_reward
+from knitjax.runtime.staleness import StalenessTracker
+from knitjax.train.batch import split_micro_batches
+from knitjax.train.checkpoint import Checkpointer
+from knitjax.train.step import batch_shardings, host_metrics
+from knitjax.transfer.access import fetch_minibatch
+
+
+def run(config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
+  """Trains for ``config.runtime.steps`` train steps, resuming from ``workdir`` if possible.
+
+  Args:
+    config: the validated run config.
+    workdir: where checkpoints, ``metrics.jsonl``, TensorBoard files and plots go.
+    on_step: called after each train step with ``(step, metrics)``.
+
+  Returns:
+    The last step's metrics.
+  """
+  mesh = builder.build_mesh(config)
+  prompts = builder.build_prompts(config)
+  graphdef, state, shardings, train_step, ref = builder.init_state(config, mesh)
+  worker = builder.build_worker(config, graphdef, mesh, prompts)
+  storage = builder.build_storage(config, prompts)
+  admission = builder.build_admission(
+      config, on_reject=lambda g: storage.release([g.group_id])
+  )
+  tracker = StalenessTracker()
+  ckpt = Checkpointer(workdir, keep=config.checkpoint.keep)
+  m_per_step = config.admission.minibatches
+  version, next_group_id = 0, 0
+
+  if ckpt.latest_step() is not None:
+    state, meta = ckpt.restore(state)
+    version, next_group_id = meta["version"], meta["next_group_id"]
+    prompts.load_state_dict(meta["prompts"])
+    admission.load_state_dict(meta["admission"])
+    tracker.load_state_dict(meta["staleness"])
+    if admission.pending():
+      raise RuntimeError("a colocated checkpoint must not hold pending groups.")
+  start_step = version // m_per_step
+  total = config.runtime.steps
+  writer = MetricsWriter(
+      workdir, total_steps=total, start_step=start_step, log_every=config.runtime.log_every
+  )
+  logging.info("training steps %d..%d on mesh %s", start_step + 1, total, dict(mesh.shape))
+  b_shardings = batch_shardings(mesh)
+  metrics: dict = {}
+  with jax.set_mesh(mesh):
+    for step in range(start_step, total):
+      t0 = time.time()
+      rng = builder.rng_for(config.seed, step)
+      released, gen_tokens, rollout_s, chunk = [], 0, 0.0, 0
+      # Generate until the whole step has been released (dynamic sampling can reject groups).
+      while len(released) < m_per_step:
+        need = admission.remaining()
+        counts = {c: n for c, n in need.items() if n > 0} or dict(config.admission.quotas)
+        counts = {c: max(n, config.admission.quotas[c]) for c, n in counts.items()}
+        t_r = time.time()
+        groups = worker.generate(
+            state.params,
+            prompts.next(counts),
+            version=version,
+            rng=jax.random.fold_in(rng, chunk),
+            first_group_id=next_group_id,
+        )
+        rollout_s += time.time() - t_r
+        chunk += 1
+        next_group_id += len(groups)
+        for g in groups:
+          gen_tokens += sum(g.meta.response_tokens)
+          storage.put(g.meta.group_id, g.payload)
+          released += admission.offer(g.meta)
+
+      t_t = time.time()
+      step_metrics: list[dict] = []
+      infos: list[dict] = []
+      for mb in released:
+        batch, info = fetch_minibatch(
+            mb,
+            {0: storage},
+            estimator=config.train.advantage,
+            prompt_len=prompts.prompt_len,
+            max_new_tokens=config.rollout.max_new_tokens,
+            pad_id=prompts.tokenizer.pad_id,
+        )
+        device_batch = jax.device_put(
+            split_micro_batches(batch, config.train.micro_batches), b_shardings
+        )
+        state, m = train_step(state, device_batch, ref) if ref is not None else train_step(
+            state, device_batch
+        )
+        tracker.record(mb, consume_version=version)
+        version += 1
+        storage.release([g.group_id for g in mb.groups])
+        step_metrics.append(m)
+        infos.append(info)
+      step_metrics = [host_metrics(m) for m in step_metrics]
+      train_s = time.time() - t_t
+      step_s = time.time() - t0
+      metrics = {
+          "version": version,
+          **{k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]},
+          **{k: float(np.mean([i[k] for i in infos])) for k in infos[0]},
+          "tokens_per_s": gen_tokens / step_s,
+          "step_s": step_s,
+          "rollout_s": rollout_s,
+          "train_s": train_s,
+          **tracker.step_metrics(step),
+      }
+      done = step + 1
+      writer.write(done, metrics)
+      if done % config.checkpoint.every_steps == 0 or done == total:
+        ckpt.save(
+            done,
+            state,
+            {
+                "version": version,
+                "next_group_id": next_group_id,
+                "prompts": prompts.state_dict(),
+                "admission": admission.state_dict(),
+                "staleness": tracker.state_dict(),
+            },
+        )
+      if on_step is not None:
+        on_step(done, metrics)
+  ckpt.close()
+  writer.close()
+  plot_reward(workdir)
+  return {"step": total, **metrics}

@@ -1,0 +1,18 @@
+"""``runtime.train``: the one library call behind ``python -m knitjax.main`` and the notebooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from knitjax.config import Config
+
+
+def train(config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
+  """Runs (or resumes) training as ``config.runtime.mode`` says; returns the last step's metrics."""
+  if config.runtime.mode == "colocated":
+    from knitjax.runtime import colocated
+
+    return colocated.run(config, workdir, on_step=on_step)
+  from knitjax.runtime import disaggregated
+
+  return disaggregated.run(config, workdir, on_step=on_step)
