@@ -93,6 +93,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   c.seed = 0
   c.compare_scheduling = True  # also run the other scheduling (and a dynamic-sampling workload)
   c.compare_adoption = True  # also run mid-generation adoption (both staleness conventions)
+  c.compare_weight_sync = True  # also run the other weight-sync period (per step)
   c.dynamic_sampling_reject = "math:0.3,count:0.1"  # rejection rates of that extra workload
   c.speed_trajectories = 1_000_000  # 0 skips the simulator speed measurement
   # Sweep: (name, ((field, value), ...)) workload variants, each with its own frontier.
@@ -115,6 +116,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   if arg == "sweep":
     c.compare_scheduling = False
     c.compare_adoption = False
+    c.compare_weight_sync = False
     c.speed_trajectories = 0
     c.num_steps = 120
     c.warmup_steps = 8

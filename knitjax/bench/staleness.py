@@ -173,6 +173,12 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
         ),
       }
     }
+  if config.compare_weight_sync:
+    other = "step" if base.weight_sync == "minibatch" else "minibatch"
+    fr, _ = _frontiers(config, w, dataclasses.replace(base, weight_sync=other), two, steps, warmup)
+    out["weight_sync"] = {
+      other: {"frontier": fr, **compare(fr["train_batch"], fr["minibatch"], depth=ref)}
+    }
   if config.compare_scheduling:
     out["scheduling"] = _scheduling(config, w, base, steps, warmup, frontier)
   out["sweep"] = [_sweep_entry(config, name, ov) for name, ov in config.sweep]
@@ -267,11 +273,12 @@ def _plot(path, frontier, ref_results, coloc, sweep) -> None:
   ax.grid(alpha=0.3)
   ax = axes[1]
   runs = dict(ref_results, colocated=coloc)
+  top = max(int(_arch_values(r).max(initial=0)) for r in runs.values())
   for policy, r in runs.items():
     arch = _arch_values(r)
     if arch.size:
-      freq = np.bincount(arch) / arch.size
-      ax.step(np.arange(freq.size), freq, where="mid", label=policy)
+      freq = np.bincount(arch, minlength=top + 1) / arch.size
+      ax.plot(np.arange(top + 1), freq, "o-", drawstyle="steps-mid", markersize=3, label=policy)
   ax.set_xlabel("architectural staleness (versions)")
   ax.set_ylabel("fraction of trajectories")
   ax.set_title("distribution at the reference depth")

@@ -49,6 +49,7 @@ def test_quick_variant_writes_required_fields(tmp_path):
   assert saved["checks"]["minibatch_stalls_all_depths"] == 0
   assert saved["checks"]["greedy_quota_violations_all_depths"] > 0
   assert {"mid_generation"} == set(saved["adoption"])
+  assert set(saved["weight_sync"]) == {"step"}
   assert set(saved["scheduling"]["dynamic_sampling"]) == {"plain", "admission_aware"}
   assert [s["name"] for s in saved["sweep"]] == ["math_cv_0.5"]
   assert saved["speed"]["trajectories"] >= 20_000
