@@ -45,6 +45,11 @@ class TaskConfig:
   prompt_len: int = 0  # 0: the task's own maximum prompt length
 
   def __post_init__(self):
+    from knitjax.tasks.prompts import TASKS
+    from knitjax.tasks.rewards import REWARDS
+
+    _one_of("config.task.name", self.name, tuple(TASKS))
+    _one_of("config.task.reward", self.reward, tuple(REWARDS))
     _positive("config.task.prompt_len", self.prompt_len, allow_zero=True)
 
 
@@ -64,7 +69,9 @@ class RolloutConfig:
     _positive("config.rollout.temperature", self.temperature)
     _positive("config.rollout.top_k", self.top_k, allow_zero=True)
     if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"config.rollout.top_p={self.top_p!r} is not accepted; it must be in (0, 1].")
+      raise ValueError(
+        f"config.rollout.top_p={self.top_p!r} is not accepted; it must be in (0, 1]."
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,8 +123,8 @@ class AdmissionConfig:
     total = sum(self.quotas.values())
     if total % self.minibatches:
       raise ValueError(
-          f"config.admission.quotas sum to {total} groups per step, which is not divisible by "
-          f"config.admission.minibatches={self.minibatches}."
+        f"config.admission.quotas sum to {total} groups per step, which is not divisible by "
+        f"config.admission.minibatches={self.minibatches}."
       )
 
   @property
@@ -152,7 +159,9 @@ class MeshConfig:
 
   def __post_init__(self):
     if len(self.shape) != 3:
-      raise ValueError(f"config.mesh.shape={self.shape!r} must have 3 entries (data, fsdp, tensor).")
+      raise ValueError(
+        f"config.mesh.shape={self.shape!r} must have 3 entries (data, fsdp, tensor)."
+      )
     _positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True)
 
 
@@ -182,13 +191,13 @@ class Config:
 
 
 _SECTIONS = {
-    "task": TaskConfig,
-    "rollout": RolloutConfig,
-    "train": TrainConfig,
-    "admission": AdmissionConfig,
-    "runtime": RuntimeConfig,
-    "mesh": MeshConfig,
-    "checkpoint": CheckpointConfig,
+  "task": TaskConfig,
+  "rollout": RolloutConfig,
+  "train": TrainConfig,
+  "admission": AdmissionConfig,
+  "runtime": RuntimeConfig,
+  "mesh": MeshConfig,
+  "checkpoint": CheckpointConfig,
 }
 
 
@@ -228,7 +237,7 @@ def build_section(cls: type, values: Mapping[str, Any], path: str) -> Any:
   for key, value in values.items():
     if key not in fields:
       raise ValueError(
-          f"{path}.{key} is not a known field; known fields: {', '.join(sorted(fields))}."
+        f"{path}.{key} is not a known field; known fields: {', '.join(sorted(fields))}."
       )
     value = _to_plain(value)
     if not _type_ok(value, hints[key]):
@@ -252,8 +261,8 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     if key not in known:
       raise ValueError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}.")
   sections = {
-      name: build_section(cls, config.get(name, {}), f"config.{name}")
-      for name, cls in _SECTIONS.items()
+    name: build_section(cls, config.get(name, {}), f"config.{name}")
+    for name, cls in _SECTIONS.items()
   }
   model = build_section(TransformerConfig, config.get("model", {}), "config.model")
   seed = config.get("seed", 0)

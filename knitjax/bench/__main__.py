@@ -28,6 +28,12 @@ def main(argv):
     module = importlib.import_module(f"knitjax.bench.{name}")
   except ModuleNotFoundError:
     sys.exit(f"error: config.bench={name!r} names no module knitjax/bench/{name}.py.")
+  # Fake CPU devices must be requested before JAX starts (harmless on TPU/GPU).
+  cpu_devices = config.get("cpu_devices", 0)
+  if cpu_devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={cpu_devices}"
+    )
   os.makedirs(_WORKDIR.value, exist_ok=True)
   try:
     module.run(config, _WORKDIR.value)
@@ -36,4 +42,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from knitjax.main import parse_flags
+
+  app.run(main, flags_parser=parse_flags)

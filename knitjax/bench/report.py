@@ -31,8 +31,9 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> s
     return str(v)
 
   body = [[cell(r.get(c, "")) for c in columns] for r in rows]
-  widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c)
-            for i, c in enumerate(columns)]
+  widths = [
+    max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(columns)
+  ]
   lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
   lines.append("  ".join("-" * w for w in widths))
   lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths, strict=True)) for b in body]

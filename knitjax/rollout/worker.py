@@ -34,14 +34,14 @@ class RolloutWorker:
   """Samples G responses per prompt with the given parameters and scores them."""
 
   def __init__(
-      self,
-      *,
-      sampler: Sampler,
-      tokenizer: CharTokenizer,
-      reward_fn: Callable[[Prompt, np.ndarray, CharTokenizer], float],
-      group_size: int,
-      prompt_len: int,
-      storage_unit: int = 0,
+    self,
+    *,
+    sampler: Sampler,
+    tokenizer: CharTokenizer,
+    reward_fn: Callable[[Prompt, np.ndarray, CharTokenizer], float],
+    group_size: int,
+    prompt_len: int,
+    storage_unit: int = 0,
   ):
     self._sampler = sampler
     self._tokenizer = tokenizer
@@ -51,15 +51,15 @@ class RolloutWorker:
     self._storage_unit = storage_unit
 
   def generate(
-      self,
-      params: nnx.State,
-      prompts: Sequence[Prompt],
-      *,
-      version: int,
-      rng: jax.Array,
-      first_group_id: int,
+    self,
+    params: nnx.State,
+    prompts: Sequence[Prompt],
+    *,
+    version: int,
+    rng: jax.Array,
+    first_group_id: int,
   ) -> list[Group]:
-    """Samples one group per prompt at policy ``version``; group ids count up from ``first_group_id``."""
+    """Samples one group per prompt at policy ``version``; ids count up from ``first_group_id``."""
     g = self._group_size
     rows = [p.tokens for p in prompts for _ in range(g)]
     tokens_bp, lens_b = left_pad(rows, self._prompt_len, self._tokenizer.pad_id)
@@ -71,27 +71,27 @@ class RolloutWorker:
       resp = samples.tokens[sl]
       lengths = samples.lengths[sl]
       rewards = np.array(
-          [self._reward_fn(prompt, resp[k, : lengths[k]], self._tokenizer) for k in range(g)],
-          np.float32,
+        [self._reward_fn(prompt, resp[k, : lengths[k]], self._tokenizer) for k in range(g)],
+        np.float32,
       )
       meta = GroupMeta(
-          group_id=first_group_id + i,
-          cls=prompt.cls,
-          gen_version=version,
-          num_samples=g,
-          prompt_tokens=(len(prompt.tokens),) * g,
-          response_tokens=tuple(int(n) for n in lengths),
-          reward_mean=float(rewards.mean()),
-          reward_std=float(rewards.std()),
-          storage_unit=self._storage_unit,
-          completion_time=done,
+        group_id=first_group_id + i,
+        cls=prompt.cls,
+        gen_version=version,
+        num_samples=g,
+        prompt_tokens=(len(prompt.tokens),) * g,
+        response_tokens=tuple(int(n) for n in lengths),
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std()),
+        storage_unit=self._storage_unit,
+        completion_time=done,
       )
       payload = {
-          "prompt_tokens": np.stack([prompt.tokens] * g).astype(np.int32),
-          "response_tokens": resp.astype(np.int32),
-          "response_lengths": lengths.astype(np.int32),
-          "logprobs": samples.logprobs[sl].astype(np.float32),
-          "rewards": rewards,
+        "prompt_tokens": np.stack([prompt.tokens] * g).astype(np.int32),
+        "response_tokens": resp.astype(np.int32),
+        "response_lengths": lengths.astype(np.int32),
+        "logprobs": samples.logprobs[sl].astype(np.float32),
+        "rewards": rewards,
       }
       groups.append(Group(meta=meta, payload=payload))
     return groups

@@ -27,7 +27,9 @@ from knitjax.train.step import batch_shardings, host_metrics
 from knitjax.transfer.access import fetch_minibatch
 
 
-def run(config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
+def run(
+  config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None
+) -> dict:
   """Trains for ``config.runtime.steps`` train steps, resuming from ``workdir`` if possible.
 
   Args:
@@ -43,9 +45,7 @@ def run(config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | 
   graphdef, state, shardings, train_step, ref = builder.init_state(config, mesh)
   worker = builder.build_worker(config, graphdef, mesh, prompts)
   storage = builder.build_storage(config, prompts)
-  admission = builder.build_admission(
-      config, on_reject=lambda g: storage.release([g.group_id])
-  )
+  admission = builder.build_admission(config, on_reject=lambda g: storage.release([g.group_id]))
   tracker = StalenessTracker()
   ckpt = Checkpointer(workdir, keep=config.checkpoint.keep)
   m_per_step = config.admission.minibatches
@@ -62,7 +62,7 @@ def run(config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | 
   start_step = version // m_per_step
   total = config.runtime.steps
   writer = MetricsWriter(
-      workdir, total_steps=total, start_step=start_step, log_every=config.runtime.log_every
+    workdir, total_steps=total, start_step=start_step, log_every=config.runtime.log_every
   )
   logging.info("training steps %d..%d on mesh %s", start_step + 1, total, dict(mesh.shape))
   b_shardings = batch_shardings(mesh)
@@ -79,11 +79,11 @@ def run(config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | 
         counts = {c: max(n, config.admission.quotas[c]) for c, n in counts.items()}
         t_r = time.time()
         groups = worker.generate(
-            state.params,
-            prompts.next(counts),
-            version=version,
-            rng=jax.random.fold_in(rng, chunk),
-            first_group_id=next_group_id,
+          state.params,
+          prompts.next(counts),
+          version=version,
+          rng=jax.random.fold_in(rng, chunk),
+          first_group_id=next_group_id,
         )
         rollout_s += time.time() - t_r
         chunk += 1
@@ -98,18 +98,20 @@ def run(config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | 
       infos: list[dict] = []
       for mb in released:
         batch, info = fetch_minibatch(
-            mb,
-            {0: storage},
-            estimator=config.train.advantage,
-            prompt_len=prompts.prompt_len,
-            max_new_tokens=config.rollout.max_new_tokens,
-            pad_id=prompts.tokenizer.pad_id,
+          mb,
+          {0: storage},
+          estimator=config.train.advantage,
+          prompt_len=prompts.prompt_len,
+          max_new_tokens=config.rollout.max_new_tokens,
+          pad_id=prompts.tokenizer.pad_id,
         )
         device_batch = jax.device_put(
-            split_micro_batches(batch, config.train.micro_batches), b_shardings
+          split_micro_batches(batch, config.train.micro_batches), b_shardings
         )
-        state, m = train_step(state, device_batch, ref) if ref is not None else train_step(
-            state, device_batch
+        state, m = (
+          train_step(state, device_batch, ref)
+          if ref is not None
+          else train_step(state, device_batch)
         )
         tracker.record(mb, consume_version=version)
         version += 1
@@ -120,28 +122,28 @@ def run(config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | 
       train_s = time.time() - t_t
       step_s = time.time() - t0
       metrics = {
-          "version": version,
-          **{k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]},
-          **{k: float(np.mean([i[k] for i in infos])) for k in infos[0]},
-          "tokens_per_s": gen_tokens / step_s,
-          "step_s": step_s,
-          "rollout_s": rollout_s,
-          "train_s": train_s,
-          **tracker.step_metrics(step),
+        "version": version,
+        **{k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]},
+        **{k: float(np.mean([i[k] for i in infos])) for k in infos[0]},
+        "tokens_per_s": gen_tokens / step_s,
+        "step_s": step_s,
+        "rollout_s": rollout_s,
+        "train_s": train_s,
+        **tracker.step_metrics(step),
       }
       done = step + 1
       writer.write(done, metrics)
       if done % config.checkpoint.every_steps == 0 or done == total:
         ckpt.save(
-            done,
-            state,
-            {
-                "version": version,
-                "next_group_id": next_group_id,
-                "prompts": prompts.state_dict(),
-                "admission": admission.state_dict(),
-                "staleness": tracker.state_dict(),
-            },
+          done,
+          state,
+          {
+            "version": version,
+            "next_group_id": next_group_id,
+            "prompts": prompts.state_dict(),
+            "admission": admission.state_dict(),
+            "staleness": tracker.state_dict(),
+          },
         )
       if on_step is not None:
         on_step(done, metrics)

@@ -30,7 +30,7 @@ class MetricsWriter:
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._truncate_after(start_step)
-    self._file = open(self.path, "a")
+    self._file = open(self.path, "a")  # noqa: SIM115 (open for the run's lifetime)
     self._tb = None
     try:
       from tensorboardX import SummaryWriter
@@ -65,15 +65,16 @@ class MetricsWriter:
       elapsed = time.time() - self._t0
       eta = elapsed / max(done, 1) * (self._total - step)
       logging.info(
-          "step %d/%d  version %s  reward %.3f  loss %.4f  tokens/s %.0f  arch_staleness %.2f  ETA %.0fs",
-          step,
-          self._total,
-          row.get("version"),
-          row.get("reward_mean") or 0.0,
-          row.get("loss") or 0.0,
-          row.get("tokens_per_s") or 0.0,
-          row.get("arch_staleness_mean") or 0.0,
-          eta,
+        "step %d/%d  version %s  reward %.3f  loss %.4f  tokens/s %.0f  arch_staleness %.2f  "
+        "ETA %.0fs",
+        step,
+        self._total,
+        row.get("version"),
+        row.get("reward_mean") or 0.0,
+        row.get("loss") or 0.0,
+        row.get("tokens_per_s") or 0.0,
+        row.get("arch_staleness_mean") or 0.0,
+        eta,
       )
 
   def close(self) -> None:
@@ -98,8 +99,10 @@ def plot_reward(workdir: str, *, window: int = 10) -> str:
   rows = read_metrics(workdir)
   steps = [r["step"] for r in rows]
   reward = [r.get("reward_mean") or 0.0 for r in rows]
-  avg = [sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
-         for i in range(len(reward))]
+  avg = [
+    sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
+    for i in range(len(reward))
+  ]
   fig, ax = plt.subplots(figsize=(6, 3.5))
   ax.plot(steps, reward, alpha=0.35, label="reward_mean")
   ax.plot(steps, avg, label=f"{window}-step moving average")

@@ -7,7 +7,9 @@ from collections.abc import Callable
 from knitjax.config import Config
 
 
-def train(config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
+def train(
+  config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None
+) -> dict:
   """Runs (or resumes) training as ``config.runtime.mode`` says; returns the last step's metrics."""
   if config.runtime.mode == "colocated":
     from knitjax.runtime import colocated

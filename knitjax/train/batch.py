@@ -15,7 +15,9 @@ import numpy as np
 BATCH_FIELDS = ("tokens", "positions", "valid", "targets", "loss_mask", "behavior_logp")
 
 
-def left_pad(prompts: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def left_pad(
+  prompts: Sequence[np.ndarray], length: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
   """Left-pads 1-D prompts to ``length``; returns ``(prompts_bp, lengths_b)``."""
   out = np.full((len(prompts), length), pad_id, np.int32)
   lens = np.zeros((len(prompts),), np.int32)
@@ -29,14 +31,14 @@ def left_pad(prompts: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[n
 
 
 def make_batch(
-    prompts: Sequence[np.ndarray],
-    responses: Sequence[np.ndarray],
-    behavior_logps: Sequence[np.ndarray],
-    advantages: np.ndarray,
-    *,
-    prompt_len: int,
-    max_new_tokens: int,
-    pad_id: int,
+  prompts: Sequence[np.ndarray],
+  responses: Sequence[np.ndarray],
+  behavior_logps: Sequence[np.ndarray],
+  advantages: np.ndarray,
+  *,
+  prompt_len: int,
+  max_new_tokens: int,
+  pad_id: int,
 ) -> dict[str, np.ndarray]:
   """Builds the arrays of one mini-batch (rows in the given order).
 
@@ -64,8 +66,8 @@ def make_batch(
     n = len(r)
     if n > max_new_tokens or len(lp) != n:
       raise ValueError(
-          f"row {i}: response of {n} tokens with {len(lp)} log-probs does not fit "
-          f"max_new_tokens={max_new_tokens}."
+        f"row {i}: response of {n} tokens with {len(lp)} log-probs does not fit "
+        f"max_new_tokens={max_new_tokens}."
       )
     tokens[i, prompt_len : prompt_len + n] = r
     valid[i, prompt_len - len(p) : prompt_len + n] = True
@@ -75,13 +77,13 @@ def make_batch(
   positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
   targets = np.concatenate([tokens[:, 1:], np.full((rows, 1), pad_id, np.int32)], axis=1)
   return {
-      "tokens": tokens,
-      "positions": positions,
-      "valid": valid,
-      "targets": targets,
-      "loss_mask": loss_mask,
-      "behavior_logp": behavior,
-      "advantages": np.asarray(advantages, np.float32).reshape(rows),
+    "tokens": tokens,
+    "positions": positions,
+    "valid": valid,
+    "targets": targets,
+    "loss_mask": loss_mask,
+    "behavior_logp": behavior,
+    "advantages": np.asarray(advantages, np.float32).reshape(rows),
   }
 
 
@@ -90,6 +92,8 @@ def split_micro_batches(batch: dict[str, np.ndarray], micro_batches: int) -> dic
   rows = len(batch["advantages"])
   if rows % micro_batches:
     raise ValueError(
-        f"a mini-batch of {rows} sequences cannot be split into {micro_batches} equal micro-batches."
+      f"a mini-batch of {rows} sequences cannot be split into {micro_batches} equal micro-batches."
     )
-  return {k: v.reshape(micro_batches, rows // micro_batches, *v.shape[1:]) for k, v in batch.items()}
+  return {
+    k: v.reshape(micro_batches, rows // micro_batches, *v.shape[1:]) for k, v in batch.items()
+  }

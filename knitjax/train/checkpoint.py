@@ -23,9 +23,9 @@ class Checkpointer:
   def __init__(self, workdir: str, *, keep: int = 2):
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-        item_names=("state", "meta"),
+      self.directory,
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+      item_names=("state", "meta"),
     )
 
   def latest_step(self) -> int | None:
@@ -34,8 +34,8 @@ class Checkpointer:
   def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
     """Saves asynchronously; a crash mid-save leaves the previous checkpoint intact."""
     self._manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
     )
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
@@ -48,11 +48,11 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f"no checkpoint found in {self.directory}.")
     target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), abstract_state
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), abstract_state
     )
     restored = self._manager.restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
     )
     logging.info("restored checkpoint %s/%d", self.directory, step)
     return restored["state"], dict(restored["meta"])

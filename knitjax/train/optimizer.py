@@ -19,7 +19,5 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   parts = []
   if config.grad_clip:
     parts.append(optax.clip_by_global_norm(config.grad_clip))
-  parts.append(
-      optax.adamw(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay)
-  )
+  parts.append(optax.adamw(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay))
   return optax.chain(*parts)

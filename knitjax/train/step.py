@@ -24,13 +24,13 @@ from knitjax import sharding
 from knitjax.train import losses
 
 MICRO_BATCH_FIELDS = (
-    "tokens",
-    "positions",
-    "valid",
-    "targets",
-    "loss_mask",
-    "behavior_logp",
-    "advantages",
+  "tokens",
+  "positions",
+  "valid",
+  "targets",
+  "loss_mask",
+  "behavior_logp",
+  "advantages",
 )
 
 
@@ -53,7 +53,7 @@ class StepHParams:
 
 
 def sequence_logprobs(
-    graphdef: nnx.GraphDef, params: nnx.State, mb: dict[str, jax.Array], temperature: float
+  graphdef: nnx.GraphDef, params: nnx.State, mb: dict[str, jax.Array], temperature: float
 ) -> tuple[jax.Array, jax.Array]:
   """Per-token log-probs and entropies of the targets, at the sampling temperature."""
   model = nnx.merge(graphdef, params)
@@ -63,35 +63,35 @@ def sequence_logprobs(
 
 
 def micro_batch_loss(
-    params: nnx.State,
-    mb: dict[str, jax.Array],
-    norm: losses.Normalizer,
-    *,
-    graphdef: nnx.GraphDef,
-    hparams: StepHParams,
+  params: nnx.State,
+  mb: dict[str, jax.Array],
+  norm: losses.Normalizer,
+  *,
+  graphdef: nnx.GraphDef,
+  hparams: StepHParams,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """One micro-batch's contribution to the mini-batch loss, and its metric sums."""
   logp, entropy = sequence_logprobs(graphdef, params, mb, hparams.temperature)
   return losses.policy_loss(
-      logp,
-      mb["behavior_logp"],
-      mb["advantages"],
-      mb["loss_mask"],
-      config=hparams.loss,
-      norm=norm,
-      ref_logp_bt=mb.get("ref_logp"),
-      entropy_bt=entropy,
+    logp,
+    mb["behavior_logp"],
+    mb["advantages"],
+    mb["loss_mask"],
+    config=hparams.loss,
+    norm=norm,
+    ref_logp_bt=mb.get("ref_logp"),
+    entropy_bt=entropy,
   )
 
 
 def train_step(
-    state: TrainState,
-    batch: dict[str, jax.Array],
-    *,
-    graphdef: nnx.GraphDef,
-    optimizer: optax.GradientTransformation,
-    hparams: StepHParams,
-    ref_params: nnx.State | None = None,
+  state: TrainState,
+  batch: dict[str, jax.Array],
+  *,
+  graphdef: nnx.GraphDef,
+  optimizer: optax.GradientTransformation,
+  hparams: StepHParams,
+  ref_params: nnx.State | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """Applies one optimizer update from a mini-batch of K micro-batches.
 
@@ -108,7 +108,7 @@ def train_step(
   """
   norm = losses.Normalizer.from_mask(batch["loss_mask"], max_len=float(hparams.max_new_tokens))
   grad_fn = jax.value_and_grad(
-      functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams), has_aux=True
+    functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams), has_aux=True
   )
 
   def with_ref(mb):
@@ -152,13 +152,13 @@ def batch_shardings(mesh) -> dict[str, NamedSharding]:
 
 
 def compile_train_step(
-    *,
-    graphdef: nnx.GraphDef,
-    optimizer: optax.GradientTransformation,
-    hparams: StepHParams,
-    state_shardings: TrainState,
-    mesh,
-    with_ref: bool = False,
+  *,
+  graphdef: nnx.GraphDef,
+  optimizer: optax.GradientTransformation,
+  hparams: StepHParams,
+  state_shardings: TrainState,
+  mesh,
+  with_ref: bool = False,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
   """``jax.jit`` of :func:`train_step` with explicit shardings and the state donated."""
   fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, hparams=hparams)
@@ -170,15 +170,15 @@ def compile_train_step(
   else:
     step = lambda state, batch: fn(state, batch)  # noqa: E731
   return jax.jit(
-      step,
-      in_shardings=tuple(in_shardings),
-      out_shardings=(state_shardings, rep),
-      donate_argnums=(0,),
+    step,
+    in_shardings=tuple(in_shardings),
+    out_shardings=(state_shardings, rep),
+    donate_argnums=(0,),
   )
 
 
 def init_train_state(
-    params: nnx.State, optimizer: optax.GradientTransformation, mesh
+  params: nnx.State, optimizer: optax.GradientTransformation, mesh
 ) -> tuple[TrainState, TrainState]:
   """Initialises the optimizer state next to already sharded params.
 

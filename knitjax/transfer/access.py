@@ -17,18 +17,24 @@ from knitjax.train.batch import make_batch
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.storage import StorageUnit
 
-FETCH_FIELDS = ("prompt_tokens", "prompt_lengths", "response_tokens", "response_lengths",
-                "logprobs", "rewards")
+FETCH_FIELDS = (
+  "prompt_tokens",
+  "prompt_lengths",
+  "response_tokens",
+  "response_lengths",
+  "logprobs",
+  "rewards",
+)
 
 
 def fetch_minibatch(
-    minibatch: MiniBatch,
-    storage: Mapping[int, StorageUnit],
-    *,
-    estimator: str,
-    prompt_len: int,
-    max_new_tokens: int,
-    pad_id: int,
+  minibatch: MiniBatch,
+  storage: Mapping[int, StorageUnit],
+  *,
+  estimator: str,
+  prompt_len: int,
+  max_new_tokens: int,
+  pad_id: int,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """Fetches and lays out one mini-batch; rows are grouped by group, in mini-batch order.
 
@@ -56,19 +62,19 @@ def fetch_minibatch(
       responses.append(p["response_tokens"][k][:n])
       logps.append(p["logprobs"][k][:n])
   batch = make_batch(
-      prompts,
-      responses,
-      logps,
-      np.concatenate(advs),
-      prompt_len=prompt_len,
-      max_new_tokens=max_new_tokens,
-      pad_id=pad_id,
+    prompts,
+    responses,
+    logps,
+    np.concatenate(advs),
+    prompt_len=prompt_len,
+    max_new_tokens=max_new_tokens,
+    pad_id=pad_id,
   )
   all_rewards = np.concatenate(rewards)
   info = {
-      "reward_mean": float(all_rewards.mean()),
-      "reward_std": float(all_rewards.std()),
-      "response_tokens": float(batch["loss_mask"].sum()),
-      "signal_groups": float(np.mean([r.std() > 0 for r in rewards])),
+    "reward_mean": float(all_rewards.mean()),
+    "reward_std": float(all_rewards.std()),
+    "response_tokens": float(batch["loss_mask"].sum()),
+    "signal_groups": float(np.mean([r.std() > 0 for r in rewards])),
   }
   return batch, info

@@ -13,15 +13,15 @@ from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import losses
 from knitjax.train.batch import make_batch, split_micro_batches
 from knitjax.train.step import (
-    StepHParams,
-    batch_shardings,
-    compile_train_step,
-    host_metrics,
-    init_train_state,
+  StepHParams,
+  batch_shardings,
+  compile_train_step,
+  host_metrics,
+  init_train_state,
 )
 
 CFG = TransformerConfig(
-    vocab_size=32, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
+  vocab_size=32, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
 )
 P_LEN, N_NEW, ROWS = 5, 6, 8
 
@@ -34,7 +34,9 @@ def random_minibatch(seed=0, rows=ROWS):
   # Behavior log-probs off the current policy so ratios differ from 1 and clipping is active.
   logps = [rng.normal(-3.0, 0.5, n).astype(np.float32) for n in lens]
   adv = rng.normal(size=rows).astype(np.float32)
-  return make_batch(prompts, responses, logps, adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
+  return make_batch(
+    prompts, responses, logps, adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0
+  )
 
 
 def run_step(mesh, batch, micro_batches, *, aggregation="token_mean", tx=None, kl=0.0):
@@ -42,12 +44,16 @@ def run_step(mesh, batch, micro_batches, *, aggregation="token_mean", tx=None, k
   tx = tx or optax.sgd(1.0)
   state, shardings = init_train_state(params, tx, mesh)
   hp = StepHParams(
-      loss=losses.LossConfig(aggregation=aggregation, eps_high=0.28, kl_coef=kl, entropy_coef=0.01),
-      max_new_tokens=N_NEW,
+    loss=losses.LossConfig(aggregation=aggregation, eps_high=0.28, kl_coef=kl, entropy_coef=0.01),
+    max_new_tokens=N_NEW,
   )
   step = compile_train_step(
-      graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
-      with_ref=kl > 0,
+    graphdef=graphdef,
+    optimizer=tx,
+    hparams=hp,
+    state_shardings=shardings,
+    mesh=mesh,
+    with_ref=kl > 0,
   )
   before = jax.device_get(params)
   ref = jax.tree.map(lambda x: x * 0.9, params) if kl > 0 else None
@@ -82,14 +88,15 @@ def test_per_micro_batch_token_mean_would_differ():
   per_token = np.arange(mask.size, dtype=np.float32).reshape(mask.shape) % 7
   whole = (per_token * mask).sum() / mask.sum()
   halves = [
-      (per_token[s] * mask[s]).sum() / mask[s].sum() for s in (slice(0, ROWS // 2), slice(ROWS // 2, None))
+    (per_token[s] * mask[s]).sum() / mask[s].sum()
+    for s in (slice(0, ROWS // 2), slice(ROWS // 2, None))
   ]
   assert abs(np.mean(halves) - whole) > 1e-3
   # ...whereas the mini-batch Normalizer makes micro-batch contributions sum to the whole.
   norm = losses.Normalizer.from_mask(mask, max_len=N_NEW)
   parts = [
-      losses.aggregate(per_token[s], mask[s], aggregation="token_mean", norm=norm)
-      for s in (slice(0, ROWS // 2), slice(ROWS // 2, None))
+    losses.aggregate(per_token[s], mask[s], aggregation="token_mean", norm=norm)
+    for s in (slice(0, ROWS // 2), slice(ROWS // 2, None))
   ]
   np.testing.assert_allclose(float(sum(parts)), whole, rtol=1e-6)
 
@@ -106,8 +113,10 @@ def test_sharded_step_matches_single_device():
   batch = random_minibatch(seed=2, rows=16)
   mesh1 = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   mesh8 = sharding.make_mesh((2, 2, 2))
-  for tx, atol in ((optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), 1e-6),
-                   (optax.adamw(1e-2, weight_decay=0.01), 1e-4)):
+  for tx, atol in (
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), 1e-6),
+    (optax.adamw(1e-2, weight_decay=0.01), 1e-4),
+  ):
     _, p1, m1 = run_step(mesh1, batch, 2, tx=tx, kl=0.05)
     _, p8, m8 = run_step(mesh8, batch, 2, tx=tx, kl=0.05)
     np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5, atol=1e-7)

@@ -1,0 +1,68 @@
+"""``python -m knitjax.main``: bad input ends in one clear line, never a traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import arith_tiny
+from knitjax.config import from_config_dict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize(
+  "field, value, expected",
+  [
+    ("train.aggregation", "mean", "config.train.aggregation='mean' is not accepted"),
+    ("task.reward", "nope", "config.task.reward='nope' is not accepted; choose one of"),
+    ("admission.minibatches", 3, "not divisible by config.admission.minibatches=3"),
+    ("admission.policy", "fifo", "choose one of: train_batch, minibatch, greedy"),
+    ("runtime.mode", "async", "choose one of: colocated, disaggregated"),
+    ("rollout.top_p", 0.0, "config.rollout.top_p=0.0"),
+    ("train.lr", "fast", "config.train.lr='fast' has the wrong type; expected float"),
+  ],
+)
+def test_bad_config_names_the_field(field, value, expected):
+  c = arith_tiny.get_config().to_dict()
+  section, key = field.split(".")
+  c[section][key] = value
+  with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+    from_config_dict(c)
+
+
+def test_unknown_field_is_named():
+  c = arith_tiny.get_config().to_dict()
+  c["train"]["lrr"] = 1.0
+  with pytest.raises(
+    ValueError, match=r"config.train.lrr is not a known field; known fields: .*lr"
+  ):
+    from_config_dict(c)
+
+
+@pytest.mark.parametrize(
+  "args, expected",
+  [
+    (["--config.train.lrr=1"], "unknown config field"),
+    (["--config.admission.minibatches=3"], "not divisible"),
+    (["--config=configs/missing.py"], "No such file or directory"),
+    (["--config.train.lr=abc"], "could not convert string to float"),
+  ],
+)
+def test_main_exits_with_one_line(tmp_path, args, expected):
+  cmd = [
+    sys.executable,
+    "-m",
+    "knitjax.main",
+    "--config",
+    "configs/arith_tiny.py",
+    "--workdir",
+    str(tmp_path),
+    *args,
+  ]
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error:") and expected in last, proc.stderr[-1500:]
+  assert "Traceback" not in proc.stderr
