@@ -11,6 +11,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from knitjax import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots go here.")
 _DISTRIBUTED = flags.DEFINE_bool(
@@ -34,7 +36,7 @@ def main(argv):
   try:
     config = from_config_dict(_CONFIG.value)
   except (OSError, ValueError) as e:  # a config file that failed to load surfaces here
-    sys.exit(f"error: {_one_line(e)}")
+    sys.exit(f"error: {cli.one_line(e)}")
   # Fake CPU devices must be requested before JAX starts; harmless on TPU/GPU.
   if config.mesh.cpu_devices and "xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""
@@ -56,24 +58,5 @@ def main(argv):
     sys.exit(f"error: {e}")
 
 
-def _one_line(e: Exception) -> str:
-  """The informative line of a flag-parsing error (config files raise through a traceback)."""
-  text = str(e).replace("\\n", "\n").replace("\\'", "'")
-  lines = [line.strip() for line in text.splitlines() if line.strip()]
-  if isinstance(e, AttributeError | KeyError):
-    return "unknown config field " + " ".join(lines).strip("'\"")
-  if any("Traceback" in line or "Errno" in line for line in lines):
-    return lines[-1]
-  return " ".join(lines)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """Parses flags; a bad config file or override ends in one line, not a traceback."""
-  try:
-    return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
-    sys.exit(f"error: bad --config or flag: {_one_line(e)}")
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

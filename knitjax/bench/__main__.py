@@ -13,6 +13,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from knitjax import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for JSON results and plots.")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -42,6 +44,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from knitjax.main import parse_flags
-
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)
