@@ -250,6 +250,7 @@ def _sweep_entry(config, name, overrides) -> dict:
     "reduction": c["reduction"],
     "throughput_gain": c["throughput_gain"],
     "comparison": c,
+    "generation_bound": _generation_bound(w, c, fr["minibatch"]),
     "ideal_steps_per_hour": _calibration(w)["ideal_steps_per_hour"],
     "frontier": fr,
   }
@@ -356,7 +357,12 @@ def _table(out: dict) -> str:
     )
   for s in out["sweep"]:
     r = "None" if s["reduction"] is None else f"{s['reduction']:.1%}"
-    lines.append(f"sweep {s['name']}: reduction {r}, throughput_gain {s['throughput_gain']:.3f}x")
+    bound = s["generation_bound"]["max_reduction"]
+    b = "None" if bound is None else f"{bound:.0%}"
+    lines.append(
+      f"sweep {s['name']}: reduction {r} (generation bound {b}), "
+      f"throughput_gain {s['throughput_gain']:.3f}x"
+    )
   if "speed" in out:
     sp = out["speed"]
     lines.append(
