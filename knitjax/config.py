@@ -15,10 +15,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from knitjax.models.transformer import TransformerConfig
+from knitjax.models.vision import VisionConfig
 
 MODES = ("colocated", "disaggregated")
 POLICIES = ("train_batch", "minibatch", "greedy")
 WEIGHT_SYNC = ("minibatch", "step")
+ADOPTION = ("new_groups", "mid_generation")
 DTYPES = ("float32", "bfloat16")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -62,9 +64,21 @@ class RolloutConfig:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  # Per-class token budgets (<= max_new_tokens); classes not named get max_new_tokens.
+  class_max_new_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  slots: int = 64  # disaggregated: concurrent samples of the continuous-batching engine
+  decode_steps: int = 8  # disaggregated: decode iterations per engine call, at most
 
   def __post_init__(self):
     _positive("config.rollout.group_size", self.group_size)
+    _positive("config.rollout.slots", self.slots)
+    _positive("config.rollout.decode_steps", self.decode_steps)
+    for cls, n in self.class_max_new_tokens.items():
+      if not isinstance(n, int) or not 1 <= n <= self.max_new_tokens:
+        raise ValueError(
+          f"config.rollout.class_max_new_tokens[{cls!r}]={n!r} is not accepted; it must be an "
+          f"int in [1, max_new_tokens={self.max_new_tokens}]."
+        )
     _positive("config.rollout.max_new_tokens", self.max_new_tokens)
     _positive("config.rollout.temperature", self.temperature)
     _positive("config.rollout.top_k", self.top_k, allow_zero=True)
@@ -92,6 +106,8 @@ class TrainConfig:
   tis_cap: float = 0.0  # 0: off
   kl_coef: float = 0.0
   entropy_coef: float = 0.0
+  encoder_dedup: bool = True  # VLM: encode each unique image once per mini-batch
+  remat_encoder: bool = False  # VLM dedup: recompute the encoder in its backward
 
   def __post_init__(self):
     _positive("config.train.lr", self.lr)
@@ -141,10 +157,21 @@ class RuntimeConfig:
   log_every: int = 10
   weight_sync: str = "minibatch"
   max_lag_steps: float = 1.0
+  # Disaggregated only: the first `rollout_devices` devices form the rollout mesh (0: half).
+  rollout_devices: int = 0
+  adoption: str = "new_groups"  # or "mid_generation" (partial rollout)
+  param_slots: int = 2  # versions the rollout holds at once with adoption="new_groups"
 
   def __post_init__(self):
     _one_of("config.runtime.mode", self.mode, MODES)
     _one_of("config.runtime.weight_sync", self.weight_sync, WEIGHT_SYNC)
+    _one_of("config.runtime.adoption", self.adoption, ADOPTION)
+    _positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
+    if self.param_slots < 1 + (self.adoption == "new_groups"):
+      raise ValueError(
+        f"config.runtime.param_slots={self.param_slots!r} is not accepted; adoption="
+        f"{self.adoption!r} needs at least {1 + (self.adoption == 'new_groups')}."
+      )
     _positive("config.runtime.steps", self.steps)
     _positive("config.runtime.log_every", self.log_every)
     _positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
@@ -188,6 +215,7 @@ class Config:
   runtime: RuntimeConfig
   mesh: MeshConfig
   checkpoint: CheckpointConfig
+  vision: VisionConfig | None = None  # set: the policy is a VLM (knitjax.models.vlm)
 
 
 _SECTIONS = {
@@ -256,7 +284,7 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     ValueError: one sentence naming the bad field and what is accepted.
   """
   config = _to_plain(config)
-  known = {"seed", "model", *_SECTIONS}
+  known = {"seed", "model", "vision", *_SECTIONS}
   for key in config:
     if key not in known:
       raise ValueError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}.")
@@ -268,4 +296,7 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   seed = config.get("seed", 0)
   if not isinstance(seed, int):
     raise ValueError(f"config.seed={seed!r} has the wrong type; expected int.")
-  return Config(seed=seed, model=model, **sections)
+  vision = None
+  if config.get("vision"):
+    vision = build_section(VisionConfig, config["vision"], "config.vision")
+  return Config(seed=seed, model=model, vision=vision, **sections)
