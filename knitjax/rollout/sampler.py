@@ -4,7 +4,11 @@ The whole generation (prefill, then a `lax.while_loop` of decode steps that exit
 sequence has produced EOS) runs inside `jax.shard_map` over the batch axes, so sampling (top-k,
 top-p, categorical draws) never triggers a collective: each batch shard draws with its own key,
 `fold_in(rng, shard index)`, then `fold_in(., step)`. Params enter the shard_map replicated, so
-sharded params are all-gathered once per call, not per token.
+sharded params are all-gathered once per call, not per token (and a tensor axis, if any, runs
+the whole model redundantly: fine for the colocated tiny models of today, not for big ones).
+
+Top-k and top-p combine as in Hugging Face: top-k first, then top-p on the renormalised top-k
+distribution; ties at the threshold are kept.
 
 Log-probs: `Samples.logprobs` holds log_softmax(logits / temperature) at each sampled token, the
 distribution before top-k / top-p truncation (no renormalisation), which is what the trainer
