@@ -1,0 +1,150 @@
+"""Encoder deduplication: each unique image encoded once per mini-batch, exact gradients.
+
+In GRPO each prompt is answered G times, so a mini-batch of R rows holds only U << R distinct
+images (fewer still when groups share an image). The naive step re-encodes every row's image in
+every micro-batch: R encoder forwards and K encoder backwards (one per micro-batch). Here:
+
+1. The U unique images are encoded once (`jax.vjp` of the encoder: features [U, P, D] plus the
+   residuals of their backward pass).
+2. Every backbone micro-batch gathers its rows' features with `dedup_gather`, a `jax.custom_vjp`
+   whose backward scatter-adds each row's cotangent into its unique row (rows without an image,
+   index -1, get zeros and send nothing back).
+3. The backbone's gradient w.r.t. the unique features is accumulated (float32) across all K
+   micro-batches of the mini-batch, next to the backbone's own gradient.
+4. One encoder backward, with the accumulated cotangent, gives the encoder's gradient.
+
+Because the encoder's backward is linear in its cotangent, step 4 returns exactly the sum of the
+K per-micro-batch encoder gradients of the naive step (up to float32 summation order): the encoder
+gets the gradient it would have received from every backbone micro-batch.
+
+Memory: step 1 keeps the encoder's residuals for U images alive across the backbone scan. With
+`remat=True` the encoder is wrapped in `jax.checkpoint`, so only its inputs are kept and step 4
+recomputes the forward (one extra encoder forward of U images, still U instead of R).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather(num_unique: int, unique_u: jax.Array, index_b: jax.Array) -> jax.Array:
+  del num_unique
+  keep = (index_b >= 0).reshape(index_b.shape + (1,) * (unique_u.ndim - 1))
+  rows = jnp.take(unique_u, jnp.maximum(index_b, 0), axis=0)
+  return jnp.where(keep, rows, jnp.zeros((), unique_u.dtype))
+
+
+def _gather_fwd(num_unique, unique_u, index_b):
+  return _gather(num_unique, unique_u, index_b), index_b
+
+
+def _gather_bwd(num_unique, index_b, ct_b):
+  keep = (index_b >= 0).reshape(index_b.shape + (1,) * (ct_b.ndim - 1))
+  ct_b = jnp.where(keep, ct_b, jnp.zeros((), ct_b.dtype))
+  # Scatter-add: a unique row's cotangent is the sum over every row that uses it.
+  ct_u = jax.ops.segment_sum(ct_b, jnp.maximum(index_b, 0), num_segments=num_unique)
+  return ct_u, None
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def dedup_gather(unique_u: jax.Array, index_b: jax.Array) -> jax.Array:
+  """Rows `unique_u[index_b]` (zeros where `index_b == -1`); backward scatter-adds into `unique_u`.
+
+  Args:
+    unique_u: [U, ...] per-unique-image values (e.g. projected patch features).
+    index_b: int [B], each row's index into `unique_u`, or -1 for a row without image.
+
+  Returns:
+    [B, ...] rows. The cotangent w.r.t. `unique_u` is `segment_sum(ct, index_b, U)`.
+  """
+  return _gather(unique_u.shape[0], unique_u, index_b)
+
+
+def encode_once(
+  encode_fn: Callable[[PyTree, jax.Array], jax.Array],
+  enc_params: PyTree,
+  images_u: jax.Array,
+  *,
+  remat: bool = False,
+) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
+  """Encodes the unique images once; returns (features, backward: cotangent -> encoder grads).
+
+  With `remat`, the encoder's activations are not kept: the backward recomputes them.
+  """
+  fn = jax.checkpoint(encode_fn) if remat else encode_fn
+  feats_u, vjp_fn = jax.vjp(lambda p: fn(p, images_u), enc_params)
+
+  def backward(ct_u: jax.Array) -> PyTree:
+    return vjp_fn(ct_u.astype(feats_u.dtype))[0]
+
+  return feats_u, backward
+
+
+def _zeros_of(tree):
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+def dedup_value_and_grad(
+  encode_fn: Callable[[PyTree, jax.Array], jax.Array],
+  backbone_loss: Callable[[PyTree, jax.Array, dict], tuple[jax.Array, dict]],
+  enc_params: PyTree,
+  backbone_params: PyTree,
+  images_u: jax.Array,
+  micro_batches: dict[str, jax.Array],
+  *,
+  remat: bool = False,
+) -> tuple[jax.Array, dict, PyTree, PyTree, dict[str, jax.Array]]:
+  """Loss and gradients of a mini-batch whose micro-batches share U unique images.
+
+  Args:
+    encode_fn: `(enc_params, images [N, ...]) -> features [N, ...]` (encoder + projector).
+    backbone_loss: `(backbone_params, feats_u, micro_batch) -> (loss, metric sums)`; it reads its
+      rows' features with `dedup_gather(feats_u, micro_batch[...])`.
+    enc_params: encoder-side params (differentiated through one backward).
+    backbone_params: backbone params.
+    images_u: the mini-batch's unique images.
+    micro_batches: `[K, ...]` arrays, scanned over the leading axis.
+    remat: rematerialise the encoder in the backward instead of keeping its residuals.
+
+  Returns:
+    `(loss, metric sums, encoder grads, backbone grads, counts)`: loss and sums added over the K
+    micro-batches; counts are `encoder_images_encoded` (images through the encoder forward) and
+    `encoder_backward_passes`, counted here where the encoder is called.
+  """
+  feats_u, backward = encode_once(encode_fn, enc_params, images_u, remat=remat)
+  grad_fn = jax.value_and_grad(backbone_loss, argnums=(0, 1), has_aux=True)
+
+  def body(carry, mb):
+    g_backbone, ct_feats, loss_acc, sums_acc = carry
+    (loss, sums), (g_b, g_f) = grad_fn(backbone_params, feats_u, mb)
+    g_backbone = jax.tree.map(jnp.add, g_backbone, g_b)
+    # Accumulate in float32 even when the features are bfloat16.
+    ct_feats = ct_feats + g_f.astype(jnp.float32)
+    sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
+    return (g_backbone, ct_feats, loss_acc + loss, sums_acc), None
+
+  first = jax.tree.map(lambda x: x[0], micro_batches)
+  sums0 = _zeros_of(jax.eval_shape(lambda: backbone_loss(backbone_params, feats_u, first)[1]))
+  carry0 = (
+    jax.tree.map(jnp.zeros_like, backbone_params),
+    jnp.zeros(feats_u.shape, jnp.float32),
+    jnp.zeros((), jnp.float32),
+    sums0,
+  )
+  (g_backbone, ct_feats, loss, sums), _ = jax.lax.scan(body, carry0, micro_batches)
+  g_enc = backward(ct_feats)
+  counts = {
+    "encoder_images_encoded": jnp.asarray(images_u.shape[0], jnp.float32),
+    "encoder_backward_passes": jnp.ones((), jnp.float32),
+  }
+  return loss, sums, g_enc, g_backbone, counts

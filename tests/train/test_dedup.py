@@ -1,0 +1,169 @@
+"""Encoder dedup: exact gradients against the naive path, image counts, the custom-VJP gather.
+
+Exactness criterion (float32): for each of the encoder (vision), projector and backbone (lm), the
+relative error of the whole gradient, ||g_dedup - g_naive|| / ||g_naive||, is at most 1e-5, and so
+is that of every param whose gradient is not tiny next to its part's (>= 1e-3 of the part norm).
+The exception is needed for the key biases: attention softmax is invariant to adding q.b_k to
+every score of a query, so their exact gradient is 0 and both paths return float32 noise.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from knitjax import sharding
+from knitjax.models.transformer import TransformerConfig
+from knitjax.models.vision import VisionConfig
+from knitjax.models.vlm import VLM
+from knitjax.train import losses, mm_step
+from knitjax.train.batch import make_batch
+from knitjax.train.dedup import dedup_gather
+from knitjax.train.step import StepHParams
+
+LM = TransformerConfig(
+  vocab_size=32, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
+)
+VC = VisionConfig(
+  image_size=8,
+  patch_size=4,
+  d_model=32,
+  num_layers=1,
+  num_heads=4,
+  head_dim=8,
+  mlp_dim=64,
+  projector_dim=64,
+)
+IMG, P_LEN, N_NEW = 3, 8, 4
+G = 4
+# Five groups over three unique images: groups 0 and 3 share image 0, groups 1 and 4 image 1;
+# group 2 has image 2. Group 5 is text only (no image, image_index -1).
+GROUP_IMAGE = (0, 1, 2, 0, 1, -1)
+HP = StepHParams(loss=losses.LossConfig(entropy_coef=0.01, kl_coef=0.05), max_new_tokens=N_NEW)
+
+
+def _minibatch(seed=0):
+  """Rows of 6 groups of G, shuffled so that every group's members spread over micro-batches."""
+  rng = np.random.default_rng(seed)
+  images = rng.integers(0, 256, (3, VC.image_size, VC.image_size, 3)).astype(np.uint8)
+  prompts, responses, logps, index = [], [], [], []
+  for image in GROUP_IMAGE:
+    head = [1] + [IMG] * VC.num_patches if image >= 0 else [1]
+    for _ in range(G):
+      tail = rng.integers(4, 32, rng.integers(1, 3))
+      prompts.append(np.concatenate([head, tail]).astype(np.int32))
+      n = rng.integers(1, N_NEW + 1)
+      responses.append(rng.integers(4, 32, n).astype(np.int32))
+      logps.append(rng.normal(-3.0, 0.5, n).astype(np.float32))
+      index.append(image)
+  rows = len(prompts)
+  batch = make_batch(
+    prompts,
+    responses,
+    logps,
+    rng.normal(size=rows).astype(np.float32),
+    prompt_len=P_LEN,
+    max_new_tokens=N_NEW,
+    pad_id=0,
+  )
+  batch["image_index"] = np.asarray(index, np.int32)
+  perm = rng.permutation(rows)
+  batch = {k: v[perm] for k, v in batch.items()}
+  batch["images"] = images
+  return batch
+
+
+def _grads(mesh, batch, micro_batches, *, dedup, remat=False):
+  graphdef, params = sharding.init_sharded(
+    lambda: VLM(LM, VC, image_token_id=IMG, rngs=nnx.Rngs(0)), mesh
+  )
+  ref = jax.tree.map(lambda x: 0.9 * x, params)
+  host = mm_step.prepare_batch(batch, micro_batches, shards=mm_step.batch_shards(mesh))
+  dev = jax.device_put(host, mm_step.batch_shardings(mesh))
+  fn = jax.jit(
+    lambda p, b, r: mm_step.mm_value_and_grad(
+      p, b, graphdef=graphdef, hparams=HP, encoder_dedup=dedup, remat_encoder=remat, ref_params=r
+    )
+  )
+  with jax.set_mesh(mesh):
+    loss, sums, grads, counts = fn(params, dev, ref)
+  return jax.device_get((loss, sums, grads, counts))
+
+
+def _assert_grads_match(got, want, tol=1e-5):
+  for part in ("vision", "projector", "lm"):
+    a, b = jax.tree.leaves(want[part]), jax.tree.leaves(got[part])
+    assert len(a) == len(b)
+    part_norm = np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in a))
+    pairs = list(zip(a, b, strict=True))
+    diff = np.sqrt(sum(np.sum(np.square(x - y, dtype=np.float64)) for x, y in pairs))
+    assert part_norm > 0 and diff <= tol * part_norm, (part, diff / part_norm)
+    for x, y in pairs:
+      norm = np.linalg.norm(x)
+      if norm >= 1e-3 * part_norm:
+        assert np.linalg.norm(x - y) <= tol * norm, (part, np.linalg.norm(x - y) / norm)
+
+
+@pytest.fixture(scope="module")
+def mesh1():
+  return sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def naive(mesh1):
+  """The baseline: naive path, 2 micro-batches."""
+  return _grads(mesh1, _minibatch(), 2, dedup=False)
+
+
+def test_dedup_gather_forward_and_scatter_add_backward():
+  unique = jnp.arange(12.0).reshape(3, 4)
+  index = jnp.array([2, 0, -1, 2, 2])
+  rows, vjp = jax.vjp(lambda u: dedup_gather(u, index), unique)
+  want = np.stack([unique[2], unique[0], np.zeros(4), unique[2], unique[2]])
+  np.testing.assert_array_equal(rows, want)
+  ct = jnp.arange(20.0).reshape(5, 4) + 1.0
+  (ct_unique,) = vjp(ct)
+  # Row 2 (no image) sends nothing back; image 2 collects rows 0, 3 and 4; image 1 nothing.
+  np.testing.assert_array_equal(ct_unique, np.stack([ct[1], 0 * ct[1], ct[0] + ct[3] + ct[4]]))
+
+
+def test_naive_path_encodes_every_row_in_every_micro_batch(naive):
+  counts = naive[3]
+  assert counts["encoder_images_encoded"] == len(GROUP_IMAGE) * G == 24
+  assert counts["encoder_backward_passes"] == 2
+
+
+@pytest.mark.parametrize(("micro_batches", "remat"), [(1, False), (3, False), (8, True)])
+def test_dedup_gradients_equal_naive(mesh1, naive, micro_batches, remat):
+  """Across micro-batch counts (and with the encoder rematerialised): group members split over
+  micro-batches, images shared by groups, a text-only group, KL to a reference, entropy bonus."""
+  loss0, sums0, grads0, _ = naive
+  loss, sums, grads, counts = _grads(mesh1, _minibatch(), micro_batches, dedup=True, remat=remat)
+  np.testing.assert_allclose(loss, loss0, rtol=1e-5)
+  np.testing.assert_allclose(sums["kl_sum"], sums0["kl_sum"], rtol=1e-5)
+  _assert_grads_match(grads, grads0)
+  # Counted where the encoder is called: the 3 unique images once, one encoder backward.
+  assert counts["encoder_images_encoded"] == 3
+  assert counts["encoder_backward_passes"] == 1
+
+
+def test_padded_images_are_encoded_and_counted(mesh1):
+  batch = _minibatch()
+  host = mm_step.prepare_batch(batch, 2, num_images=5, shards=4)
+  assert host["images"].shape[0] == 8  # 5 rounded up to a multiple of 4 shards
+  np.testing.assert_array_equal(host["images"][:3], batch["images"])
+  assert not host["images"][3:].any()
+  assert host["image_index"].shape == (2, 12)
+
+
+@pytest.mark.slow
+def test_dedup_on_sharded_mesh_equals_naive_single_device(naive):
+  """(2, 2, 2) mesh of 8 fake devices: params FSDP + tensor sharded, rows and images split."""
+  mesh8 = sharding.make_mesh((2, 2, 2))
+  loss0, _, grads0, _ = naive
+  loss, _, grads, counts = _grads(mesh8, _minibatch(), 3, dedup=True)
+  np.testing.assert_allclose(loss, loss0, rtol=1e-5)
+  _assert_grads_match(grads, grads0)
+  # 3 unique images padded to 4 (one per batch shard): 4 encoded, still not 24.
+  assert counts["encoder_images_encoded"] == 4
