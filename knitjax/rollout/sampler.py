@@ -83,7 +83,9 @@ def _sample(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
   return tokens.astype(jnp.int32), logprobs[:, 0]
 
 
-def _generate_shard(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, *, graphdef, sampling):
+def _generate_shard(
+  params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, embeddings_bpd, *, graphdef, sampling
+):
   """Generation for one batch shard (inside shard_map: no collectives)."""
   rng = jax.random.fold_in(rng, jax.lax.axis_index(sharding.BATCH_AXES))
   model = nnx.merge(graphdef, params)
@@ -92,7 +94,10 @@ def _generate_shard(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, *, g
   valid_bp = jnp.arange(p)[None, :] >= (p - prompt_lens_b)[:, None]
   positions_bp = jnp.maximum(jnp.cumsum(valid_bp, axis=1) - 1, 0)
   cache = model.init_cache(b, p + n)
-  logits_bv, cache = model.prefill(prompts_bp, positions_bp, valid_bp, cache)
+  # Image prompts come as embeddings (placeholders already replaced); decoding is text only.
+  logits_bv, cache = model.prefill(
+    prompts_bp, positions_bp, valid_bp, cache, embeddings_btd=embeddings_bpd
+  )
 
   def emit(step, logits_bv, state):
     """Samples token `step`; records it unless the sequence already ended."""
@@ -134,16 +139,18 @@ def _generate_shard(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, *, g
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "sampling"))
-def _generate(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, *, graphdef, mesh, sampling):
+def _generate(
+  params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, embeddings_bpd, *, graphdef, mesh, sampling
+):
   """Whole generation as one jitted call; compiled once per (model, mesh, sampling, shapes)."""
   batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
   shard_fn = functools.partial(_generate_shard, graphdef=graphdef, sampling=sampling)
   return jax.shard_map(
     shard_fn,
     mesh=mesh,
-    in_specs=(rep, batch, batch, rep, rep, rep),
+    in_specs=(rep, batch, batch, rep, rep, rep, batch),
     out_specs=(batch, batch, batch),
-  )(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id)
+  )(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, embeddings_bpd)
 
 
 class Sampler:
@@ -170,7 +177,13 @@ class Sampler:
     self.batch_shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
 
   def __call__(
-    self, params: nnx.State, prompts: np.ndarray, prompt_lens: np.ndarray, rng: jax.Array
+    self,
+    params: nnx.State,
+    prompts: np.ndarray,
+    prompt_lens: np.ndarray,
+    rng: jax.Array,
+    *,
+    embeddings: jax.Array | None = None,
   ) -> Samples:
     """Samples one response per prompt.
 
@@ -179,6 +192,8 @@ class Sampler:
       prompts: [B, prompt_len] int32, LEFT-padded; B divisible by the batch shards of the mesh.
       prompt_lens: [B] int32, real prompt tokens per row, in [1, prompt_len].
       rng: PRNG key.
+      embeddings: [B, prompt_len, d_model] prompt embeddings used instead of the prompt's token
+        embeddings in the prefill (VLM prompts: image placeholders replaced by patch features).
     """
     prompts = np.asarray(prompts, np.int32)
     prompt_lens = np.asarray(prompt_lens, np.int32)
@@ -200,6 +215,7 @@ class Sampler:
         rng,
         np.int32(self.eos_id),
         np.int32(self.pad_id),
+        None if embeddings is None else jax.device_put(embeddings, batch(3)),
         graphdef=self.graphdef,
         mesh=self.mesh,
         sampling=self.sampling,
