@@ -140,7 +140,17 @@ def _generate_shard(
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "sampling"))
 def _generate(
-  params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, embeddings_bpd, *, graphdef, mesh, sampling
+  params,
+  prompts_bp,
+  prompt_lens_b,
+  rng,
+  eos_id,
+  pad_id,
+  embeddings_bpd,
+  *,
+  graphdef,
+  mesh,
+  sampling,
 ):
   """Whole generation as one jitted call; compiled once per (model, mesh, sampling, shapes)."""
   batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
