@@ -10,10 +10,15 @@ Params split into the encoder side (`vision`, `projector`) and the backbone (`lm
 differentiates them separately (see `knitjax.train.dedup`).
 """
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from knitjax import sharding
 from knitjax.models.transformer import KVCache, Transformer, TransformerConfig
 from knitjax.models.vision import Projector, VisionConfig, VisionEncoder
 
@@ -136,3 +141,32 @@ class VLM(nnx.Module):
     self, tokens_b: jax.Array, positions_b: jax.Array, cache: KVCache
   ) -> tuple[jax.Array, KVCache]:
     return self.lm.decode_step(tokens_b, positions_b, cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prompt_embeddings(params, tokens_bp, images_unhwc, image_index_b, *, graphdef):
+  return nnx.merge(graphdef, params).prompt_embeddings(tokens_bp, images_unhwc, image_index_b)
+
+
+def make_prompt_embedder(
+  graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh
+) -> Callable[[nnx.State, np.ndarray, np.ndarray, np.ndarray], jax.Array]:
+  """Rollout side: `(params, tokens_bp, images_unhwc, image_index_b) -> embeddings [B, P, D]`.
+
+  Each unique image of the rollout batch is encoded once; the result is split over the mesh's
+  batch axes, ready for `Sampler(..., embeddings=...)`.
+  """
+  rows = functools.partial(sharding.batch_sharding, mesh)
+
+  def embed(params, tokens_bp, images_unhwc, image_index_b):
+    with jax.set_mesh(mesh):
+      out = _prompt_embeddings(
+        params,
+        jax.device_put(np.asarray(tokens_bp, np.int32), rows(2)),
+        jax.device_put(np.asarray(images_unhwc), sharding.replicated(mesh)),
+        jax.device_put(np.asarray(image_index_b, np.int32), rows(1)),
+        graphdef=graphdef,
+      )
+      return jax.device_put(out, rows(3))
+
+  return embed
