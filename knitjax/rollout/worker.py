@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -42,8 +42,12 @@ class RolloutWorker:
     group_size: int,
     prompt_len: int,
     storage_unit: int = 0,
+    class_max_new_tokens: Mapping[str, int] | None = None,
   ):
     self._sampler = sampler
+    # Per-class token budgets: a sample is cut at its class's budget (as if generation had
+    # stopped there), so every runtime trains on the same data whatever its sampler's width.
+    self._budgets = dict(class_max_new_tokens or {})
     self._tokenizer = tokenizer
     self._reward_fn = reward_fn
     self._group_size = group_size
@@ -68,30 +72,79 @@ class RolloutWorker:
     groups = []
     for i, prompt in enumerate(prompts):
       sl = slice(i * g, (i + 1) * g)
-      resp = samples.tokens[sl]
-      lengths = samples.lengths[sl]
-      rewards = np.array(
-        [self._reward_fn(prompt, resp[k, : lengths[k]], self._tokenizer) for k in range(g)],
-        np.float32,
+      budget = self._budgets.get(prompt.cls, samples.tokens.shape[1])
+      groups.append(
+        assemble_group(
+          prompt,
+          samples.tokens[sl],
+          np.minimum(samples.lengths[sl], budget),
+          samples.logprobs[sl],
+          group_id=first_group_id + i,
+          version=version,
+          reward_fn=self._reward_fn,
+          tokenizer=self._tokenizer,
+          storage_unit=self._storage_unit,
+          completion_time=done,
+        )
       )
-      meta = GroupMeta(
-        group_id=first_group_id + i,
-        cls=prompt.cls,
-        gen_version=version,
-        num_samples=g,
-        prompt_tokens=(len(prompt.tokens),) * g,
-        response_tokens=tuple(int(n) for n in lengths),
-        reward_mean=float(rewards.mean()),
-        reward_std=float(rewards.std()),
-        storage_unit=self._storage_unit,
-        completion_time=done,
-      )
-      payload = {
-        "prompt_tokens": np.stack([prompt.tokens] * g).astype(np.int32),
-        "response_tokens": resp.astype(np.int32),
-        "response_lengths": lengths.astype(np.int32),
-        "logprobs": samples.logprobs[sl].astype(np.float32),
-        "rewards": rewards,
-      }
-      groups.append(Group(meta=meta, payload=payload))
     return groups
+
+
+def assemble_group(
+  prompt: Prompt,
+  tokens_gn: np.ndarray,
+  lengths_g: np.ndarray,
+  logprobs_gn: np.ndarray,
+  *,
+  group_id: int,
+  version: int,
+  reward_fn: Callable[[Prompt, np.ndarray, CharTokenizer], float],
+  tokenizer: CharTokenizer,
+  storage_unit: int = 0,
+  completion_time: float = 0.0,
+  version_newest: int | None = None,
+) -> Group:
+  """Scores the G responses of one prompt and returns the complete group.
+
+  Args:
+    prompt: the group's prompt.
+    tokens_gn: [G, N] generated tokens; positions at or beyond a sample's length become padding.
+    lengths_g: [G] response lengths (tokens kept per sample).
+    logprobs_gn: [G, N] behaviour log-probs of the tokens.
+    group_id: the group's id (its storage key).
+    version: gen version (the oldest policy version the group used).
+    reward_fn: the verifier.
+    tokenizer: the task's tokenizer.
+    storage_unit: the storage unit that will hold the payload.
+    completion_time: when the last sample finished.
+    version_newest: newest policy version used (partial rollout); None: same as ``version``.
+  """
+  g, n = tokens_gn.shape
+  lengths = np.asarray(lengths_g, np.int32)
+  keep = np.arange(n)[None, :] < lengths[:, None]
+  resp = np.where(keep, tokens_gn, tokenizer.pad_id).astype(np.int32)
+  logprobs = np.where(keep, logprobs_gn, 0.0).astype(np.float32)
+  rewards = np.array(
+    [reward_fn(prompt, resp[k, : lengths[k]], tokenizer) for k in range(g)], np.float32
+  )
+  meta = GroupMeta(
+    group_id=group_id,
+    cls=prompt.cls,
+    gen_version=version,
+    num_samples=g,
+    prompt_tokens=(len(prompt.tokens),) * g,
+    response_tokens=tuple(int(x) for x in lengths),
+    reward_mean=float(rewards.mean()),
+    reward_std=float(rewards.std()),
+    storage_unit=storage_unit,
+    completion_time=completion_time,
+    gen_version_newest=None if version_newest in (None, version) else version_newest,
+  )
+  payload = {
+    "prompt_tokens": np.stack([prompt.tokens] * g).astype(np.int32),
+    "response_tokens": resp,
+    "response_lengths": lengths,
+    "logprobs": logprobs,
+    "rewards": rewards,
+  }
+  return Group(meta=meta, payload=payload)

@@ -16,6 +16,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.config import Config
 from knitjax.models.transformer import Transformer
+from knitjax.rollout.continuous import ContinuousEngine
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.rollout.worker import RolloutWorker
 from knitjax.tasks.prompts import PromptSource, make_prompt_source
@@ -141,6 +142,27 @@ def build_worker(config: Config, graphdef, mesh, prompts: Prompts, *, storage_un
       group_size=r.group_size,
       prompt_len=prompts.prompt_len,
       storage_unit=storage_unit,
+      class_max_new_tokens=r.class_max_new_tokens,
+  )
+
+
+def build_engine(config: Config, graphdef, mesh, prompts: Prompts) -> ContinuousEngine:
+  """The continuous-batching engine of the disaggregated rollout (one group refilled per call)."""
+  r, rt = config.rollout, config.runtime
+  return ContinuousEngine(
+      graphdef,
+      mesh=mesh,
+      sampling=SamplingConfig(
+          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
+      ),
+      slots=r.slots,
+      prompt_len=prompts.prompt_len,
+      eos_id=prompts.tokenizer.eos_id,
+      pad_id=prompts.tokenizer.pad_id,
+      refill_rows=r.group_size,
+      decode_steps=r.decode_steps,
+      adoption=rt.adoption,
+      param_slots=rt.param_slots,
   )
 
 

@@ -116,7 +116,7 @@ class PromptSource:
     self._next_index = next_index
 
 
-TASKS = ("arith", "gsm8k")
+TASKS = ("arith", "gsm8k", "longtail")
 
 
 def make_prompt_source(
@@ -126,14 +126,19 @@ def make_prompt_source(
 
   Args:
     task: ``"arith"`` (kwargs: ``cls`` in ``"arith"``/``"sum"``, ``shuffle``) or ``"gsm8k"``
-      (kwargs: ``path`` to the JSONL file, ``cls``, ``shuffle``).
+      (kwargs: ``path`` to the JSONL file, ``cls``, ``shuffle``) or ``"longtail"`` (kwargs:
+      ``cls`` in ``"arith"``/``"think"``, ``shuffle``).
     seed: shuffle seed of the stream.
     **task_kwargs: passed to the task's ``make_source``.
   """
   # Imported here because the task modules build on this one.
-  from knitjax.tasks import arith, gsm8k
+  from knitjax.tasks import arith, gsm8k, longtail
 
-  makers = {"arith": arith.make_source, "gsm8k": gsm8k.make_source}
+  makers = {
+    "arith": arith.make_source,
+    "gsm8k": gsm8k.make_source,
+    "longtail": longtail.make_source,
+  }
   if task not in makers:
     raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}.")
   try:

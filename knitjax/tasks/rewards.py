@@ -16,13 +16,15 @@ Rewards:
   arith_exact: 1.0 when the completion is exactly the answer then EOS.
   numeric_match: 1.0 when the last number before EOS equals the answer's number (GSM8K-style);
     EOS not required.
+  longtail: class ``arith`` as arith_exact; class ``think``: 1.0 when the token just before the
+    first EOS is the answer digit (any tokens may come before it).
 """
 
 from collections.abc import Callable
 
 import numpy as np
 
-from knitjax.tasks import arith, gsm8k
+from knitjax.tasks import arith, gsm8k, longtail
 from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.tokenizer import CharTokenizer
 
@@ -32,6 +34,7 @@ REWARDS: dict[str, RewardFn] = {
   "arith_first": arith.first_token_reward,
   "arith_exact": arith.exact_reward,
   "numeric_match": gsm8k.numeric_match_reward,
+  "longtail": longtail.reward,
 }
 
 

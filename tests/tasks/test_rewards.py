@@ -6,7 +6,7 @@ from knitjax.tasks import rewards
 
 
 def test_registry():
-  assert set(rewards.REWARDS) == {"arith_first", "arith_exact", "numeric_match"}
+  assert set(rewards.REWARDS) == {"arith_first", "arith_exact", "numeric_match", "longtail"}
   for name, fn in rewards.REWARDS.items():
     assert rewards.get_reward_fn(name) is fn
 
@@ -15,5 +15,6 @@ def test_unknown_reward():
   with pytest.raises(ValueError) as e:
     rewards.get_reward_fn("x")
   assert (
-    str(e.value) == "unknown reward 'x'; choose one of: arith_first, arith_exact, numeric_match"
+    str(e.value)
+    == "unknown reward 'x'; choose one of: arith_first, arith_exact, numeric_match, longtail"
   )

@@ -1,0 +1,75 @@
+"""The trainer's policy version as the rollout sees it, and the pipeline-depth bound.
+
+Rollout may start a group only while the groups started so far, minus those dynamic sampling
+rejected, are fewer than ``B * (completed_steps + 1) + depth``, where ``completed_steps`` is the
+trainer's version divided by ``M`` and ``depth = max_lag_steps * B`` (whole mini-batches). This is
+the simulator's rule (`knitjax.sim.engine`, like AReaL's ``max_head_offpolicyness``), so the
+simulated and the measured pipelines bound staleness the same way.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+def lag_groups(max_lag_steps: float, *, groups_per_step: int, minibatches: int) -> int:
+  """``max_lag_steps`` in groups; raises ValueError unless it is a whole number of mini-batches."""
+  units = max_lag_steps * minibatches
+  if max_lag_steps < 0 or abs(units - round(units)) > 1e-6:
+    raise ValueError(
+      f"config.runtime.max_lag_steps={max_lag_steps!r} is not accepted; it must be a multiple of "
+      f"1/M = 1/{minibatches} and >= 0."
+    )
+  return round(units) * (groups_per_step // minibatches)
+
+
+class VersionClock:
+  """Thread-safe trainer version with the depth bound; the rollout waits on it.
+
+  Args:
+    version: the trainer's version now.
+    groups_per_step: ``B``.
+    minibatches: ``M``.
+    max_lag_steps: pipeline depth in train steps (a multiple of 1/M).
+  """
+
+  def __init__(self, version: int, *, groups_per_step: int, minibatches: int, max_lag_steps: float):
+    self._cond = threading.Condition()
+    self._version = version
+    self._stopped = False
+    self._b, self._m = groups_per_step, minibatches
+    self.lag_groups = lag_groups(
+      max_lag_steps, groups_per_step=groups_per_step, minibatches=minibatches
+    )
+
+  @property
+  def version(self) -> int:
+    with self._cond:
+      return self._version
+
+  @property
+  def stopped(self) -> bool:
+    with self._cond:
+      return self._stopped
+
+  def limit(self) -> int:
+    """Accepted groups (started minus rejected) that may have started by now."""
+    with self._cond:
+      return self._b * (self._version // self._m + 1) + self.lag_groups
+
+  def advance(self, version: int) -> None:
+    """Records a new trainer version and wakes the rollout."""
+    with self._cond:
+      self._version = version
+      self._cond.notify_all()
+
+  def stop(self) -> None:
+    """Tells the rollout to finish (end of training or an error)."""
+    with self._cond:
+      self._stopped = True
+      self._cond.notify_all()
+
+  def wait(self, version: int, timeout: float) -> None:
+    """Blocks until the version differs from ``version``, a stop, or ``timeout`` seconds."""
+    with self._cond:
+      self._cond.wait_for(lambda: self._version != version or self._stopped, timeout)

@@ -1,0 +1,46 @@
+"""Weight sync: the trainer publishes versioned parameters; the rollout adopts the newest.
+
+Publishing reshards the trainer's parameters onto the rollout mesh with `jax.device_put` to the
+rollout shardings (device to device, never through the host), and waits for the copy: the train
+step donates its state, so the source buffers must be read before the next update. Only the
+newest published version is kept; a rollout that falls behind skips versions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+
+
+class WeightSync:
+  """The hand-off point between the trainer (publishes) and the rollout (takes)."""
+
+  def __init__(self, rollout_shardings):
+    """Args: rollout_shardings: pytree of shardings of the params on the rollout mesh."""
+    self._shardings = rollout_shardings
+    self._lock = threading.Lock()
+    self._latest: tuple[int, object] | None = None
+    self.published = 0
+    self.publish_s = 0.0
+
+  def publish(self, params, version: int) -> float:
+    """Copies ``params`` onto the rollout mesh as ``version``; returns the seconds it took."""
+    t0 = time.perf_counter()
+    moved = jax.device_put(params, self._shardings)
+    jax.block_until_ready(moved)
+    seconds = time.perf_counter() - t0
+    with self._lock:
+      self._latest = (version, moved)
+      self.published += 1
+      self.publish_s += seconds
+    return seconds
+
+  def take_newer(self, version: int | None) -> tuple[int, object] | None:
+    """The newest ``(version, params)`` if newer than ``version`` (None: any), else None."""
+    with self._lock:
+      latest = self._latest
+    if latest is None or (version is not None and latest[0] <= version):
+      return None
+    return latest

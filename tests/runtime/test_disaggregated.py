@@ -1,0 +1,106 @@
+"""Disaggregated runtime end to end on 8 fake devices (4 rollout, 4 train)."""
+
+import collections
+import json
+import os
+
+import pytest
+
+from configs import arith_disagg
+from knitjax.config import from_config_dict
+from knitjax.runtime import versions
+from knitjax.runtime.disaggregated import split_devices
+from knitjax.runtime.train import train
+
+
+def quick_config(**runtime):
+  c = arith_disagg.get_config("quick")
+  c.runtime.update(runtime)
+  return c
+
+
+def read_jsonl(workdir, name):
+  with open(os.path.join(workdir, name)) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def check_run(workdir, config):
+  """Invariants every disaggregated run must meet; returns the metric rows."""
+  cfg = from_config_dict(config)
+  quotas, m = dict(cfg.admission.quotas), cfg.admission.minibatches
+  lo, hi = cfg.admission.min_per_minibatch, cfg.admission.max_per_minibatch
+  rows = read_jsonl(workdir, "metrics.jsonl")
+  consumed = read_jsonl(workdir, "consumed.jsonl")
+  offered = read_jsonl(workdir, "offered.jsonl")
+  assert [r["step"] for r in rows] == list(range(1, cfg.runtime.steps + 1))
+  # Versions advance: M updates per step; the rollout follows the published versions.
+  assert [r["version"] for r in rows] == [m * s for s in range(1, cfg.runtime.steps + 1)]
+  assert rows[-1]["rollout_version"] >= 1
+  # Mini-batches in (step, index) order, consumed at consecutive versions.
+  assert [(c["step"], c["index"]) for c in consumed] == [
+    (s, j) for s in range(cfg.runtime.steps) for j in range(m)
+  ]
+  assert [c["consume_version"] for c in consumed] == list(range(len(consumed)))
+  per_step = collections.defaultdict(collections.Counter)
+  for c in consumed:
+    counts = collections.Counter(c["classes"])
+    for cls in quotas:  # every released mini-batch satisfies the per-mini-batch bounds
+      assert lo.get(cls, 0) <= counts[cls] <= hi.get(cls, 10**9), c
+    per_step[c["step"]].update(counts)
+    assert all(v <= c["consume_version"] for v in c["gen_versions"])
+  assert all(dict(per_step[s]) == quotas for s in per_step)  # and every step its quotas
+  # Generation used versions past 0 (weights were synced) and lagged by at most the depth.
+  gen = [v for c in consumed for v in c["gen_versions"]]
+  assert max(gen) >= 1
+  # No group lost: offered = consumed + rejected + pending, at every step, and by id.
+  for r in rows:
+    assert r["groups_lost"] == 0 and r["quota_violations"] == 0
+    assert r["groups_offered"] == r["groups_consumed"] + r["groups_rejected"] + r["groups_pending"]
+  ids = [g for c in consumed for g in c["group_ids"]]
+  assert len(ids) == len(set(ids))  # none consumed twice
+  offered_ids = {o["group_id"] for o in offered}
+  assert len(offered_ids) == len(offered) == rows[-1]["groups_offered"]
+  assert set(ids) <= offered_ids
+  assert len(ids) == rows[-1]["groups_consumed"]
+  for key in ("staleness_mean", "arch_staleness_p99", "rollout_busy_fraction", "tokens_per_s"):
+    assert rows[-1][key] is not None
+  return rows
+
+
+def test_quick_run_versions_quotas_and_conservation(tmp_path):
+  config = quick_config()
+  train(from_config_dict(config), str(tmp_path))
+  rows = check_run(str(tmp_path), config)
+  timings = json.load(open(tmp_path / "timings.json"))
+  assert timings["calls"] and len(timings["trainer_minibatch_s"]) == 2 * 3
+  assert set(timings["lengths"]) == {"arith", "think"}
+  assert all(1 <= n <= 4 for n in timings["lengths"]["arith"])
+  assert rows[-1]["reward_mean"] is not None and os.path.exists(tmp_path / "reward.png")
+
+
+@pytest.mark.slow
+def test_train_batch_step_sync_and_partial_rollout(tmp_path):
+  config = quick_config(weight_sync="step", adoption="mid_generation", max_lag_steps=0.5)
+  config.admission.policy = "train_batch"
+  train(from_config_dict(config), str(tmp_path))
+  rows = check_run(str(tmp_path), config)
+  # Weights are published once per step: the rollout only ever holds step-boundary versions.
+  consumed = read_jsonl(str(tmp_path), "consumed.jsonl")
+  assert {v % 2 for c in consumed for v in c["gen_versions"]} == {0}
+  assert rows[-1]["rollout_version"] % 2 == 0
+
+
+def test_depth_bound_and_device_split():
+  assert versions.lag_groups(1.0, groups_per_step=8, minibatches=2) == 8
+  assert versions.lag_groups(0.5, groups_per_step=8, minibatches=2) == 4
+  with pytest.raises(ValueError, match="multiple of 1/M = 1/2"):
+    versions.lag_groups(0.3, groups_per_step=8, minibatches=2)
+  clock = versions.VersionClock(0, groups_per_step=8, minibatches=2, max_lag_steps=0.5)
+  assert clock.limit() == 8 + 4
+  clock.advance(2)  # one step done
+  assert clock.limit() == 16 + 4
+  cfg = from_config_dict(quick_config(rollout_devices=3))
+  rollout, trainer = split_devices(cfg, devices=list(range(8)))
+  assert rollout == [0, 1, 2] and trainer == [3, 4, 5, 6, 7]
+  with pytest.raises(ValueError, match="leaves no devices"):
+    split_devices(from_config_dict(quick_config(rollout_devices=8)), devices=list(range(8)))
