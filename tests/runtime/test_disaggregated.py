@@ -71,7 +71,7 @@ def test_quick_run_versions_quotas_and_conservation(tmp_path):
   config = quick_config()
   train(from_config_dict(config), str(tmp_path))
   rows = check_run(str(tmp_path), config)
-  timings = json.load(open(tmp_path / "timings.json"))
+  timings = json.loads((tmp_path / "timings.json").read_text())
   assert timings["calls"] and len(timings["trainer_minibatch_s"]) == 2 * 3
   assert set(timings["lengths"]) == {"arith", "think"}
   assert all(1 <= n <= 4 for n in timings["lengths"]["arith"])
