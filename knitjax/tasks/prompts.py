@@ -25,6 +25,7 @@ class Prompt:
     text: the prompt text, without BOS.
     tokens: int32 prompt ids, starting with BOS.
     answer: the reference answer the reward functions compare against.
+    image: multimodal tasks: the prompt's image (uint8 [H, W, C]); None for text prompts.
   """
 
   prompt_id: int
@@ -32,6 +33,7 @@ class Prompt:
   text: str
   tokens: np.ndarray
   answer: str
+  image: np.ndarray | None = None
 
   def __post_init__(self):
     tokens = np.asarray(self.tokens)
@@ -116,7 +118,7 @@ class PromptSource:
     self._next_index = next_index
 
 
-TASKS = ("arith", "gsm8k", "longtail")
+TASKS = ("arith", "gsm8k", "longtail", "count_images")
 
 
 def make_prompt_source(
@@ -127,17 +129,19 @@ def make_prompt_source(
   Args:
     task: ``"arith"`` (kwargs: ``cls`` in ``"arith"``/``"sum"``, ``shuffle``) or ``"gsm8k"``
       (kwargs: ``path`` to the JSONL file, ``cls``, ``shuffle``) or ``"longtail"`` (kwargs:
-      ``cls`` in ``"arith"``/``"think"``, ``shuffle``).
+      ``cls`` in ``"arith"``/``"think"``, ``shuffle``) or ``"count_images"`` (kwargs: ``cls``,
+      ``shuffle``, ``num_examples``, ``image_tokens``, ``data_seed``).
     seed: shuffle seed of the stream.
     **task_kwargs: passed to the task's ``make_source``.
   """
   # Imported here because the task modules build on this one.
-  from knitjax.tasks import arith, gsm8k, longtail
+  from knitjax.tasks import arith, count_images, gsm8k, longtail
 
   makers = {
     "arith": arith.make_source,
     "gsm8k": gsm8k.make_source,
     "longtail": longtail.make_source,
+    "count_images": count_images.make_source,
   }
   if task not in makers:
     raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}.")

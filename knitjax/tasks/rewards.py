@@ -18,13 +18,14 @@ Rewards:
     EOS not required.
   longtail: class ``arith`` as arith_exact; class ``think``: 1.0 when the token just before the
     first EOS is the answer digit (any tokens may come before it).
+  count_exact: 1.0 when the completion is exactly the shape count then EOS (count_images).
 """
 
 from collections.abc import Callable
 
 import numpy as np
 
-from knitjax.tasks import arith, gsm8k, longtail
+from knitjax.tasks import arith, count_images, gsm8k, longtail
 from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.tokenizer import CharTokenizer
 
@@ -35,6 +36,7 @@ REWARDS: dict[str, RewardFn] = {
   "arith_exact": arith.exact_reward,
   "numeric_match": gsm8k.numeric_match_reward,
   "longtail": longtail.reward,
+  "count_exact": count_images.exact_reward,
 }
 
 

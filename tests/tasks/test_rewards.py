@@ -6,7 +6,13 @@ from knitjax.tasks import rewards
 
 
 def test_registry():
-  assert set(rewards.REWARDS) == {"arith_first", "arith_exact", "numeric_match", "longtail"}
+  assert set(rewards.REWARDS) == {
+    "arith_first",
+    "arith_exact",
+    "numeric_match",
+    "longtail",
+    "count_exact",
+  }
   for name, fn in rewards.REWARDS.items():
     assert rewards.get_reward_fn(name) is fn
 
@@ -16,5 +22,6 @@ def test_unknown_reward():
     rewards.get_reward_fn("x")
   assert (
     str(e.value)
-    == "unknown reward 'x'; choose one of: arith_first, arith_exact, numeric_match, longtail"
+    == "unknown reward 'x'; choose one of: arith_first, arith_exact, numeric_match, longtail, "
+    "count_exact"
   )
