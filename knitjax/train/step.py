@@ -111,22 +111,23 @@ def train_step(
     functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams), has_aux=True
   )
 
-  def with_ref(mb):
-    if ref_params is None or hparams.loss.kl_coef <= 0:
-      return mb
-    ref_logp, _ = sequence_logprobs(graphdef, ref_params, mb, hparams.temperature)
-    return {**mb, "ref_logp": jax.lax.stop_gradient(ref_logp)}
+  if ref_params is not None and hparams.loss.kl_coef > 0:
+    # Reference log-probs of every micro-batch, before (and outside) the gradient scan.
+    ref_logp = jax.lax.map(
+        lambda mb: sequence_logprobs(graphdef, ref_params, mb, hparams.temperature)[0], batch
+    )
+    batch = {**batch, "ref_logp": jax.lax.stop_gradient(ref_logp)}
 
   def body(carry, mb):
     grads_acc, loss_acc, sums_acc = carry
-    (loss, sums), grads = grad_fn(state.params, with_ref(mb), norm)
+    (loss, sums), grads = grad_fn(state.params, mb, norm)
     grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
     sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
     return (grads_acc, loss_acc + loss, sums_acc), None
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
   first = jax.tree.map(lambda x: x[0], batch)
-  sums_shape = jax.eval_shape(lambda: grad_fn(state.params, with_ref(first), norm)[0][1])
+  sums_shape = jax.eval_shape(lambda: grad_fn(state.params, first, norm)[0][1])
   sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
   (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
 
