@@ -68,11 +68,13 @@ class RolloutConfig:
   class_max_new_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
   slots: int = 64  # disaggregated: concurrent samples of the continuous-batching engine
   decode_steps: int = 8  # disaggregated: decode iterations per engine call, at most
+  refill_groups: int = 1  # disaggregated: groups the engine may start (prefill) per call
 
   def __post_init__(self):
     _positive("config.rollout.group_size", self.group_size)
     _positive("config.rollout.slots", self.slots)
     _positive("config.rollout.decode_steps", self.decode_steps)
+    _positive("config.rollout.refill_groups", self.refill_groups)
     for cls, n in self.class_max_new_tokens.items():
       if not isinstance(n, int) or not 1 <= n <= self.max_new_tokens:
         raise ValueError(
@@ -299,4 +301,9 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   vision = None
   if config.get("vision"):
     vision = build_section(VisionConfig, config["vision"], "config.vision")
+    if sections["runtime"].mode != "colocated":
+      raise ValueError(
+        f"config.vision (a VLM policy) runs with config.runtime.mode='colocated' only, got "
+        f"{sections['runtime'].mode!r}."
+      )
   return Config(seed=seed, model=model, vision=vision, **sections)

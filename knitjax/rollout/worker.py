@@ -20,6 +20,7 @@ from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train.batch import left_pad
 from knitjax.transfer.group import GroupMeta
+from knitjax.transfer.storage import image_hash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Group:
 
   meta: GroupMeta
   payload: dict[str, np.ndarray]
+  images: tuple[np.ndarray, ...] = ()  # image prompts: the group's images (payload image_index)
 
 
 class RolloutWorker:
@@ -43,8 +45,11 @@ class RolloutWorker:
     prompt_len: int,
     storage_unit: int = 0,
     class_max_new_tokens: Mapping[str, int] | None = None,
+    prompt_embedder: Callable | None = None,
   ):
     self._sampler = sampler
+    # VLM: (params, tokens_bp, unique images, row -> image index) -> prompt embeddings.
+    self._prompt_embedder = prompt_embedder
     # Per-class token budgets: a sample is cut at its class's budget (as if generation had
     # stopped there), so every runtime trains on the same data whatever its sampler's width.
     self._budgets = dict(class_max_new_tokens or {})
@@ -67,7 +72,9 @@ class RolloutWorker:
     g = self._group_size
     rows = [p.tokens for p in prompts for _ in range(g)]
     tokens_bp, lens_b = left_pad(rows, self._prompt_len, self._tokenizer.pad_id)
-    samples = self._sampler(params, tokens_bp, lens_b, rng)
+    samples = self._sampler(
+      params, tokens_bp, lens_b, rng, embeddings=self._embeddings(params, prompts, tokens_bp)
+    )
     done = time.time()
     groups = []
     for i, prompt in enumerate(prompts):
@@ -88,6 +95,26 @@ class RolloutWorker:
         )
       )
     return groups
+
+  def _embeddings(self, params, prompts: Sequence[Prompt], tokens_bp: np.ndarray):
+    """Image prompts: embeddings with each unique image of the batch encoded once; else None."""
+    if all(p.image is None for p in prompts):
+      return None
+    if self._prompt_embedder is None:
+      raise ValueError("prompts carry images but the rollout worker has no prompt_embedder (VLM).")
+    slots: dict[str, int] = {}
+    images, index = [], []
+    for p in prompts:
+      if p.image is None:
+        index.append(-1)
+        continue
+      h = image_hash(p.image)
+      if h not in slots:
+        slots[h] = len(images)
+        images.append(p.image)
+      index.append(slots[h])
+    index_b = np.repeat(np.asarray(index, np.int32), self._group_size)
+    return self._prompt_embedder(params, tokens_bp, np.stack(images), index_b)
 
 
 def assemble_group(
@@ -147,4 +174,8 @@ def assemble_group(
     "logprobs": logprobs,
     "rewards": rewards,
   }
-  return Group(meta=meta, payload=payload)
+  if prompt.image is None:
+    return Group(meta=meta, payload=payload)
+  payload["image_index"] = np.zeros(g, np.int32)
+  meta = dataclasses.replace(meta, image_hashes=(image_hash(prompt.image),))
+  return Group(meta=meta, payload=payload, images=(prompt.image,))

@@ -16,13 +16,14 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.config import Config
 from knitjax.models.transformer import Transformer
+from knitjax.models.vlm import VLM, make_prompt_embedder
 from knitjax.rollout.continuous import ContinuousEngine
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.rollout.worker import RolloutWorker
 from knitjax.tasks.prompts import PromptSource, make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.tasks.tokenizer import CharTokenizer
-from knitjax.train import losses
+from knitjax.train import losses, mm_step
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.step import StepHParams, TrainState, compile_train_step, init_train_state
 from knitjax.transfer.admission import AdmissionIndex
@@ -66,6 +67,8 @@ def build_prompts(config: Config) -> Prompts:
     kwargs = {"cls": cls}
     if config.task.path:
       kwargs["path"] = config.task.path
+    if config.vision is not None:  # one placeholder token per image patch
+      kwargs["image_tokens"] = config.vision.num_patches
     source, tokenizer = make_prompt_source(config.task.name, seed=config.seed + 1000 * i, **kwargs)
     sources[cls] = source
   longest = max(_longest_prompt(s) for s in sources.values())
@@ -79,7 +82,34 @@ def build_prompts(config: Config) -> Prompts:
         f"config.model.vocab_size={config.model.vocab_size} is smaller than the task's "
         f"tokenizer ({tokenizer.vocab_size} tokens)."
     )
+  if config.vision is not None:
+    _check_images(config, sources)
   return Prompts(sources=sources, tokenizer=tokenizer, prompt_len=prompt_len)
+
+
+def _check_images(config: Config, sources: dict[str, PromptSource]) -> None:
+  v = config.vision
+  want = (v.image_size, v.image_size, v.channels)
+  for cls, source in sources.items():
+    image = copy.copy(source).next(1)[0].image
+    if image is None or image.shape != want:
+      got = None if image is None else image.shape
+      raise ValueError(
+          f"config.vision expects images of shape {want} but class {cls!r} of task "
+          f"{config.task.name!r} gives {got}."
+      )
+
+
+def image_token_id(config: Config) -> int:
+  """The VLM's image placeholder id: the image task's placeholder in its tokenizer."""
+  from knitjax.tasks import count_images
+
+  if config.task.name != "count_images":
+    raise ValueError(
+        f"config.vision is set but config.task.name={config.task.name!r} has no images; "
+        "accepted: count_images."
+    )
+  return count_images.image_token_id(count_images.make_tokenizer())
 
 
 def build_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
@@ -88,6 +118,14 @@ def build_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
 
 def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
   """Sharded random init of the policy (seeded by ``config.seed``)."""
+  if config.vision is not None:
+    image_id = image_token_id(config)
+    return sharding.init_sharded(
+        lambda: VLM(
+            config.model, config.vision, image_token_id=image_id, rngs=nnx.Rngs(config.seed)
+        ),
+        mesh,
+    )
   return sharding.init_sharded(
       lambda: Transformer(config.model, rngs=nnx.Rngs(config.seed)), mesh
   )
@@ -111,7 +149,7 @@ def build_trainer(config: Config, graphdef, params, mesh):
       max_new_tokens=config.rollout.max_new_tokens,
   )
   with_ref = t.kl_coef > 0
-  step = compile_train_step(
+  compile_kwargs = dict(
       graphdef=graphdef,
       optimizer=optimizer,
       hparams=hparams,
@@ -119,6 +157,12 @@ def build_trainer(config: Config, graphdef, params, mesh):
       mesh=mesh,
       with_ref=with_ref,
   )
+  if config.vision is not None:
+    step = mm_step.compile_mm_train_step(
+        encoder_dedup=t.encoder_dedup, remat_encoder=t.remat_encoder, **compile_kwargs
+    )
+  else:
+    step = compile_train_step(**compile_kwargs)
   ref = jax.tree.map(lambda x: x.copy(), params) if with_ref else None
   return state, shardings, step, ref
 
@@ -143,11 +187,12 @@ def build_worker(config: Config, graphdef, mesh, prompts: Prompts, *, storage_un
       prompt_len=prompts.prompt_len,
       storage_unit=storage_unit,
       class_max_new_tokens=r.class_max_new_tokens,
+      prompt_embedder=make_prompt_embedder(graphdef, mesh) if config.vision is not None else None,
   )
 
 
 def build_engine(config: Config, graphdef, mesh, prompts: Prompts) -> ContinuousEngine:
-  """The continuous-batching engine of the disaggregated rollout (one group refilled per call)."""
+  """The continuous-batching engine of the disaggregated rollout."""
   r, rt = config.rollout, config.runtime
   return ContinuousEngine(
       graphdef,
@@ -159,7 +204,7 @@ def build_engine(config: Config, graphdef, mesh, prompts: Prompts) -> Continuous
       prompt_len=prompts.prompt_len,
       eos_id=prompts.tokenizer.eos_id,
       pad_id=prompts.tokenizer.pad_id,
-      refill_rows=r.group_size,
+      refill_rows=r.group_size * r.refill_groups,
       decode_steps=r.decode_steps,
       adoption=rt.adoption,
       param_slots=rt.param_slots,

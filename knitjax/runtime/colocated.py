@@ -21,6 +21,7 @@ from knitjax.config import Config
 from knitjax.runtime import builder
 from knitjax.runtime.metrics import MetricsWriter, plot_reward
 from knitjax.runtime.staleness import StalenessTracker
+from knitjax.train import mm_step
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import batch_shardings, host_metrics
@@ -90,7 +91,7 @@ def run(
         next_group_id += len(groups)
         for g in groups:
           gen_tokens += sum(g.meta.response_tokens)
-          storage.put(g.meta.group_id, g.payload)
+          storage.put(g.meta.group_id, g.payload, images=g.images)
           released += admission.offer(g.meta)
 
       t_t = time.time()
@@ -105,9 +106,17 @@ def run(
           max_new_tokens=config.rollout.max_new_tokens,
           pad_id=prompts.tokenizer.pad_id,
         )
-        device_batch = jax.device_put(
-          split_micro_batches(batch, config.train.micro_batches), b_shardings
-        )
+        if "images" in batch:  # VLM: unique images padded to a static count per mini-batch
+          device_batch = mm_step.device_batch(
+            batch,
+            config.train.micro_batches,
+            mesh,
+            num_images=sum(len(g.image_hashes) for g in mb.groups),
+          )
+        else:
+          device_batch = jax.device_put(
+            split_micro_batches(batch, config.train.micro_batches), b_shardings
+          )
         state, m = (
           train_step(state, device_batch, ref)
           if ref is not None

@@ -231,6 +231,14 @@ def prepare_batch(
   return {**rows, "images": images}
 
 
+def device_batch(
+  batch: dict[str, np.ndarray], micro_batches: int, mesh: jax.sharding.Mesh, *, num_images: int
+) -> dict[str, jax.Array]:
+  """:func:`prepare_batch` for ``mesh``, placed with :func:`batch_shardings`."""
+  host = prepare_batch(batch, micro_batches, num_images=num_images, shards=batch_shards(mesh))
+  return jax.device_put(host, batch_shardings(mesh))
+
+
 def compile_mm_train_step(
   *,
   graphdef: nnx.GraphDef,

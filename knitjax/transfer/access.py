@@ -3,6 +3,11 @@
 The consumer asks each storage unit for exactly the groups of the mini-batch
 that live there, computes the advantages of each (complete) group, and lays
 the rows out as trainer arrays (:func:`knitjax.train.batch.make_batch`).
+
+Image prompts (groups with ``image_hashes``): each unique image of the mini-batch (by content
+hash, across groups and storage units) is fetched once; the batch gains ``images`` ``[U, ...]`` and
+``image_index`` ``[rows]`` (-1 for a row without image), the layout of
+:mod:`knitjax.train.mm_step`.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ def fetch_minibatch(
     max_new_tokens=max_new_tokens,
     pad_id=pad_id,
   )
+  if any(g.image_hashes for g in minibatch.groups):
+    batch["images"], batch["image_index"] = _fetch_images(minibatch, storage)
   all_rewards = np.concatenate(rewards)
   info = {
     "reward_mean": float(all_rewards.mean()),
@@ -77,4 +84,38 @@ def fetch_minibatch(
     "response_tokens": float(batch["loss_mask"].sum()),
     "signal_groups": float(np.mean([r.std() > 0 for r in rewards])),
   }
+  if "images" in batch:
+    info["unique_images"] = float(len(batch["images"]))
   return batch, info
+
+
+def _fetch_images(
+  minibatch: MiniBatch, storage: Mapping[int, StorageUnit]
+) -> tuple[np.ndarray, np.ndarray]:
+  """The mini-batch's unique images (first-use order) and each row's index into them."""
+  by_unit: dict[int, list[int]] = defaultdict(list)
+  for g in minibatch.groups:
+    if g.image_hashes:
+      by_unit[g.storage_unit].append(g.group_id)
+  image_index = {}
+  for unit, ids in by_unit.items():
+    got = storage[unit].get(ids, ["image_index"])["image_index"]
+    image_index.update(zip(ids, got, strict=True))
+  slots: dict[str, int] = {}
+  unit_of: dict[str, int] = {}
+  rows = []
+  for g in minibatch.groups:
+    if not g.image_hashes:
+      rows += [-1] * g.num_samples
+      continue
+    for k in image_index[g.group_id]:
+      h = g.image_hashes[int(k)]
+      if h not in slots:
+        slots[h], unit_of[h] = len(slots), g.storage_unit
+      rows.append(slots[h])
+  images: list = [None] * len(slots)
+  for unit in set(unit_of.values()):
+    hashes = [h for h in slots if unit_of[h] == unit]
+    for h, image in zip(hashes, storage[unit].get_images(hashes), strict=True):
+      images[slots[h]] = image
+  return np.stack(images), np.asarray(rows, np.int32)
