@@ -88,3 +88,27 @@ def test_registered_as_a_task():
   assert tok.alphabet == count_images.ALPHABET
   with pytest.raises(ValueError, match="count_images class"):
     make_prompt_source("count_images", seed=0, cls="sum")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dedup", [True, False])
+def test_count_vlm_tiny_trains_through_the_runtime(tmp_path, dedup):
+  """configs/count_vlm_tiny.py:quick end to end; metrics count the images each path encodes."""
+  import json
+
+  from configs import count_vlm_tiny
+  from knitjax.config import from_config_dict
+  from knitjax.runtime.train import train
+
+  c = count_vlm_tiny.get_config("quick")
+  c.admission.quotas = {"count": 8}
+  c.rollout.group_size = 4
+  c.train.encoder_dedup = dedup
+  train(from_config_dict(c), str(tmp_path))
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    assert r["unique_images"] == 8 and r["num_seqs"] == 32
+    assert r["encoder_images_encoded"] == (8 if dedup else 32)
+    assert r["encoder_backward_passes"] == (1 if dedup else 2)
+    assert 0.0 <= r["reward_mean"] <= 1.0 and np.isfinite(r["loss"])

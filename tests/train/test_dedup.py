@@ -167,3 +167,53 @@ def test_dedup_on_sharded_mesh_equals_naive_single_device(naive):
   _assert_grads_match(grads, grads0)
   # 3 unique images padded to 4 (one per batch shard): 4 encoded, still not 24.
   assert counts["encoder_images_encoded"] == 4
+
+
+def test_fetch_minibatch_gives_each_unique_image_once():
+  """Storage -> trainer layout: an image shared by groups on two storage units arrives once."""
+  from knitjax.rollout.worker import assemble_group
+  from knitjax.tasks import count_images
+  from knitjax.tasks.prompts import Prompt
+  from knitjax.transfer.access import fetch_minibatch
+  from knitjax.transfer.admission import MiniBatch
+  from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
+
+  tok = count_images.make_tokenizer()
+  a, b = (count_images.draw(c, np.random.default_rng(c))[0] for c in (3, 5))
+  text = "@" * 16 + "how many?"
+  prompts = [
+    Prompt(prompt_id=i, cls="count", text=text, tokens=tok.encode(text), answer="3", image=im)
+    for i, im in enumerate([a, a.copy(), b])
+  ] + [
+    Prompt(prompt_id=3, cls="count", text="how many?", tokens=tok.encode("how many?"), answer="0")
+  ]
+  limits = StorageLimits(vocab_size=tok.vocab_size, max_seq_len=32, max_bytes=1 << 20)
+  units = {0: InProcessStorageUnit(limits, unit_id=0), 1: InProcessStorageUnit(limits, unit_id=1)}
+  metas = []
+  for gid, (prompt, unit) in enumerate(zip(prompts, (0, 1, 0, 1), strict=True)):
+    group = assemble_group(
+      prompt,
+      np.full((G, 2), tok.eos_id, np.int32),
+      np.ones(G, np.int32),
+      np.zeros((G, 2), np.float32),
+      group_id=gid,
+      version=0,
+      reward_fn=count_images.exact_reward,
+      tokenizer=tok,
+      storage_unit=unit,
+    )
+    units[unit].put(gid, group.payload, images=group.images)
+    metas.append(group.meta)
+  assert metas[0].image_hashes == metas[1].image_hashes != metas[2].image_hashes
+  assert metas[3].image_hashes == ()
+  batch, info = fetch_minibatch(
+    MiniBatch(step=0, index=0, groups=tuple(metas)),
+    units,
+    estimator="grpo",
+    prompt_len=26,
+    max_new_tokens=2,
+    pad_id=0,
+  )
+  np.testing.assert_array_equal(batch["images"], np.stack([a, b]))
+  np.testing.assert_array_equal(batch["image_index"], [0] * 8 + [1] * 4 + [-1] * 4)
+  assert info["unique_images"] == 2
