@@ -50,31 +50,39 @@ def test_encoder_attention_is_bidirectional():
   """Permuting patches together with their position embeddings permutes the outputs: every
   patch sees every other (no causal mask), and there is no class token."""
   encoder = VisionEncoder(VC, rngs=nnx.Rngs(0))
+  encode = nnx.jit(lambda m, x: m(x))
   images = _images(1)
-  out = encoder(images)
+  out = encode(encoder, images)
   assert out.shape == (1, VC.num_patches, VC.d_model)
   # Swap the top-left and bottom-right patches, and their position embeddings.
   swapped = images.copy()
   swapped[:, :4, :4], swapped[:, 4:, 4:] = images[:, 4:, 4:], images[:, :4, :4]
   pos = encoder.pos_embed[...]
   encoder.pos_embed[...] = pos[jnp.array([3, 1, 2, 0])]
-  out2 = encoder(swapped)
+  out2 = encode(encoder, swapped)
   np.testing.assert_allclose(out2[:, [3, 1, 2, 0]], out, rtol=1e-5, atol=1e-5)
   # The first patch's output depends on the last patch's pixels.
   changed = images.copy()
   changed[:, 4:, 4:] = 255 - changed[:, 4:, 4:]
-  assert not np.allclose(encoder(changed)[:, 0], out2[:, 3], atol=1e-3)
+  assert not np.allclose(encode(encoder, changed)[:, 0], out2[:, 3], atol=1e-3)
 
 
 def test_vision_params_are_sharded_by_logical_axes():
+  """Shardings the rules table gives the VLM's params on a (2, 2, 2) mesh (abstract: no init)."""
   mesh = sharding.make_mesh((2, 2, 2))
-  _, params = sharding.init_sharded(lambda: VLM(LM, VC, image_token_id=IMG, rngs=nnx.Rngs(0)), mesh)
-  block = params["vision"]["blocks"][0]
-  assert block["attn"]["q_kernel"].get_value().sharding.spec == P("fsdp", "tensor", None)
-  assert block["fc1"]["kernel"].get_value().sharding.spec == P("fsdp", "tensor")
-  assert params["projector"]["fc2"]["kernel"].get_value().sharding.spec == P("tensor", "fsdp")
-  assert params["vision"]["pos_embed"].get_value().sharding.spec == P(None, "fsdp")
-  sharding.assert_params_sharded(params, mesh, min_size=1024)
+  _, abstract = nnx.split(nnx.eval_shape(lambda: VLM(LM, VC, image_token_id=IMG, rngs=nnx.Rngs(0))))
+  shardings = sharding.state_shardings(abstract, mesh)
+  block = shardings["vision"]["blocks"][0]
+  assert block["attn"]["q_kernel"].get_value().spec == P("fsdp", "tensor", None)
+  assert block["fc1"]["kernel"].get_value().spec == P("fsdp", "tensor")
+  assert shardings["projector"]["fc2"]["kernel"].get_value().spec == P("tensor", "fsdp")
+  assert shardings["vision"]["pos_embed"].get_value().spec == P(None, "fsdp")
+  # Every array of at least 1024 elements is split somewhere.
+  sizes = [x.size for x in jax.tree.leaves(abstract)]
+  specs = jax.tree.leaves(shardings)
+  assert len(sizes) == len(specs)
+  for size, spec in zip(sizes, specs, strict=True):
+    assert size < 1024 or not spec.is_fully_replicated, spec
 
 
 def test_splice_replaces_placeholders_in_order():
@@ -95,6 +103,16 @@ def mesh():
 @pytest.fixture(scope="module")
 def vlm(mesh):
   return sharding.init_sharded(lambda: VLM(LM, VC, image_token_id=IMG, rngs=nnx.Rngs(0)), mesh)
+
+
+@nnx.jit
+def _embed(model, tokens, images):
+  return model.embed(tokens, model.encode_images(images))
+
+
+@nnx.jit
+def _forward(model, tokens, positions, valid, images):
+  return model(tokens, positions, valid, images_bhwc=images)
 
 
 def _prompts(batch=4, prompt_len=8):
@@ -119,7 +137,7 @@ def test_cached_prefill_and_sampling_see_the_image(vlm, mesh):
   emb = embed(params, tokens, images, index)
   model = nnx.merge(graphdef, jax.device_get(params))
   # Embedder == per-row encoding and splicing.
-  want = model.embed(tokens, model.encode_images(images[index]))
+  want = _embed(model, tokens, images[index])
   np.testing.assert_allclose(emb, want, rtol=1e-5, atol=1e-6)
 
   sampler = Sampler(
@@ -134,10 +152,10 @@ def test_cached_prefill_and_sampling_see_the_image(vlm, mesh):
   full = np.concatenate([tokens, samples.tokens], axis=1)
   valid = np.concatenate([tokens != 0, np.ones_like(samples.tokens, bool)], axis=1)
   positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
-  logits = model(full, positions, valid, images_bhwc=images[index])
+  logits = _forward(model, full, positions, valid, images[index])
   logp = jax.nn.log_softmax(logits[:, 7:10], axis=-1)
   picked = np.take_along_axis(np.asarray(logp), samples.tokens[..., None], axis=-1)[..., 0]
   np.testing.assert_allclose(samples.logprobs, picked, rtol=1e-4, atol=1e-5)
   # Another image changes the next-token distribution of the same text.
-  other = model(full, positions, valid, images_bhwc=images[1 - index])
+  other = _forward(model, full, positions, valid, images[1 - index])
   assert not np.allclose(other[:, 7], logits[:, 7], atol=1e-3)

@@ -134,7 +134,10 @@ def test_naive_path_encodes_every_row_in_every_micro_batch(naive):
   assert counts["encoder_backward_passes"] == 2
 
 
-@pytest.mark.parametrize(("micro_batches", "remat"), [(1, False), (3, False), (8, True)])
+@pytest.mark.parametrize(
+  ("micro_batches", "remat"),
+  [pytest.param(1, False, marks=pytest.mark.slow), (3, False), (8, True)],
+)
 def test_dedup_gradients_equal_naive(mesh1, naive, micro_batches, remat):
   """Across micro-batch counts (and with the encoder rematerialised): group members split over
   micro-batches, images shared by groups, a text-only group, KL to a reference, entropy bonus."""
