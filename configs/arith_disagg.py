@@ -5,7 +5,7 @@ Usage:
   python -m knitjax.main --config configs/arith_disagg.py:quick --workdir /tmp/dq   # smoke
   python -m knitjax.main --config configs/arith_disagg.py:colocated --workdir /tmp/dc  # reference
 
-8 fake CPU devices: the first 4 run the rollout (continuous batching, 64 sample slots), the
+8 fake CPU devices: the first 4 run the rollout (continuous batching, 128 sample slots), the
 other 4 train. Task `knitjax.tasks.longtail`: class ``arith`` (short answers, budget 4 tokens)
 and class ``think`` (free "thinking" before the answer, budget 16 tokens: the long tail), 16
 groups of each per train step, G=8, M=4 mini-batches with at least 2 groups of each class.
@@ -37,8 +37,9 @@ def get_config(arg=None):
     max_new_tokens=16,
     class_max_new_tokens={"arith": 4, "think": 16},
     temperature=1.0,
-    slots=64,
+    slots=128,
     decode_steps=8,
+    refill_groups=8,
   )
   c.train = dict(
     lr=1e-3,

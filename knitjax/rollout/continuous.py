@@ -3,18 +3,9 @@
 Every slot holds one sample (one response of a group) with its own KV cache row, RoPE position
 and token budget; the cache is per row (the model's one-index `KVCache` vmapped over slots), so
 sequences at different positions decode together and finish out of order, as in production
-engines. One jitted call (fixed shapes) does two things:
-
-1. **refill**: prefills up to ``refill_rows`` new prompts into free slots (their first token is
-   sampled from the prefill logits); skipped by `lax.cond` when nothing is refilled;
-2. **decode**: a `lax.while_loop` of decode iterations over all slots, which stops after
-   ``decode_steps`` iterations, when no slot is live, or once ``stop_free`` slots are free
-   (enough to start the next group), whichever comes first.
-
-Like the batched sampler, everything runs inside `jax.shard_map` over the batch axes, so sampling
-never triggers a collective; each shard owns ``slots / shards`` slots and decides its own exit
-(free slots of its share), so no collective is needed to agree on it either. The refill rows are
-replicated: every shard prefills them and keeps those that land in its slots.
+engines. Each call prefills new prompts into free slots and decodes, in fixed jitted shapes
+(`knitjax.rollout.continuous_step`); this module keeps the host side: which request holds which
+slot, the policy versions, and the finished samples.
 
 Weights: `load` installs a new policy version. With ``adoption="mid_generation"`` (partial
 rollout) live samples switch to it at once; the sample's gen version stays the oldest version it
@@ -26,7 +17,6 @@ pass per live version); a new version waits while every param slot still has liv
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Sequence
@@ -38,28 +28,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from knitjax import sharding
-
-# The batched sampler's draw (top-k / top-p / temperature, untruncated log-probs): one rule.
-from knitjax.rollout.sampler import SamplingConfig, _sample
+from knitjax.rollout.continuous_step import SlotState, engine_call, fresh_cache
+from knitjax.rollout.sampler import SamplingConfig
 
 ADOPTION = ("new_groups", "mid_generation")
-_REFILL_KEY = 1 << 30  # fold_in data of the refill draw, apart from the decode iterations
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SlotState:
-  """Device state of all slots (leading axis: slot)."""
-
-  cache: object  # KVCache with per-slot leaves [S, 1, ...] and index [S]
-  last_token: jax.Array  # [S] token to feed next
-  position: jax.Array  # [S] RoPE position of `last_token`
-  tokens: jax.Array  # [S, N] generated tokens, pad after the end
-  logprobs: jax.Array  # [S, N]
-  length: jax.Array  # [S] generated tokens so far
-  budget: jax.Array  # [S] max new tokens of the slot's sample
-  pslot: jax.Array  # [S] param slot the sample decodes with
-  live: jax.Array  # [S] bool: holds a sample that has not finished
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,149 +52,6 @@ class Finished:
   logprobs: np.ndarray  # [length] float32
   version: int  # oldest policy version used (gen version)
   version_newest: int  # newest policy version used
-
-
-def _fresh_cache(model, rows: int, max_len: int):
-  return jax.vmap(lambda _: model.init_cache(1, max_len))(jnp.arange(rows))
-
-
-def _engine_shard(
-  params,
-  prefill_params,
-  state,
-  refill,
-  rng,
-  stop_free,
-  decode_steps,
-  *,
-  graphdef,
-  sampling,
-  eos_id,
-  pad_id,
-):
-  """One engine call on one batch shard (inside shard_map: no collectives)."""
-  shard = jax.lax.axis_index(sharding.BATCH_AXES)
-  rng = jax.random.fold_in(rng, shard)
-  n_local = state.length.shape[0]
-  n_new = state.tokens.shape[1]
-  rows = jnp.arange(n_local)
-  slot_r, prompts_rp, plens_r, budget_r, valid_r, pslot = refill
-  local_r = slot_r - shard * n_local
-  keep_r = valid_r & (local_r >= 0) & (local_r < n_local)
-  idx_r = jnp.where(keep_r, local_r, n_local)  # out of range: dropped by the scatters
-
-  def do_refill(st: SlotState) -> SlotState:
-    model = nnx.merge(graphdef, prefill_params)
-    r, p = prompts_rp.shape
-    valid_rp = jnp.arange(p)[None, :] >= (p - plens_r)[:, None]
-    pos_rp = jnp.maximum(jnp.cumsum(valid_rp, axis=1) - 1, 0)
-    cache_r = _fresh_cache(model, r, p + n_new)
-    prefill = lambda t, q, v, c: model.prefill(t[None], q[None], v[None], c)  # noqa: E731
-    logits_r, cache_r = jax.vmap(prefill)(prompts_rp, pos_rp, valid_rp, cache_r)
-    token_r, logp_r = _sample(logits_r[:, 0], jax.random.fold_in(rng, _REFILL_KEY), sampling)
-    put = lambda a, x: a.at[idx_r].set(x, mode="drop")  # noqa: E731
-    first_tokens = jnp.full((r, n_new), pad_id, jnp.int32).at[:, 0].set(token_r)
-    first_logps = jnp.zeros((r, n_new), jnp.float32).at[:, 0].set(logp_r)
-    return SlotState(
-      cache=jax.tree.map(put, st.cache, cache_r),
-      last_token=put(st.last_token, token_r),
-      position=put(st.position, plens_r),
-      tokens=put(st.tokens, first_tokens),
-      logprobs=put(st.logprobs, first_logps),
-      length=put(st.length, jnp.ones_like(plens_r)),
-      budget=put(st.budget, budget_r),
-      pslot=put(st.pslot, jnp.full_like(plens_r, pslot)),
-      live=put(st.live, (token_r != eos_id) & (budget_r > 1)),
-    )
-
-  state = jax.lax.cond(jnp.any(keep_r), do_refill, lambda st: st, state)
-  stop_local = (stop_free + jax.lax.axis_size(sharding.BATCH_AXES) - 1) // jax.lax.axis_size(
-    sharding.BATCH_AXES
-  )
-  models = [nnx.merge(graphdef, p) for p in params]
-
-  def decode_rows(model, st):
-    step = lambda t, q, c: model.decode_step(t[None], q[None], c)  # noqa: E731
-    logits, cache = jax.vmap(step)(st.last_token, st.position, st.cache)
-    return logits[:, 0], cache
-
-  def cond(carry):
-    it, st = carry
-    free = n_local - jnp.sum(st.live)
-    # At least one iteration per call, so a caller that cannot use the free slots still moves.
-    enough = (stop_free > 0) & (free >= stop_local) & (it > 0)
-    return (it < decode_steps) & jnp.any(st.live) & ~enough
-
-  def body(carry):
-    it, st = carry
-    if len(models) == 1:
-      logits, cache = decode_rows(models[0], st)
-    else:  # one pass per param slot with live samples; rows take their own slot's results
-      logits = jnp.zeros((n_local, models[0].config.vocab_size), jnp.float32)
-      logits = jax.lax.pcast(logits, sharding.BATCH_AXES, to="varying")
-      cache = st.cache
-      for v, model in enumerate(models):
-        sel = st.live & (st.pslot == v)
-
-        def run(args, model=model, sel=sel):
-          lg, cc = decode_rows(model, st)
-          pick = lambda new, old: jnp.where(  # noqa: E731
-            sel.reshape(sel.shape + (1,) * (new.ndim - 1)), new, old
-          )
-          return pick(lg, args[0]), jax.tree.map(pick, cc, args[1])
-
-        logits, cache = jax.lax.cond(jnp.any(sel), run, lambda a: a, (logits, cache))
-    token, logp = _sample(logits, jax.random.fold_in(rng, it), sampling)
-    live = st.live
-    col = jnp.minimum(st.length, n_new - 1)
-    tokens = st.tokens.at[rows, col].set(jnp.where(live, token, st.tokens[rows, col]))
-    logprobs = st.logprobs.at[rows, col].set(jnp.where(live, logp, st.logprobs[rows, col]))
-    length = st.length + live
-    ended = (token == eos_id) | (length >= st.budget)
-    return it + 1, SlotState(
-      cache=cache,
-      last_token=jnp.where(live, token, st.last_token),
-      position=st.position + live,
-      tokens=tokens,
-      logprobs=logprobs,
-      length=length,
-      budget=st.budget,
-      pslot=st.pslot,
-      live=live & ~ended,
-    )
-
-  steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-  return state, steps[None]
-
-
-@functools.partial(
-  jax.jit, static_argnames=("graphdef", "mesh", "sampling", "eos_id", "pad_id"), donate_argnums=2
-)
-def _engine_call(
-  params,
-  prefill_params,
-  state,
-  refill,
-  rng,
-  stop_free,
-  decode_steps,
-  *,
-  graphdef,
-  mesh,
-  sampling,
-  eos_id,
-  pad_id,
-):
-  batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
-  fn = functools.partial(
-    _engine_shard, graphdef=graphdef, sampling=sampling, eos_id=eos_id, pad_id=pad_id
-  )
-  return jax.shard_map(
-    fn,
-    mesh=mesh,
-    in_specs=(rep, rep, batch, rep, rep, rep, rep),
-    out_specs=(batch, batch),
-  )(params, prefill_params, state, refill, rng, stop_free, decode_steps)
 
 
 class ContinuousEngine:
@@ -329,7 +158,7 @@ class ContinuousEngine:
     s, n = self.slots, self.sampling.max_new_tokens
     zeros = lambda dtype: jnp.zeros((s,), dtype)  # noqa: E731
     return SlotState(
-      cache=_fresh_cache(model, s, self.prompt_len + n),
+      cache=fresh_cache(model, s, self.prompt_len + n),
       last_token=zeros(jnp.int32),
       position=zeros(jnp.int32),
       tokens=jnp.full((s, n), self.pad_id, jnp.int32),
@@ -392,7 +221,7 @@ class ContinuousEngine:
     params = tuple((p if p is not None else self._params[self._newest])[1] for p in self._params)
     t0 = time.perf_counter()
     with jax.set_mesh(self.mesh):
-      self._state, steps = _engine_call(
+      self._state, steps = engine_call(
         params,
         self._params[self._newest][1],
         self._state,

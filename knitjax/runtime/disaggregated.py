@@ -85,6 +85,8 @@ class _JsonlLog:
 
   def write(self, row: dict) -> None:
     self._file.write(json.dumps(row) + "\n")
+
+  def flush(self) -> None:
     self._file.flush()
 
   def close(self) -> None:
@@ -157,10 +159,13 @@ def run(
     os.path.join(workdir, "offered.jsonl"), lambda r: r["seq"] <= stats0["offered"]
   )
 
+  seq = [stats0["offered"]]  # the index's offered counter, kept here (on_offer runs per group)
+
   def on_offer(meta, prompt, rejected: bool) -> None:
+    seq[0] += 1
     offered.write(
       {
-        "seq": admission.stats()["offered"],
+        "seq": seq[0],
         "group_id": meta.group_id,
         "prompt_id": prompt.prompt_id,
         "cls": meta.cls,
@@ -241,8 +246,8 @@ def run(
           if config.runtime.weight_sync == "minibatch" or j == m_per_step - 1:
             weights.publish(state.params, version)
           clock.advance(version)
-          mb_seconds.append(time.perf_counter() - t_got)
-          trainer_busy_s += mb_seconds[-1]
+          mb_seconds.append((time.time(), time.perf_counter() - t_got))
+          trainer_busy_s += mb_seconds[-1][1]
         if step + 1 == total:  # the last step's metrics and checkpoint see the final state
           clock.stop()
           rollout.join(timeout=60)
@@ -264,7 +269,8 @@ def run(
         done = step + 1
         writer.write(done, metrics)
         if done % config.checkpoint.every_steps == 0 or done == total:
-          meta = _snapshot(admission, queue, rollout, storage, prompts, lock)
+          log.flush()  # the logs hold at least what the checkpoint covers
+          meta = _snapshot(admission, queue, rollout, storage, prompts, lock, offered)
           meta.update(
             version=version,
             consumed=consumed,
@@ -281,7 +287,7 @@ def run(
     writer.close()
     log.close()
     offered.close()
-  _write_timings(workdir, rollout, mb_seconds, weights, config, restarts)
+  _write_timings(workdir, rollout, mb_seconds, weights, config, restarts, t_start)
   plot_reward(workdir)
   return {"step": total, **metrics}
 
@@ -347,9 +353,10 @@ def _queue_metrics(admission, queue, rollout, storage, consumed: int, lock) -> d
   }
 
 
-def _snapshot(admission, queue, rollout, storage, prompts, lock) -> dict:
+def _snapshot(admission, queue, rollout, storage, prompts, lock, offered_log) -> dict:
   """The rollout side of a checkpoint, consistent because it is taken under the rollout lock."""
   with lock:
+    offered_log.flush()
     adm = admission.state_dict()
     queued = queue.items()
     ids = [g.group_id for g in admission.pending()] + [
@@ -365,10 +372,17 @@ def _snapshot(admission, queue, rollout, storage, prompts, lock) -> dict:
     }
 
 
-def _write_timings(workdir, rollout: RolloutThread, mb_seconds, weights, config, restarts) -> None:
-  """``timings.json``: measured service times (the simulator's calibration) and lengths."""
-  calls = np.asarray(rollout.calls, np.float64).reshape(-1, 4)
+def _write_timings(workdir, rollout, mb_seconds, weights, config, restarts, t_start) -> None:
+  """``timings.json``: measured service times (the simulator's calibration) and lengths.
+
+  ``calls``: per engine call ``(end time, seconds, decode iterations, groups started, live
+  samples)``; ``trainer_minibatch_s``: per mini-batch ``(end time, seconds)``, from taking it
+  off the queue to publishing; times are ``time.time()``, ``t_start`` the trainer loop's start
+  (``wall_s`` of metrics.jsonl counts from it).
+  """
+  calls = np.asarray(rollout.calls, np.float64).reshape(-1, 5)
   out = {
+    "t_start": t_start,
     "slots": config.rollout.slots,
     "shards": rollout.engine.shards,
     "decode_steps": config.rollout.decode_steps,

@@ -110,7 +110,8 @@ class RolloutThread:
     self.tokens = 0
     self.groups_started = 0
     self.groups_completed = 0
-    self.calls: list[tuple[float, int, int, int]] = []  # (seconds, iterations, refilled, live)
+    # Per engine call: (end time, seconds, decode iterations, groups started, live samples before).
+    self.calls: list[tuple[float, float, int, int, int]] = []
     self.lengths: dict[str, list[int]] = {c: [] for c in classes}
 
   # ---- control ------------------------------------------------------------------------------
@@ -152,8 +153,13 @@ class RolloutThread:
         engine.load(newer[1], newer[0])
       limit = self.clock.limit()
       requests = []
-      if engine.version is not None and self.accepted_started < limit and engine.free_slots >= g:
-        requests = self._start_group()
+      while (
+        engine.version is not None
+        and self.accepted_started < limit
+        and engine.free_slots - len(requests) >= g
+        and len(requests) + g <= engine.refill_rows
+      ):
+        requests += self._start_group()
       if not requests and engine.live_samples == 0:
         self.clock.wait(seen, _IDLE_WAIT_S)  # nothing to do until the trainer moves on
         self.idle_s += time.perf_counter() - t0
@@ -168,7 +174,9 @@ class RolloutThread:
       self._finish(finished)
       dt = time.perf_counter() - t0
       self.busy_s += dt
-      self.calls.append((dt, engine.decode_iterations - iters, int(bool(requests)), live))
+      self.calls.append(
+        (time.time(), dt, engine.decode_iterations - iters, len(requests) // g, live)
+      )
 
   def _start_group(self) -> list[Request]:
     with self.lock:

@@ -1,0 +1,63 @@
+"""Real staleness benchmark: measured frontier of real runs, the simulator's prediction, learning.
+
+    python -m knitjax.bench --config configs/bench/staleness_real.py --workdir /tmp/st_real
+    python -m knitjax.bench --config configs/bench/staleness_real.py:quick --workdir /tmp/st_rq
+
+Runs (each a ``python -m knitjax.main`` process; the commands are in the JSON):
+* frontier: colocated, and disaggregated ``train_batch`` / ``minibatch`` at depths
+  ``max_lag_steps`` 0, 1/M and 1, ``frontier_steps`` train steps each, measured after
+  ``warmup_steps``, with a tiny learning rate (stationary long-tail lengths);
+* learning: colocated (``learning_steps``) and both disaggregated policies at ``learning_depth``
+  (1.1x as many steps), with the training config's learning rate, for each of
+  ``learning_seeds``.
+
+The training config is `configs/arith_disagg.py` (two quota classes, long-tail ``think``
+answers); override any of it with ``--config.train.<section>.<field>=...``.
+"""
+
+import ml_collections as mc
+
+from configs import arith_disagg
+
+
+def get_config(arg: str | None = None) -> mc.ConfigDict:
+  """``arg``: None (full) or ``quick`` (tiny, in process, for tests)."""
+  c = mc.ConfigDict()
+  c.bench = "staleness_real"
+  c.train = arith_disagg.get_config()
+  # One core per side on a 2-core machine: 2 fake devices, 1 rollout + 1 train (8 fake devices
+  # on 2 cores only add overhead; colocated runs use both devices for each phase).
+  c.train.mesh.cpu_devices = 2
+  c.train.runtime.rollout_devices = 1
+  c.adoption = (
+    "mid_generation"  # partial rollout: what the simulator models for a fixed-slot engine
+  )
+  c.depths = (0.0, 0.25, 1.0)  # 0, 1/M, 1 train steps
+  c.reference_depth = 1.0
+  c.frontier_steps = 40
+  c.warmup_steps = 8
+  c.frontier_lr = 1e-7
+  c.repeats = 2  # runs per frontier point, in alternating order; points are their means
+  c.learning_steps = 400  # 0: learning curves from the first frontier runs instead
+  c.learning_depth = 0.25  # max_lag_steps of the two disaggregated learning runs
+  c.learning_seeds = (0, 1, 2)  # each: colocated + both disaggregated policies, same data
+  c.learning_window = 20
+  c.learning_factor = 1.1
+  c.sim_seeds = 3
+  c.tolerance = 0.2
+  c.in_process = False
+  if arg in (None, ""):
+    return c
+  if arg == "quick":
+    c.train = arith_disagg.get_config("quick")
+    c.depths = (0.0, 1.0)
+    c.frontier_steps = 5
+    c.warmup_steps = 1
+    c.repeats = 1
+    c.learning_steps = 0
+    c.learning_depth = 1.0
+    c.learning_window = 2
+    c.sim_seeds = 1
+    c.in_process = True
+    return c
+  raise ValueError(f"staleness_real config arg={arg!r} is not accepted; use '' or 'quick'.")

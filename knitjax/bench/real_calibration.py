@@ -1,0 +1,164 @@
+"""The simulator's cost model, calibrated from a real run's measured timings, and its prediction.
+
+Disaggregated run (`timings.json` of `knitjax.runtime.disaggregated`), over the measurement
+window (after the warmup steps):
+
+* Rollout engine calls: ``b``, the seconds per decode iteration, is the least squares fit of
+  ``a + b * iterations + c * [the call started groups]`` over the calls; it is the simulator's
+  ``decode_s_per_token`` (a continuous-batching iteration, fixed shapes: ``occupancy_slowdown =
+  0``). The rest of the rollout's busy time (prefill, host work between calls) is charged to group
+  starts: ``c_g = (total call seconds - b * total iterations) / groups started``, so the simulated
+  rollout does the measured work. A start stalls every slot for ``c_g``; the simulator charges
+  prefill to the sample's own slot instead, so ``prefill_s_per_token = S * c_g / (G * p)`` (``p``
+  the mean prompt length) spends the same slot-seconds.
+* Trainer: the measured mean seconds per mini-batch (fetch, device transfer, update, weight
+  publish; the step has fixed shapes, so no per-token term).
+* Weight sync: publishing is part of the trainer's time; the rollout adopts a version without a
+  pause (``weight_sync_s = 0``).
+* Lengths: each class's measured response lengths, as a trace the simulator samples from.
+
+Colocated run (``rollout_s``, ``train_s`` per step of `knitjax.runtime.colocated`): every group
+of a step starts at once (``slots = B * G``); the batched sampler runs until its longest sample
+ends, so ``decode_s_per_token = rollout_s / max_new_tokens``; the trainer costs ``train_s / M``
+per mini-batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from knitjax.config import Config
+from knitjax.sim.engine import simulate
+from knitjax.sim.metrics import summarize_result
+from knitjax.sim.workload import ClassSpec, Pipeline, Workload
+
+PREDICTED_KEYS = (
+  "steps_per_hour",
+  "arch_staleness_mean",
+  "arch_staleness_p99",
+  "arch_staleness_newest_mean",
+  "staleness_mean",
+  "trainer_idle_fraction",
+  "rollout_idle_fraction",
+  "quota_violations",
+)
+
+
+def _window_start(run: dict, warmup_steps: int) -> float:
+  t_start = run["timings"]["t_start"] if run["timings"] else 0.0
+  return t_start + (run["wall"][warmup_steps - 1] if warmup_steps else 0.0)
+
+
+def fit_costs(run: dict, *, warmup_steps: int) -> dict:
+  """Service times of a disaggregated run over its window (see the module docstring)."""
+  t = run["timings"]
+  t0 = _window_start(run, warmup_steps)
+  calls = np.asarray(t["calls"], np.float64).reshape(-1, 5)
+  calls = calls[calls[:, 0] > t0]
+  dt, iters, starts = calls[:, 1], calls[:, 2], calls[:, 3]
+  x = np.stack([np.ones_like(dt), iters, (starts > 0).astype(np.float64)], 1)
+  (_, b, _), *_ = np.linalg.lstsq(x, dt, rcond=None)
+  b = max(float(b), 0.0)
+  c = max(0.0, (dt.sum() - b * iters.sum()) / max(starts.sum(), 1.0))
+  mb = np.asarray(t["trainer_minibatch_s"], np.float64).reshape(-1, 2)
+  mb = mb[mb[:, 0] > t0]
+  return {
+    "decode_s_per_iteration": float(b),
+    "group_start_s": float(c),
+    "trainer_minibatch_s": float(mb[:, 1].mean()),
+    "engine_calls": int(len(calls)),
+    "rollout_busy_s": float(dt.sum()),
+    "groups_started": int(starts.sum()),
+    "slots": int(t["slots"]),
+  }
+
+
+def write_traces(run: dict, directory: str) -> dict[str, str]:
+  """Writes each class's measured lengths as a trace file; returns class -> path."""
+  out = {}
+  for cls, lengths in run["timings"]["lengths"].items():
+    path = os.path.join(directory, f"lengths_{cls}.txt")
+    np.savetxt(path, np.asarray(lengths, np.int64), fmt="%d")
+    out[cls] = path
+  return out
+
+
+def _classes(cfg: Config, traces: dict[str, str], prompt_tokens: dict[str, int]):
+  a = cfg.admission
+  return tuple(
+    ClassSpec(
+      name=c,
+      quota=q,
+      min_per_minibatch=a.min_per_minibatch.get(c, 0),
+      max_per_minibatch=a.max_per_minibatch.get(c, 0),
+      length_trace=traces[c],
+      length_max=cfg.rollout.class_max_new_tokens.get(c, cfg.rollout.max_new_tokens),
+      prompt_tokens=prompt_tokens[c],
+    )
+    for c, q in a.quotas.items()
+  )
+
+
+def disaggregated_workload(
+  cfg: Config, costs: dict, traces: dict[str, str], prompt_tokens: dict[str, int]
+) -> Workload:
+  """The `Workload` of a disaggregated run with the fitted costs."""
+  g, s = cfg.rollout.group_size, costs["slots"]
+  quotas = cfg.admission.quotas
+  p_mean = sum(prompt_tokens[c] * q for c, q in quotas.items()) / sum(quotas.values())
+  return Workload(
+    classes=_classes(cfg, traces, prompt_tokens),
+    group_size=g,
+    minibatches=cfg.admission.minibatches,
+    slots=s,
+    decode_s_per_token=costs["decode_s_per_iteration"],
+    occupancy_slowdown=0.0,
+    prefill_s_per_token=max(0.0, s * costs["group_start_s"] / (g * p_mean)),
+    weight_sync_s=0.0,
+    trainer_s_per_token=0.0,
+    trainer_overhead_s=costs["trainer_minibatch_s"],
+  )
+
+
+def colocated_costs(run: dict, cfg: Config, *, warmup_steps: int) -> dict:
+  """Service times of a colocated run over its window."""
+  window = run["rows"][warmup_steps:]
+  rollout_s = float(np.mean([r["rollout_s"] for r in window]))
+  return {
+    "decode_s_per_iteration": rollout_s / cfg.rollout.max_new_tokens,
+    "group_start_s": 0.0,
+    "trainer_minibatch_s": float(np.mean([r["train_s"] for r in window]))
+    / cfg.admission.minibatches,
+    "rollout_s_per_step": rollout_s,
+    "slots": cfg.admission.groups_per_step * cfg.rollout.group_size,
+  }
+
+
+def pipeline_of(cfg: Config, *, colocated: bool = False) -> Pipeline:
+  rt = cfg.runtime
+  return Pipeline(
+    policy=cfg.admission.policy,
+    mode="colocated" if colocated else "disaggregated",
+    max_lag_steps=0.0 if colocated else rt.max_lag_steps,
+    weight_sync=rt.weight_sync,
+    adoption=rt.adoption,
+    scheduling="plain",
+  )
+
+
+def predict(w: Workload, p: Pipeline, *, num_steps: int, warmup_steps: int, seeds=(0, 1, 2)):
+  """The simulator's metrics for the run, averaged over a few seeds (lengths, tie order)."""
+  results = [
+    summarize_result(simulate(w, p, num_steps=num_steps, warmup_steps=warmup_steps, seed=s))
+    for s in seeds
+  ]
+  return {k: float(np.mean([r[k] for r in results])) for k in PREDICTED_KEYS}
+
+
+def rel_error(predicted: float, measured: float) -> float | None:
+  """``(predicted - measured) / measured``; 0 when both are 0, None when only measured is."""
+  if measured == 0:
+    return 0.0 if predicted == 0 else None
+  return (predicted - measured) / measured
