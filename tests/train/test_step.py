@@ -71,7 +71,7 @@ def test_micro_batch_split_is_exact(aggregation):
   batch = random_minibatch()
   before, p1, m1 = run_step(mesh, batch, 1, aggregation=aggregation)
   grads1 = jax.tree.map(lambda a, b: a - b, before, p1)  # sgd(1.0): update = -grad
-  for k in (2, 4, 8):
+  for k in (4,):  # uneven token counts per micro-batch; 1 vs 4 keeps compiles few
     _, pk, mk = run_step(mesh, batch, k, aggregation=aggregation)
     np.testing.assert_allclose(mk["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
     gk = jax.tree.map(lambda a, b: a - b, before, pk)
