@@ -75,7 +75,8 @@ def build_prompts(config: Config) -> Prompts:
   prompt_len = config.task.prompt_len or longest
   if prompt_len < longest:
     raise ValueError(
-        f"config.task.prompt_len={prompt_len} is shorter than the longest prompt ({longest} tokens)."
+        f"config.task.prompt_len={prompt_len} is shorter than the longest prompt "
+        f"({longest} tokens)."
     )
   if tokenizer.vocab_size > config.model.vocab_size:
     raise ValueError(
