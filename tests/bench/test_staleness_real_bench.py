@@ -37,8 +37,13 @@ def test_quick_variant_measures_predicts_and_writes_learning(tmp_path):
   assert saved["throughput_gain"] == pytest.approx(cmp["throughput_gain"])
   assert saved["reduction"] == cmp["reduction"]
   # Every point has the simulator's prediction and the relative differences.
-  assert set(saved["rel_error"]) == {"colocated", "train_batch_d0", "train_batch_d1",
-                                     "minibatch_d0", "minibatch_d1"}
+  assert set(saved["rel_error"]) == {
+    "colocated",
+    "train_batch_d0",
+    "train_batch_d1",
+    "minibatch_d0",
+    "minibatch_d1",
+  }
   for key, err in saved["rel_error"].items():
     pred = next(
       p
