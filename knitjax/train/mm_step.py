@@ -39,7 +39,7 @@ from knitjax.models.vlm import split_params
 from knitjax.train import losses
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.dedup import dedup_gather, dedup_value_and_grad
-from knitjax.train.step import MICRO_BATCH_FIELDS, StepHParams, TrainState
+from knitjax.train.step import MICRO_BATCH_FIELDS, StepHParams, TrainState, jit_step
 
 MM_ROW_FIELDS = (*MICRO_BATCH_FIELDS, "image_index")
 
@@ -259,15 +259,4 @@ def compile_mm_train_step(
     encoder_dedup=encoder_dedup,
     remat_encoder=remat_encoder,
   )
-  in_shardings = [state_shardings, batch_shardings(mesh)]
-  if with_ref:
-    in_shardings.append(state_shardings.params)
-    step = lambda state, batch, ref: fn(state, batch, ref_params=ref)  # noqa: E731
-  else:
-    step = lambda state, batch: fn(state, batch)  # noqa: E731
-  return jax.jit(
-    step,
-    in_shardings=tuple(in_shardings),
-    out_shardings=(state_shardings, sharding.replicated(mesh)),
-    donate_argnums=(0,),
-  )
+  return jit_step(fn, state_shardings, batch_shardings(mesh), mesh, with_ref=with_ref)

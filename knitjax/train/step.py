@@ -114,7 +114,7 @@ def train_step(
   if ref_params is not None and hparams.loss.kl_coef > 0:
     # Reference log-probs of every micro-batch, before (and outside) the gradient scan.
     ref_logp = jax.lax.map(
-        lambda mb: sequence_logprobs(graphdef, ref_params, mb, hparams.temperature)[0], batch
+      lambda mb: sequence_logprobs(graphdef, ref_params, mb, hparams.temperature)[0], batch
     )
     batch = {**batch, "ref_logp": jax.lax.stop_gradient(ref_logp)}
 
@@ -163,8 +163,15 @@ def compile_train_step(
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
   """``jax.jit`` of :func:`train_step` with explicit shardings and the state donated."""
   fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, hparams=hparams)
-  rep = sharding.replicated(mesh)
-  in_shardings = [state_shardings, batch_shardings(mesh)]
+  return jit_step(fn, state_shardings, batch_shardings(mesh), mesh, with_ref=with_ref)
+
+
+def jit_step(fn, state_shardings: TrainState, batch_shardings, mesh, *, with_ref: bool):
+  """Jits ``fn(state, batch, ref_params=None)`` with explicit shardings and the state donated.
+
+  With ``with_ref`` the compiled step takes ``(state, batch, ref_params)``, else ``(state, batch)``.
+  """
+  in_shardings = [state_shardings, batch_shardings]
   if with_ref:
     in_shardings.append(state_shardings.params)
     step = lambda state, batch, ref: fn(state, batch, ref_params=ref)  # noqa: E731
@@ -173,7 +180,7 @@ def compile_train_step(
   return jax.jit(
     step,
     in_shardings=tuple(in_shardings),
-    out_shardings=(state_shardings, rep),
+    out_shardings=(state_shardings, sharding.replicated(mesh)),
     donate_argnums=(0,),
   )
 
