@@ -280,6 +280,13 @@ def run(config, workdir: str) -> dict:
     f"({naive_s - backbone_s:.3f} s for {rows} images); scaled to {w.unique_images} images that "
     f"predicts {result['predicted_speedup']:.2f}x."
   )
+  if share <= 0:
+    # The subtraction is only meaningful when the encoder costs more than the timing noise.
+    print(
+      "warning: the naive step timed no slower than the backbone alone, so the encoder's cost is "
+      "below this run's timing noise; the share and the prediction above are not meaningful "
+      "(use more repeats or a larger encoder)."
+    )
   return result
 
 

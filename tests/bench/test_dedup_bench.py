@@ -41,8 +41,11 @@ def test_quick_run_writes_json_and_plot(tmp_path):
   # Counted by the step's code paths: every row (naive) vs the unique images once.
   assert saved["encoder_images_encoded"] == {"naive": 8, "dedup": 2, "dedup_remat": 2}
   assert saved["encoder_backward_passes"] == {"naive": 2, "dedup": 1, "dedup_remat": 1}
-  for key in ("naive_s", "dedup_s", "speedup", "encoder_share_naive", "predicted_speedup"):
+  # Timings are reported, never judged here (STYLE.md: no timed tests); only their consistency.
+  for key in ("naive_s", "dedup_s", "backbone_s", "speedup"):
     assert saved[key] > 0, key
+  for key in ("encoder_share_naive", "predicted_speedup"):  # may be negative on a noisy machine
+    assert np.isfinite(saved[key]), key
   assert saved["speedup"] == pytest.approx(saved["naive_s"] / saved["dedup_s"])
   # Same params, same batch: the three paths compute the same loss.
   losses = [p["loss"] for p in saved["paths"].values()]
