@@ -1,8 +1,21 @@
 """Command-line error handling shared by ``knitjax.main`` and ``knitjax.bench``."""
 
+import logging as std_logging
 import sys
 
-from absl import flags
+from absl import flags, logging
+
+
+class _QuietLibraries(std_logging.Filter):
+  """Keeps orbax's per-save INFO chatter out of the progress output."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+
+
+def quiet_libraries() -> None:
+  """Drops libraries' INFO records (orbax) from absl's handler; warnings still show."""
+  logging.get_absl_handler().addFilter(_QuietLibraries())
 
 
 def one_line(e: Exception) -> str:

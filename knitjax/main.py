@@ -4,7 +4,6 @@ This file is intentionally kept short: it parses flags, optionally starts
 multi-host JAX, and calls :func:`knitjax.runtime.train.train`.
 """
 
-import logging as std_logging
 import os
 import sys
 
@@ -21,16 +20,9 @@ _DISTRIBUTED = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-class _QuietLibraries(std_logging.Filter):
-  """Keeps orbax's per-save INFO chatter out of the progress output."""
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
-
-
 def main(argv):
   del argv
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  cli.quiet_libraries()
   from knitjax.config import from_config_dict
 
   try:

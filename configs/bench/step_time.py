@@ -2,6 +2,10 @@
 
 Usage: python -m knitjax.bench --config configs/bench/step_time.py --workdir DIR
 
+Side by side with Tunix 0.1.7 (installed in a throwaway venv, benchmarks/external/README.md):
+  python -m knitjax.bench --config configs/bench/step_time.py --workdir DIR \
+    --config.baseline_python=/tmp/tunix-venv/bin/python --config.rounds=3
+
 Shape (issue 2, the shape Tunix 0.1.7 was measured on): a Qwen3-style decoder with 2 layers,
 d_model 128, ffn 256, 4 heads x 32, 2 KV heads, vocab 256, tied embeddings, q/k-norm; 4 prompts x
 G=4 = 16 sequences; prompts left-padded to 8 tokens; 32 new tokens; one mini-batch (one AdamW
@@ -19,6 +23,9 @@ def get_config(arg=None):
   c.bench = "step_time"
   c.cpu_devices = 2
   c.warmup_steps = 5
+  c.rounds = 1  # rounds of (baseline, knitjax) back to back; the headline is the median round
+  c.baseline_python = ""  # a venv python with the external system; empty: knitjax alone
+  c.baseline_script = "benchmarks/external/tunix_step_time.py"
   run = arith_tiny.get_config()
   run.model = dict(
     vocab_size=256,

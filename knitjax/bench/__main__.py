@@ -22,6 +22,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  cli.quiet_libraries()
   config = _CONFIG.value
   name = config.get("bench")
   if not name:

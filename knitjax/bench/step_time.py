@@ -4,12 +4,20 @@ It runs the real training loop (:func:`knitjax.runtime.colocated.run`) and
 reads each step's wall time from ``metrics.jsonl``, so what is timed is what a
 user runs: sampling, rewards, storage, admission, batch assembly and the
 jitted update (with a reference forward when ``kl_coef > 0``).
+
+With ``config.baseline_python`` set (the python of a throwaway venv holding an
+external system, e.g. Tunix 0.1.7), each of ``config.rounds`` rounds runs the
+baseline script in a subprocess and then knitjax, back to back, and the JSON
+reports the per-round ratio ``baseline median / knitjax median``: on a shared,
+noisy machine only ratios measured side by side mean anything.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 
@@ -19,9 +27,7 @@ from knitjax.runtime import colocated
 from knitjax.runtime.metrics import read_metrics
 
 
-def run(config, workdir: str) -> dict:
-  run_config = from_config_dict(config.run)
-  run_dir = os.path.join(workdir, "step_time_run")
+def _time_knitjax(config, run_config, run_dir: str) -> dict:
   shutil.rmtree(run_dir, ignore_errors=True)  # always a fresh run: no resume
   colocated.run(run_config, run_dir)
   rows = read_metrics(run_dir)[config.warmup_steps :]
@@ -31,15 +37,58 @@ def run(config, workdir: str) -> dict:
       f"{config.warmup_steps}."
     )
   step_s = np.array([r["step_s"] for r in rows])
-  rollout_s = np.array([r["rollout_s"] for r in rows])
-  train_s = np.array([r["train_s"] for r in rows])
-  m = run_config.model
-  result = {
+  return {
     "median_s": float(np.median(step_s)),
     "p90_s": float(np.percentile(step_s, 90)),
-    "rollout_median_s": float(np.median(rollout_s)),
-    "train_median_s": float(np.median(train_s)),
+    "rollout_median_s": float(np.median([r["rollout_s"] for r in rows])),
+    "train_median_s": float(np.median([r["train_s"] for r in rows])),
     "timed_steps": len(rows),
+  }
+
+
+def _time_baseline(config, out: str) -> dict:
+  """Runs the external baseline script in its own interpreter; returns its JSON."""
+  python, script = config.baseline_python, config.baseline_script
+  if not os.path.isfile(python):
+    raise ValueError(f"baseline_python={python!r} is not a file (a venv's bin/python).")
+  if not os.path.isfile(script):
+    raise ValueError(f"baseline_script={script!r} is not a file.")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own
+  proc = subprocess.run(
+    [python, script, "--out", out], env=env, capture_output=True, text=True, check=False
+  )
+  if proc.returncode != 0:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    raise ValueError(f"baseline {script} exited with {proc.returncode}: {tail[0]}")
+  with open(out) as f:
+    return json.load(f)
+
+
+def run(config, workdir: str) -> dict:
+  run_config = from_config_dict(config.run)
+  baseline = bool(config.get("baseline_python", ""))
+  rounds = int(config.get("rounds", 1))
+  if rounds < 1:
+    raise ValueError(f"rounds={rounds} must be >= 1.")
+  os.makedirs(workdir, exist_ok=True)
+  per_round = []
+  for r in range(rounds):
+    row = {"round": r}
+    if baseline:
+      base = _time_baseline(config, os.path.join(workdir, f"baseline_round{r}.json"))
+      row["baseline_median_s"] = float(base["median_s"])
+    knit = _time_knitjax(config, run_config, os.path.join(workdir, "step_time_run"))
+    row.update(knit)
+    if baseline:
+      row["ratio"] = row["baseline_median_s"] / row["median_s"]
+    per_round.append(row)
+    print(format_table([row], list(row)))
+
+  m = run_config.model
+  result = {
+    # Headline: the median over rounds of each round's figure.
+    **{k: float(np.median([row[k] for row in per_round])) for k in per_round[0] if k != "round"},
+    "rounds": per_round,
     "sequences_per_step": run_config.admission.groups_per_step * run_config.rollout.group_size,
     "max_new_tokens": run_config.rollout.max_new_tokens,
     "shape": {
@@ -53,18 +102,15 @@ def run(config, workdir: str) -> dict:
     },
     "kl_coef": run_config.train.kl_coef,
   }
+  result["timed_steps"] = int(result["timed_steps"])
+  if baseline:
+    result["baseline"] = {"python": config.baseline_python, "script": config.baseline_script}
   write_json(workdir, "step_time", result)
-  print(
-    format_table(
-      [result],
-      [
-        "median_s",
-        "p90_s",
-        "rollout_median_s",
-        "train_median_s",
-        "timed_steps",
-        "sequences_per_step",
-      ],
-    )
-  )
+  columns = ["median_s", "p90_s", "rollout_median_s", "train_median_s", "sequences_per_step"]
+  if baseline:
+    columns += ["baseline_median_s", "ratio"]
+  print(format_table([result], columns))
+  if baseline:
+    ratios = ", ".join(f"{row['ratio']:.2f}" for row in per_round)
+    print(f"knitjax is {result['ratio']:.2f}x faster than the baseline (median; rounds: {ratios}).")
   return result

@@ -75,13 +75,12 @@ def build_prompts(config: Config) -> Prompts:
   prompt_len = config.task.prompt_len or longest
   if prompt_len < longest:
     raise ValueError(
-        f"config.task.prompt_len={prompt_len} is shorter than the longest prompt "
-        f"({longest} tokens)."
+      f"config.task.prompt_len={prompt_len} is shorter than the longest prompt ({longest} tokens)."
     )
   if tokenizer.vocab_size > config.model.vocab_size:
     raise ValueError(
-        f"config.model.vocab_size={config.model.vocab_size} is smaller than the task's "
-        f"tokenizer ({tokenizer.vocab_size} tokens)."
+      f"config.model.vocab_size={config.model.vocab_size} is smaller than the task's "
+      f"tokenizer ({tokenizer.vocab_size} tokens)."
     )
   if config.vision is not None:
     _check_images(config, sources)
@@ -96,8 +95,8 @@ def _check_images(config: Config, sources: dict[str, PromptSource]) -> None:
     if image is None or image.shape != want:
       got = None if image is None else image.shape
       raise ValueError(
-          f"config.vision expects images of shape {want} but class {cls!r} of task "
-          f"{config.task.name!r} gives {got}."
+        f"config.vision expects images of shape {want} but class {cls!r} of task "
+        f"{config.task.name!r} gives {got}."
       )
 
 
@@ -107,8 +106,8 @@ def image_token_id(config: Config) -> int:
 
   if config.task.name != "count_images":
     raise ValueError(
-        f"config.vision is set but config.task.name={config.task.name!r} has no images; "
-        "accepted: count_images."
+      f"config.vision is set but config.task.name={config.task.name!r} has no images; "
+      "accepted: count_images."
     )
   return count_images.image_token_id(count_images.make_tokenizer())
 
@@ -122,14 +121,10 @@ def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
   if config.vision is not None:
     image_id = image_token_id(config)
     return sharding.init_sharded(
-        lambda: VLM(
-            config.model, config.vision, image_token_id=image_id, rngs=nnx.Rngs(config.seed)
-        ),
-        mesh,
+      lambda: VLM(config.model, config.vision, image_token_id=image_id, rngs=nnx.Rngs(config.seed)),
+      mesh,
     )
-  return sharding.init_sharded(
-      lambda: Transformer(config.model, rngs=nnx.Rngs(config.seed)), mesh
-  )
+  return sharding.init_sharded(lambda: Transformer(config.model, rngs=nnx.Rngs(config.seed)), mesh)
 
 
 def build_trainer(config: Config, graphdef, params, mesh):
@@ -138,29 +133,29 @@ def build_trainer(config: Config, graphdef, params, mesh):
   state, shardings = init_train_state(params, optimizer, mesh)
   t = config.train
   hparams = StepHParams(
-      loss=losses.LossConfig(
-          eps_low=t.eps_low,
-          eps_high=t.eps_high,
-          aggregation=t.aggregation,
-          tis_cap=t.tis_cap or None,
-          kl_coef=t.kl_coef,
-          entropy_coef=t.entropy_coef,
-      ),
-      temperature=config.rollout.temperature,
-      max_new_tokens=config.rollout.max_new_tokens,
+    loss=losses.LossConfig(
+      eps_low=t.eps_low,
+      eps_high=t.eps_high,
+      aggregation=t.aggregation,
+      tis_cap=t.tis_cap or None,
+      kl_coef=t.kl_coef,
+      entropy_coef=t.entropy_coef,
+    ),
+    temperature=config.rollout.temperature,
+    max_new_tokens=config.rollout.max_new_tokens,
   )
   with_ref = t.kl_coef > 0
   compile_kwargs = dict(
-      graphdef=graphdef,
-      optimizer=optimizer,
-      hparams=hparams,
-      state_shardings=shardings,
-      mesh=mesh,
-      with_ref=with_ref,
+    graphdef=graphdef,
+    optimizer=optimizer,
+    hparams=hparams,
+    state_shardings=shardings,
+    mesh=mesh,
+    with_ref=with_ref,
   )
   if config.vision is not None:
     step = mm_step.compile_mm_train_step(
-        encoder_dedup=t.encoder_dedup, remat_encoder=t.remat_encoder, **compile_kwargs
+      encoder_dedup=t.encoder_dedup, remat_encoder=t.remat_encoder, **compile_kwargs
     )
   else:
     step = compile_train_step(**compile_kwargs)
@@ -171,24 +166,24 @@ def build_trainer(config: Config, graphdef, params, mesh):
 def build_worker(config: Config, graphdef, mesh, prompts: Prompts, *, storage_unit: int = 0):
   r = config.rollout
   sampler = Sampler(
-      graphdef,
-      mesh=mesh,
-      sampling=SamplingConfig(
-          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
-      ),
-      eos_id=prompts.tokenizer.eos_id,
-      pad_id=prompts.tokenizer.pad_id,
-      prompt_len=prompts.prompt_len,
+    graphdef,
+    mesh=mesh,
+    sampling=SamplingConfig(
+      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
+    ),
+    eos_id=prompts.tokenizer.eos_id,
+    pad_id=prompts.tokenizer.pad_id,
+    prompt_len=prompts.prompt_len,
   )
   return RolloutWorker(
-      sampler=sampler,
-      tokenizer=prompts.tokenizer,
-      reward_fn=get_reward_fn(config.task.reward),
-      group_size=r.group_size,
-      prompt_len=prompts.prompt_len,
-      storage_unit=storage_unit,
-      class_max_new_tokens=r.class_max_new_tokens,
-      prompt_embedder=make_prompt_embedder(graphdef, mesh) if config.vision is not None else None,
+    sampler=sampler,
+    tokenizer=prompts.tokenizer,
+    reward_fn=get_reward_fn(config.task.reward),
+    group_size=r.group_size,
+    prompt_len=prompts.prompt_len,
+    storage_unit=storage_unit,
+    class_max_new_tokens=r.class_max_new_tokens,
+    prompt_embedder=make_prompt_embedder(graphdef, mesh) if config.vision is not None else None,
   )
 
 
@@ -196,29 +191,29 @@ def build_engine(config: Config, graphdef, mesh, prompts: Prompts) -> Continuous
   """The continuous-batching engine of the disaggregated rollout."""
   r, rt = config.rollout, config.runtime
   return ContinuousEngine(
-      graphdef,
-      mesh=mesh,
-      sampling=SamplingConfig(
-          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
-      ),
-      slots=r.slots,
-      prompt_len=prompts.prompt_len,
-      eos_id=prompts.tokenizer.eos_id,
-      pad_id=prompts.tokenizer.pad_id,
-      refill_rows=r.group_size * r.refill_groups,
-      decode_steps=r.decode_steps,
-      adoption=rt.adoption,
-      param_slots=rt.param_slots,
+    graphdef,
+    mesh=mesh,
+    sampling=SamplingConfig(
+      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
+    ),
+    slots=r.slots,
+    prompt_len=prompts.prompt_len,
+    eos_id=prompts.tokenizer.eos_id,
+    pad_id=prompts.tokenizer.pad_id,
+    refill_rows=r.group_size * r.refill_groups,
+    decode_steps=r.decode_steps,
+    adoption=rt.adoption,
+    param_slots=rt.param_slots,
   )
 
 
 def build_admission(config: Config, on_reject=None) -> AdmissionIndex:
   a = config.admission
   spec = QuotaSpec(
-      class_quotas=dict(a.quotas),
-      minibatches=a.minibatches,
-      min_per_minibatch=dict(a.min_per_minibatch),
-      max_per_minibatch=dict(a.max_per_minibatch),
+    class_quotas=dict(a.quotas),
+    minibatches=a.minibatches,
+    min_per_minibatch=dict(a.min_per_minibatch),
+    max_per_minibatch=dict(a.max_per_minibatch),
   )
   return AdmissionIndex(spec, a.policy, dynamic_sampling=a.dynamic_sampling, on_reject=on_reject)
 
@@ -229,9 +224,9 @@ def build_storage(config: Config, prompts: Prompts, *, unit_id: int = 0) -> InPr
   seq = prompts.prompt_len + r.max_new_tokens
   step_bytes = config.admission.groups_per_step * r.group_size * seq * 16
   limits = StorageLimits(
-      vocab_size=config.model.vocab_size,
-      max_seq_len=seq,
-      max_bytes=int(max(8 * step_bytes, 1 << 24)),
+    vocab_size=config.model.vocab_size,
+    max_seq_len=seq,
+    max_bytes=int(max(8 * step_bytes, 1 << 24)),
   )
   return InProcessStorageUnit(limits, unit_id=unit_id)
 
