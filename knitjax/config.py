@@ -163,6 +163,10 @@ class RuntimeConfig:
   rollout_devices: int = 0
   adoption: str = "new_groups"  # or "mid_generation" (partial rollout)
   param_slots: int = 2  # versions the rollout holds at once with adoption="new_groups"
+  # On-demand access: mini-batches each consumer prepares ahead of its update (0: on demand in
+  # the trainer's thread), and how far token balance may give way to fetching locally.
+  prefetch: int = 1
+  locality_slack: float = 0.5
 
   def __post_init__(self):
     _one_of("config.runtime.mode", self.mode, MODES)
@@ -177,6 +181,8 @@ class RuntimeConfig:
     _positive("config.runtime.steps", self.steps)
     _positive("config.runtime.log_every", self.log_every)
     _positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
+    _positive("config.runtime.prefetch", self.prefetch, allow_zero=True)
+    _positive("config.runtime.locality_slack", self.locality_slack, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,8 +24,16 @@ from knitjax.tasks.prompts import PromptSource, make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train import losses, mm_step
+from knitjax.train.batch import split_micro_batches
 from knitjax.train.optimizer import make_optimizer
-from knitjax.train.step import StepHParams, TrainState, compile_train_step, init_train_state
+from knitjax.train.step import (
+  StepHParams,
+  TrainState,
+  batch_shardings,
+  compile_train_step,
+  init_train_state,
+)
+from knitjax.transfer.access import consumer_batch, to_global
 from knitjax.transfer.admission import AdmissionIndex
 from knitjax.transfer.quota import QuotaSpec
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
@@ -244,3 +252,32 @@ def rng_for(seed: int, step: int) -> jax.Array:
 
 def numpy_rng(seed: int) -> np.random.Generator:
   return np.random.default_rng(seed)
+
+
+def build_prepare(config: Config, storage: dict, mesh, prompts: Prompts):
+  """``prepare(minibatch) -> (device batch, info)``: this consumer's on-demand access.
+
+  Fetches this process's groups of the consumer plan from their storage units, lays them out
+  and assembles the global, sharded ``[K, rows / K, ...]`` arrays of the train step.
+  """
+  k = config.train.micro_batches
+  shardings = batch_shardings(mesh)
+
+  def prepare(mb):
+    local, info = consumer_batch(
+      mb,
+      storage,
+      consumer=jax.process_index(),
+      num_consumers=jax.process_count(),
+      locality_slack=config.runtime.locality_slack,
+      estimator=config.train.advantage,
+      prompt_len=prompts.prompt_len,
+      max_new_tokens=config.rollout.max_new_tokens,
+      pad_id=prompts.tokenizer.pad_id,
+    )
+    if "images" in local:  # VLM: unique images padded to a static count per mini-batch
+      n = sum(len(g.image_hashes) for g in mb.groups)
+      return mm_step.device_batch(local, k, mesh, num_images=n), info
+    return to_global(split_micro_batches(local, k), shardings), info
+
+  return prepare

@@ -21,11 +21,10 @@ from knitjax.config import Config
 from knitjax.runtime import builder
 from knitjax.runtime.metrics import MetricsWriter, plot_reward
 from knitjax.runtime.staleness import StalenessTracker
-from knitjax.train import mm_step
-from knitjax.train.batch import split_micro_batches
 from knitjax.train.checkpoint import Checkpointer
-from knitjax.train.step import batch_shardings, host_metrics
-from knitjax.transfer.access import fetch_minibatch
+from knitjax.train.step import host_metrics
+from knitjax.transfer.admission import MiniBatch
+from knitjax.transfer.feed import OnDemandFeed, exposed_transfer
 
 
 def run(
@@ -66,7 +65,7 @@ def run(
     workdir, total_steps=total, start_step=start_step, log_every=config.runtime.log_every
   )
   logging.info("training steps %d..%d on mesh %s", start_step + 1, total, dict(mesh.shape))
-  b_shardings = batch_shardings(mesh)
+  prepare = builder.build_prepare(config, {0: storage}, mesh, prompts)
   metrics: dict = {}
   with jax.set_mesh(mesh):
     for step in range(start_step, total):
@@ -97,26 +96,14 @@ def run(
       t_t = time.time()
       step_metrics: list[dict] = []
       infos: list[dict] = []
-      for mb in released:
-        batch, info = fetch_minibatch(
-          mb,
-          {0: storage},
-          estimator=config.train.advantage,
-          prompt_len=prompts.prompt_len,
-          max_new_tokens=config.rollout.max_new_tokens,
-          pad_id=prompts.tokenizer.pad_id,
-        )
-        if "images" in batch:  # VLM: unique images padded to a static count per mini-batch
-          device_batch = mm_step.device_batch(
-            batch,
-            config.train.micro_batches,
-            mesh,
-            num_images=sum(len(g.image_hashes) for g in mb.groups),
-          )
-        else:
-          device_batch = jax.device_put(
-            split_micro_batches(batch, config.train.micro_batches), b_shardings
-          )
+      feed = OnDemandFeed(
+        _from_list(released), prepare, count=len(released), prefetch=config.runtime.prefetch
+      )
+      for _ in released:
+        t_want = time.perf_counter()
+        p = next(feed)
+        mb, device_batch = p.minibatch, p.batch
+        info = {**p.info, **exposed_transfer(p, t_want, time.perf_counter())}
         state, m = (
           train_step(state, device_batch, ref)
           if ref is not None
@@ -160,3 +147,9 @@ def run(
   writer.close()
   plot_reward(workdir)
   return {"step": total, **metrics}
+
+
+def _from_list(minibatches: list[MiniBatch]) -> Callable[[float], MiniBatch | None]:
+  """A feed source over one step's released mini-batches."""
+  it = iter(minibatches)
+  return lambda timeout: next(it, None)

@@ -39,12 +39,9 @@ from knitjax.runtime.staleness import StalenessTracker
 from knitjax.runtime.versions import VersionClock
 from knitjax.runtime.weight_sync import WeightSync
 from knitjax.tasks.rewards import get_reward_fn
-from knitjax.train.batch import split_micro_batches
 from knitjax.train.checkpoint import Checkpointer
-from knitjax.train.step import batch_shardings, host_metrics
-from knitjax.transfer.access import fetch_minibatch
-
-_POLL_S = 1.0
+from knitjax.train.step import host_metrics
+from knitjax.transfer.feed import OnDemandFeed, exposed_transfer
 
 
 def split_devices(config: Config, devices=None) -> tuple[list, list]:
@@ -202,7 +199,12 @@ def run(
     total,
     len(train_devices),
   )
-  b_shardings = batch_shardings(train_mesh)
+  feed = OnDemandFeed(
+    _take_from(queue, rollout),
+    builder.build_prepare(config, {storage.unit_id: storage}, train_mesh, prompts),
+    count=(total - start_step) * m_per_step,
+    prefetch=config.runtime.prefetch,
+  )
   trainer_busy_s, trainer_idle_s, mb_seconds = 0.0, 0.0, []
   metrics: dict = {}
   t_start = time.time()
@@ -216,27 +218,23 @@ def run(
         step_metrics, infos = [], []
         for j in range(m_per_step):
           t_wait = time.perf_counter()
-          mb = _next_minibatch(queue, rollout)
+          p = next(feed)
           t_got = time.perf_counter()
           trainer_idle_s += t_got - t_wait
+          mb, device_batch = p.minibatch, p.batch
           if (mb.step, mb.index) != (step, j):
             raise RuntimeError(
               f"released mini-batch {(mb.step, mb.index)} came before {(step, j)}."
             )
-          batch, info = fetch_minibatch(
-            mb,
-            {storage.unit_id: storage},
-            estimator=config.train.advantage,
-            prompt_len=prompts.prompt_len,
-            max_new_tokens=config.rollout.max_new_tokens,
-            pad_id=prompts.tokenizer.pad_id,
-          )
-          device_batch = jax.device_put(
-            split_micro_batches(batch, config.train.micro_batches), b_shardings
-          )
           args = (state, device_batch) if ref is None else (state, device_batch, ref)
           state, m = train_step(*args)
           step_metrics.append(host_metrics(m))  # waits for the update
+          released_at = queue.ack(mb)  # consumed: no longer part of a checkpoint's queue
+          info = {
+            **p.info,
+            **exposed_transfer(p, t_wait, t_got),
+            "release_to_compute_s": max(0.0, t_got - released_at),
+          }
           tracker.record(mb, consume_version=version)
           log.write(_consumed_row(mb, version))
           version += 1
@@ -281,6 +279,7 @@ def run(
         if on_step is not None:
           on_step(done, metrics)
   finally:
+    feed.close()
     clock.stop()
     rollout.join(timeout=60)
     ckpt.close()
@@ -292,15 +291,20 @@ def run(
   return {"step": total, **metrics}
 
 
-def _next_minibatch(queue: ReleasedQueue, rollout: RolloutThread):
-  while True:
-    mb = queue.get(timeout=_POLL_S)
+def _take_from(queue: ReleasedQueue, rollout: RolloutThread):
+  """The feed's source: the next released mini-batch, or an error if rollout is gone."""
+
+  def take(timeout: float):
+    mb = queue.get(timeout=timeout)
     if mb is not None:
       return mb
     if rollout.error is not None:
       raise RuntimeError(f"the rollout thread failed: {rollout.error!r}") from rollout.error
     if not rollout.is_alive():
       raise RuntimeError("the rollout thread stopped before the trainer had its mini-batches.")
+    return None
+
+  return take
 
 
 def _rollout_counters(rollout: RolloutThread, now: float) -> dict:

@@ -4,6 +4,12 @@ The consumer asks each storage unit for exactly the groups of the mini-batch
 that live there, computes the advantages of each (complete) group, and lays
 the rows out as trainer arrays (:func:`knitjax.train.batch.make_batch`).
 
+With several consumers (hosts), :func:`consumer_batch` fetches only the groups the consumer plan
+(`knitjax.transfer.consumer`) gives this consumer; split into its slices of the micro-batches
+(``[K, rows / (consumers K), ...]``), :func:`to_global` assembles the global arrays from every
+process's part (``jax.make_array_from_process_local_data``); on one host that is a plain sharded
+transfer.
+
 Image prompts (groups with ``image_hashes``): each unique image of the mini-batch (by content
 hash, across groups and storage units) is fetched once; the batch gains ``images`` ``[U, ...]`` and
 ``image_index`` ``[rows]`` (-1 for a row without image), the layout of
@@ -15,11 +21,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
+import jax
 import numpy as np
 
 from knitjax.train.advantages import compute_advantages
 from knitjax.train.batch import make_batch
 from knitjax.transfer.admission import MiniBatch
+from knitjax.transfer.consumer import plan_consumers
 from knitjax.transfer.storage import StorageUnit
 
 FETCH_FIELDS = (
@@ -87,6 +95,47 @@ def fetch_minibatch(
   if "images" in batch:
     info["unique_images"] = float(len(batch["images"]))
   return batch, info
+
+
+def consumer_batch(
+  minibatch: MiniBatch,
+  storage: Mapping[int, StorageUnit],
+  *,
+  consumer: int,
+  num_consumers: int,
+  locality_slack: float = 0.5,
+  **layout,
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+  """This consumer's rows of the mini-batch (``[rows / num_consumers, ...]``, unsplit).
+
+  Args:
+    minibatch: a released mini-batch.
+    storage: the storage units by id (a consumer reads only those holding its groups).
+    consumer: this consumer's index (``jax.process_index()``).
+    num_consumers: consumers sharing the mini-batch (``jax.process_count()``).
+    locality_slack: see :func:`knitjax.transfer.consumer.plan_consumers`.
+    **layout: ``estimator``, ``prompt_len``, ``max_new_tokens``, ``pad_id`` of
+      :func:`fetch_minibatch`.
+  """
+  plan = plan_consumers(minibatch, num_consumers, locality_slack=locality_slack)
+  batch, info = fetch_minibatch(plan.minibatch_for(consumer), storage, **layout)
+  if "images" in batch and num_consumers > 1:
+    raise ValueError("image mini-batches are laid out for one consumer (num_consumers=1) only.")
+  info.update(plan.stats())
+  return batch, info
+
+
+def to_global(local: dict[str, np.ndarray], shardings: Mapping[str, jax.sharding.Sharding]):
+  """Global device arrays from each process's local slices (axis 1, the rows, is sharded)."""
+  if jax.process_count() == 1:
+    return jax.device_put(dict(local), dict(shardings))
+  n = jax.process_count()  # every process holds an equal share of the rows
+  return {
+    k: jax.make_array_from_process_local_data(
+      shardings[k], v, (v.shape[0], v.shape[1] * n, *v.shape[2:])
+    )
+    for k, v in local.items()
+  }
 
 
 def _fetch_images(
