@@ -65,6 +65,8 @@ def get_config(arg=None):
     rollout_devices=4,
     adoption="new_groups",
     param_slots=2,
+    prefetch=1,  # on-demand access: the next mini-batch is fetched while this one trains
+    locality_slack=0.5,
   )
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=8)
   c.checkpoint = dict(every_steps=50, keep=2)

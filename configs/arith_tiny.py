@@ -37,7 +37,7 @@ def get_config(arg=None):
     entropy_coef=0.01,
   )
   c.admission = dict(policy="minibatch", quotas={"arith": 32}, minibatches=1)
-  c.runtime = dict(mode="colocated", steps=600, log_every=25)
+  c.runtime = dict(mode="colocated", steps=600, log_every=25, prefetch=1)
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)
   c.checkpoint = dict(every_steps=100, keep=2)
   if arg == "quick":
