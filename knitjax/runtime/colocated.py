@@ -145,7 +145,8 @@ def run(
         on_step(done, metrics)
   ckpt.close()
   writer.close()
-  plot_reward(workdir)
+  if writer.primary:
+    plot_reward(workdir)
   return {"step": total, **metrics}
 
 

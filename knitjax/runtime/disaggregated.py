@@ -287,7 +287,8 @@ def run(
     log.close()
     offered.close()
   _write_timings(workdir, rollout, mb_seconds, weights, config, restarts, t_start)
-  plot_reward(workdir)
+  if writer.primary:
+    plot_reward(workdir)
   return {"step": total, **metrics}
 
 

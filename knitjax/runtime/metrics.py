@@ -23,10 +23,27 @@ class MetricsWriter:
   """Appends one JSON object per train step and mirrors scalars to TensorBoard.
 
   Resuming appends to the same ``metrics.jsonl``; rows from steps after the
-  checkpoint being resumed are dropped first, so every step appears once.
+  checkpoint being resumed are dropped first, so every step appears once. In a multi-host run
+  only process 0 (``primary``) writes files and progress; the others' writes are no-ops.
   """
 
-  def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0, log_every: int = 10):
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    total_steps: int,
+    start_step: int = 0,
+    log_every: int = 10,
+    primary: bool | None = None,
+  ):
+    if primary is None:
+      import jax
+
+      primary = jax.process_index() == 0
+    self.primary = primary
+    self._file = self._tb = None
+    if not primary:
+      return
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._truncate_after(start_step)
@@ -53,6 +70,8 @@ class MetricsWriter:
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     """Records the metrics of train step ``step`` (1-based: steps completed)."""
+    if not self.primary:
+      return
     row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
@@ -78,7 +97,8 @@ class MetricsWriter:
       )
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()
 

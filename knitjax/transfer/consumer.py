@@ -102,10 +102,8 @@ def plan_consumers(
     lightest = min(loads[c] for c in room)
     candidates = [c for c in room if loads[c] <= lightest + slack]
     spare = [c for c in candidates if capacity - counts[c] > local_left[c]]
-    if home in candidates:
-      pick = home
-    else:
-      pick = min(spare or candidates, key=lambda c: (loads[c], c))
+    lightest_first = min(spare or candidates, key=lambda c: (loads[c], c))
+    pick = home if home in candidates else lightest_first
     owner[i] = pick
     loads[pick] += _tokens(g)
     counts[pick] += 1
