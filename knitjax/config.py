@@ -21,6 +21,7 @@ MODES = ("colocated", "disaggregated")
 POLICIES = ("train_batch", "minibatch", "greedy")
 WEIGHT_SYNC = ("minibatch", "step")
 ADOPTION = ("new_groups", "mid_generation")
+STORAGE = ("in_process", "ray")
 DTYPES = ("float32", "bfloat16")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -167,11 +168,16 @@ class RuntimeConfig:
   # the trainer's thread), and how far token balance may give way to fetching locally.
   prefetch: int = 1
   locality_slack: float = 0.5
+  # Storage units: in this process, or Ray actors (needs `pip install -e '.[ray]'`); ray_address
+  # "" starts or joins a local Ray, otherwise it is passed to ray.init (e.g. "auto").
+  storage: str = "in_process"
+  ray_address: str = ""
 
   def __post_init__(self):
     _one_of("config.runtime.mode", self.mode, MODES)
     _one_of("config.runtime.weight_sync", self.weight_sync, WEIGHT_SYNC)
     _one_of("config.runtime.adoption", self.adoption, ADOPTION)
+    _one_of("config.runtime.storage", self.storage, STORAGE)
     _positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
     if self.param_slots < 1 + (self.adoption == "new_groups"):
       raise ValueError(

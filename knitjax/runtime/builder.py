@@ -36,7 +36,7 @@ from knitjax.train.step import (
 from knitjax.transfer.access import consumer_batch, to_global
 from knitjax.transfer.admission import AdmissionIndex
 from knitjax.transfer.quota import QuotaSpec
-from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
+from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits, StorageUnit
 
 
 @dataclasses.dataclass
@@ -226,8 +226,11 @@ def build_admission(config: Config, on_reject=None) -> AdmissionIndex:
   return AdmissionIndex(spec, a.policy, dynamic_sampling=a.dynamic_sampling, on_reject=on_reject)
 
 
-def build_storage(config: Config, prompts: Prompts, *, unit_id: int = 0) -> InProcessStorageUnit:
-  """A storage unit sized for a few train steps of payload (float32 log-probs + int32 tokens)."""
+def build_storage(config: Config, prompts: Prompts, *, unit_id: int = 0) -> StorageUnit:
+  """A storage unit sized for a few train steps of payload (float32 log-probs + int32 tokens).
+
+  ``runtime.storage="ray"`` puts it in a Ray actor (starting or joining Ray if needed).
+  """
   r = config.rollout
   seq = prompts.prompt_len + r.max_new_tokens
   step_bytes = config.admission.groups_per_step * r.group_size * seq * 16
@@ -236,6 +239,16 @@ def build_storage(config: Config, prompts: Prompts, *, unit_id: int = 0) -> InPr
     max_seq_len=seq,
     max_bytes=int(max(8 * step_bytes, 1 << 24)),
   )
+  if config.runtime.storage == "ray":
+    try:
+      import ray
+
+      from knitjax.transfer.ray_storage import RayStorageUnit
+    except ImportError as e:
+      raise ValueError(f"config.runtime.storage='ray' needs Ray installed: {e}") from None
+    if not ray.is_initialized():
+      ray.init(address=config.runtime.ray_address or None, include_dashboard=False)
+    return RayStorageUnit(limits, unit_id=unit_id)
   return InProcessStorageUnit(limits, unit_id=unit_id)
 
 

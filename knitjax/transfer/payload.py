@@ -79,6 +79,10 @@ class PayloadError(ValueError):
     self.group_id = group_id
     self.field = field
     self.reason = reason
+    self.message = message
+
+  def __reduce__(self):  # pickles with its fields (Ray sends it from a storage actor)
+    return (PayloadError, (self.group_id, self.field, self.reason, self.message))
 
 
 def _check_array(gid, name: str, x, dtype, shape: tuple) -> np.ndarray:
