@@ -37,22 +37,10 @@ from knitjax.transfer.access import FETCH_FIELDS, consumer_batch, fetch_minibatc
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
 from knitjax.transfer.group import GroupMeta
+from knitjax.transfer.payload import synthetic_payload
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
 
 MODES = ("centralized", "hash_placement", "on_demand")
-
-
-def _payload(rng, g: int, prompt_len: int, response_len: int, vocab: int) -> dict:
-  lens = rng.integers(response_len // 4, response_len + 1, g).astype(np.int32)
-  mask = np.arange(response_len)[None] < lens[:, None]
-  return {
-    "prompt_tokens": rng.integers(3, vocab, (g, prompt_len)).astype(np.int32),
-    "response_tokens": rng.integers(3, vocab, (g, response_len)).astype(np.int32),
-    "response_mask": mask,
-    "response_lengths": lens,
-    "logprobs": np.where(mask, -rng.random((g, response_len)), 0).astype(np.float32),
-    "rewards": rng.integers(0, 2, g).astype(np.float32),
-  }
 
 
 def _group_bytes(payload: dict) -> int:
@@ -106,7 +94,14 @@ def run(config, workdir: str) -> dict:
     }
     metas, unit_of, hash_of, nbytes = [], {}, {}, {}
     for _ in range(w.groups_per_minibatch):
-      p = _payload(rng, w.group_size, w.prompt_len, w.response_len, w.vocab_size)
+      p = synthetic_payload(
+        rng,
+        group_size=w.group_size,
+        prompt_len=w.prompt_len,
+        response_len=w.response_len,
+        vocab_size=w.vocab_size,
+        min_response=w.response_len // 4,
+      )
       unit_of[gid] = int(rng.integers(w.hosts))  # the host whose rollout worker generated it
       hash_of[gid] = _hash_unit(gid, w.hosts)
       units["rollout_host"][unit_of[gid]].put(gid, p)

@@ -338,3 +338,29 @@ def validate_image(group_id, k: int, image, *, max_image_bytes: int) -> np.ndarr
   image = np.array(image, copy=True, order="C")
   image.setflags(write=False)
   return image
+
+
+def synthetic_payload(
+  rng: np.random.Generator,
+  *,
+  group_size: int,
+  prompt_len: int,
+  response_len: int,
+  vocab_size: int,
+  min_response: int = 1,
+) -> dict[str, np.ndarray]:
+  """A valid random payload of one group (benchmarks and tests; no model involved).
+
+  Responses have uniform lengths in ``[min_response, response_len]``; log-probs are negative on
+  the response mask and 0 off it; rewards are 0/1.
+  """
+  lens = rng.integers(min_response, response_len + 1, group_size).astype(np.int32)
+  mask = np.arange(response_len)[None] < lens[:, None]
+  return {
+    "prompt_tokens": rng.integers(3, vocab_size, (group_size, prompt_len)).astype(np.int32),
+    "response_tokens": rng.integers(3, vocab_size, (group_size, response_len)).astype(np.int32),
+    "response_mask": mask,
+    "response_lengths": lens,
+    "logprobs": np.where(mask, rng.normal(-3, 0.5, mask.shape), 0).astype(np.float32),
+    "rewards": rng.integers(0, 2, group_size).astype(np.float32),
+  }

@@ -23,6 +23,7 @@ from knitjax.transfer.access import consumer_batch, fetch_minibatch, to_global
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import plan_consumers
 from knitjax.transfer.group import GroupMeta
+from knitjax.transfer.payload import synthetic_payload
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
 
 
@@ -105,16 +106,10 @@ def _stored_minibatch(num_groups=8, units=2):
   storage = {u: InProcessStorageUnit(limits, unit_id=u) for u in range(units)}
   metas = []
   for gid in range(num_groups):
-    lens = rng.integers(1, N_NEW + 1, G).astype(np.int32)
-    mask = np.arange(N_NEW)[None] < lens[:, None]
-    payload = {
-      "prompt_tokens": rng.integers(3, 32, (G, P_LEN)).astype(np.int32),
-      "response_tokens": rng.integers(3, 32, (G, N_NEW)).astype(np.int32),
-      "response_mask": mask,
-      "response_lengths": lens,
-      "logprobs": np.where(mask, rng.normal(-3, 0.5, (G, N_NEW)), 0).astype(np.float32),
-      "rewards": rng.integers(0, 2, G).astype(np.float32),
-    }
+    payload = synthetic_payload(
+      rng, group_size=G, prompt_len=P_LEN, response_len=N_NEW, vocab_size=32
+    )
+    lens = payload["response_lengths"]
     unit = gid % units
     storage[unit].put(gid, payload)
     metas.append(_group(gid, lens.tolist(), unit, g=G))

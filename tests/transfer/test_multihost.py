@@ -27,6 +27,7 @@ COMMON = textwrap.dedent(
   from knitjax.train.step import StepHParams, compile_train_step, init_train_state
   from knitjax.transfer.admission import MiniBatch
   from knitjax.transfer.group import GroupMeta
+  from knitjax.transfer.payload import synthetic_payload
   from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
 
   CFG = TransformerConfig(
@@ -40,16 +41,10 @@ COMMON = textwrap.dedent(
     rng = np.random.default_rng(0)
     out = []
     for gid in range(GROUPS):
-      lens = rng.integers(1, N_NEW + 1, G).astype(np.int32)
-      mask = np.arange(N_NEW)[None] < lens[:, None]
-      payload = {
-        "prompt_tokens": rng.integers(3, 32, (G, P_LEN)).astype(np.int32),
-        "response_tokens": rng.integers(3, 32, (G, N_NEW)).astype(np.int32),
-        "response_mask": mask,
-        "response_lengths": lens,
-        "logprobs": np.where(mask, rng.normal(-3, 0.5, (G, N_NEW)), 0).astype(np.float32),
-        "rewards": rng.integers(0, 2, G).astype(np.float32),
-      }
+      payload = synthetic_payload(
+        rng, group_size=G, prompt_len=P_LEN, response_len=N_NEW, vocab_size=32
+      )
+      lens = payload["response_lengths"]
       meta = GroupMeta(
         group_id=gid, cls="a", gen_version=0, num_samples=G, prompt_tokens=(P_LEN,) * G,
         response_tokens=tuple(int(x) for x in lens), storage_unit=gid % 2,

@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 from knitjax.transfer.access import fetch_minibatch  # noqa: E402
 from knitjax.transfer.admission import MiniBatch  # noqa: E402
 from knitjax.transfer.group import GroupMeta  # noqa: E402
-from knitjax.transfer.payload import PayloadError  # noqa: E402
+from knitjax.transfer.payload import PayloadError, synthetic_payload  # noqa: E402
 from knitjax.transfer.ray_storage import RayStorageUnit  # noqa: E402
 from knitjax.transfer.storage import StorageFull, StorageLimits  # noqa: E402
 
@@ -26,17 +26,9 @@ def ray_local():
 
 
 def _payload(seed):
-  rng = np.random.default_rng(seed)
-  lens = rng.integers(1, N + 1, G).astype(np.int32)
-  mask = np.arange(N)[None] < lens[:, None]
-  return {
-    "prompt_tokens": rng.integers(3, VOCAB, (G, P)).astype(np.int32),
-    "response_tokens": rng.integers(3, VOCAB, (G, N)).astype(np.int32),
-    "response_mask": mask,
-    "response_lengths": lens,
-    "logprobs": np.where(mask, -rng.random((G, N)), 0).astype(np.float32),
-    "rewards": rng.integers(0, 2, G).astype(np.float32),
-  }
+  return synthetic_payload(
+    np.random.default_rng(seed), group_size=G, prompt_len=P, response_len=N, vocab_size=VOCAB
+  )
 
 
 def test_put_get_release_and_errors_cross_the_actor(ray_local):
