@@ -1,0 +1,523 @@
+"""Hugging Face checkpoints of the Qwen2 / Qwen2.5 / Qwen3 / Llama-3 family <-> knitjax's decoder.
+
+`config_from_hf` turns a `config.json` into a `TransformerConfig`; `load_hf_params` reads
+`model.safetensors` (or the shards of `model.safetensors.index.json`) into the NNX param tree,
+one tensor at a time, placing each with the sharding of `knitjax.sharding`'s rules; and
+`save_hf_params` writes the inverse, for tests and for exporting a trained policy.
+
+The safetensors format (8-byte little-endian header length, JSON header, raw little-endian bytes)
+is read and written here with NumPy and `ml_dtypes` (for bf16), so no extra dependency is needed;
+like every JAX host, the host is assumed little-endian.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from knitjax import sharding as sharding_lib
+from knitjax.models.transformer import Transformer, TransformerConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_ARCHITECTURES = {
+  "llama": "LlamaForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+}
+_DTYPES = {
+  "F64": np.dtype(np.float64),
+  "F32": np.dtype(np.float32),
+  "F16": np.dtype(np.float16),
+  "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+_REQUIRED = (
+  "vocab_size",
+  "hidden_size",
+  "intermediate_size",
+  "num_hidden_layers",
+  "num_attention_heads",
+)
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise ValueError(
+      f"{path} does not exist; a Hugging Face checkpoint folder is needed."
+    ) from None
+
+
+def _rope_type(spec) -> str:
+  return "default" if not spec else str(spec.get("rope_type", spec.get("type", "default")))
+
+
+def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "float32"):
+  """The `TransformerConfig` of a Hugging Face `config.json` (Qwen2 / Qwen3 / Llama).
+
+  Args:
+    path_or_dict: a checkpoint folder, the path of its `config.json`, or the parsed dict.
+    dtype: knitjax's compute dtype ("float32" | "bfloat16"); params are always float32.
+
+  Raises:
+    ValueError: for a model type, RoPE scaling, sliding window or other option knitjax's decoder
+      does not implement, naming the field and what is accepted.
+  """
+  if isinstance(path_or_dict, Mapping):
+    hf = dict(path_or_dict)
+  else:
+    path = os.fspath(path_or_dict)
+    hf = _read_json(os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path)
+  family = hf.get("model_type")
+  if family not in _ARCHITECTURES:
+    raise ValueError(
+      f"config.json model_type={family!r} is not supported; accepted: {sorted(_ARCHITECTURES)}."
+    )
+  for key in _REQUIRED:
+    if key not in hf:
+      raise ValueError(f"config.json of model_type {family!r} lacks the required field {key!r}.")
+    if not isinstance(hf[key], int) or hf[key] < 1:
+      raise ValueError(f"config.json {key} must be a positive integer, got {hf[key]!r}.")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"config.json hidden_act={hf['hidden_act']!r} is not supported; only 'silu'.")
+  for spec_key in ("rope_scaling", "rope_parameters"):
+    rope_type = _rope_type(hf.get(spec_key))
+    if rope_type != "default":
+      why = " (Llama-3.1+ frequency scaling is not implemented)" if rope_type == "llama3" else ""
+      raise ValueError(
+        f"config.json {spec_key} has rope type {rope_type!r}{why}; accepted: null or 'default'."
+      )
+  if hf.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError("config.json partial_rotary_factor must be 1.0 (RoPE on the whole head).")
+  if hf.get("use_sliding_window", False):
+    raise ValueError("config.json use_sliding_window=true is not supported; accepted: false.")
+  if any(t != "full_attention" for t in hf.get("layer_types") or ()):
+    raise ValueError("config.json layer_types must all be 'full_attention' (no sliding window).")
+  if family != "qwen2" and hf.get("attention_bias", False):
+    raise ValueError(f"config.json attention_bias=true ({family}) is not supported; only false.")
+  if hf.get("mlp_bias", False):
+    raise ValueError("config.json mlp_bias=true is not supported; accepted: false.")
+
+  heads = hf["num_attention_heads"]
+  head_dim = hf.get("head_dim")
+  if head_dim is None:  # Hugging Face's own defaults: Qwen3Config says 128, the others derive it
+    head_dim = 128 if family == "qwen3" else hf["hidden_size"] // heads
+  rope_theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10_000.0))
+  return TransformerConfig(
+    vocab_size=hf["vocab_size"],
+    num_layers=hf["num_hidden_layers"],
+    d_model=hf["hidden_size"],
+    num_heads=heads,
+    num_kv_heads=hf.get("num_key_value_heads") or heads,
+    head_dim=head_dim,
+    ffn_dim=hf["intermediate_size"],
+    rope_theta=float(rope_theta),
+    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    qk_norm=family == "qwen3",
+    qkv_bias=family == "qwen2",
+    dtype=dtype,
+  )
+
+
+def _family(config: TransformerConfig) -> str:
+  if config.qk_norm and config.qkv_bias:
+    raise ValueError("no Hugging Face family has both qk_norm and qkv_bias; cannot export it.")
+  return "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+
+
+def config_to_hf(config: TransformerConfig, *, torch_dtype: str = "float32") -> dict:
+  """The Hugging Face `config.json` dict of a knitjax decoder config (inverse of config_from_hf)."""
+  family = _family(config)
+  hf = {
+    "architectures": [_ARCHITECTURES[family]],
+    "model_type": family,
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.d_model,
+    "intermediate_size": config.ffn_dim,
+    "num_hidden_layers": config.num_layers,
+    "num_attention_heads": config.num_heads,
+    "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim,
+    "hidden_act": "silu",
+    "rms_norm_eps": config.norm_eps,
+    "rope_theta": config.rope_theta,
+    "rope_scaling": None,
+    "tie_word_embeddings": config.tie_embeddings,
+    "torch_dtype": torch_dtype,
+  }
+  if family == "qwen2":
+    hf["use_sliding_window"] = False
+  else:
+    hf["attention_bias"] = False
+    hf["use_sliding_window" if family == "qwen3" else "mlp_bias"] = False
+  return hf
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Entry:
+  file: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  start: int  # absolute byte offset in `file`
+  nbytes: int
+
+
+def _read_header(file: str) -> dict[str, _Entry]:
+  size = os.path.getsize(file)
+  with open(file, "rb") as f:
+    prefix = f.read(8)
+    n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+    if not 0 < n <= size - 8:
+      raise ValueError(f"{file} is not a safetensors file (bad header length).")
+    header = json.loads(f.read(n))
+  entries = {}
+  for name, spec in header.items():
+    if name == "__metadata__":
+      continue
+    if spec["dtype"] not in _DTYPES:
+      raise ValueError(
+        f"tensor {name!r} in {file} has dtype {spec['dtype']}; accepted: {sorted(_DTYPES)}."
+      )
+    dtype, shape = _DTYPES[spec["dtype"]], tuple(spec["shape"])
+    begin, end = spec["data_offsets"]
+    if end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
+      raise ValueError(f"tensor {name!r} in {file} has data offsets that do not match its shape.")
+    entries[name] = _Entry(
+      file=file, dtype=dtype, shape=shape, start=8 + n + begin, nbytes=end - begin
+    )
+  return entries
+
+
+def _read_tensor(entry: _Entry) -> np.ndarray:
+  """Reads exactly one tensor's bytes from disk."""
+  raw = np.fromfile(entry.file, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
+  return raw.view(entry.dtype).reshape(entry.shape)
+
+
+def _checkpoint_entries(path: str) -> dict[str, _Entry]:
+  """Every tensor of a checkpoint folder (single file or index.json shards), by name."""
+  index = os.path.join(path, INDEX_FILE)
+  if os.path.isfile(index):
+    weight_map = _read_json(index).get("weight_map", {})
+    entries: dict[str, _Entry] = {}
+    for shard in sorted(set(weight_map.values())):
+      for name, entry in _read_header(os.path.join(path, shard)).items():
+        if name in entries:
+          raise ValueError(f"tensor {name!r} appears in two shards of {path}.")
+        entries[name] = entry
+    for name, shard in weight_map.items():
+      if name not in entries or os.path.basename(entries[name].file) != shard:
+        raise ValueError(f"{index} maps tensor {name!r} to {shard}, which does not hold it.")
+    return entries
+  single = path if path.endswith(".safetensors") else os.path.join(path, WEIGHTS_FILE)
+  if not os.path.isfile(single):
+    raise ValueError(f"{path} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}.")
+  return _read_header(single)
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """All tensors of a checkpoint folder or `.safetensors` file, in their stored dtypes."""
+  return {name: _read_tensor(e) for name, e in _checkpoint_entries(os.fspath(path)).items()}
+
+
+def _write_streamed(file: str, items: list[tuple[str, tuple[int, ...], np.dtype, object]]) -> None:
+  """Writes `(name, shape, dtype, fetch)` items; `fetch()` is called for one tensor at a time."""
+  header, offset = {"__metadata__": {"format": "pt"}}, 0
+  for name, shape, dtype, _ in items:
+    if np.dtype(dtype) not in _DTYPE_NAMES:
+      raise ValueError(f"tensor {name!r} has dtype {dtype}; accepted: {sorted(_DTYPE_NAMES)}.")
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    header[name] = {
+      "dtype": _DTYPE_NAMES[np.dtype(dtype)],
+      "shape": list(shape),
+      "data_offsets": [offset, offset + nbytes],
+    }
+    offset += nbytes
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # the reference writer aligns the data to 8 bytes
+  with open(file, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)) + blob)
+    for name, shape, dtype, fetch in items:
+      array = np.asarray(fetch())
+      if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
+        raise ValueError(f"tensor {name!r} is not {dtype}{list(shape)} as its header says.")
+      f.write(np.ascontiguousarray(array).view(np.uint8).data)
+
+
+def write_safetensors(file: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
+  """Writes one `.safetensors` file (F64/F32/F16/BF16 tensors) in the stored order."""
+  items = [(n, tuple(np.shape(a)), np.asarray(a).dtype, lambda a=a: a) for n, a in tensors.items()]
+  _write_streamed(os.fspath(file), items)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """Where a knitjax param lives in the checkpoint.
+
+  `split` > 0: a Linear weight; knitjax's kernel is [in..., out...] with `split` input axes and
+  Hugging Face's is [prod(out), prod(in)]. `split` = 0: the same values, maybe flattened (biases).
+  """
+
+  name: str
+  split: int = 0
+
+  def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if self.split:
+      return (math.prod(shape[self.split :]), math.prod(shape[: self.split]))
+    return (math.prod(shape),) if self.name.endswith(".bias") else tuple(shape)
+
+  def to_knitjax(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return (hf.T if self.split else hf).reshape(shape)
+
+  def to_hf(self, value: np.ndarray) -> np.ndarray:
+    if self.split:
+      return value.reshape(math.prod(value.shape[: self.split]), -1).T
+    return value.reshape(self.hf_shape(value.shape))
+
+
+_TOP = {
+  ("embedder", "embedding"): _Slot("model.embed_tokens.weight"),
+  ("final_norm", "scale"): _Slot("model.norm.weight"),
+  ("lm_head",): _Slot("lm_head.weight", 1),
+}
+_BLOCK = {
+  ("attn_norm", "scale"): _Slot("input_layernorm.weight"),
+  ("mlp_norm", "scale"): _Slot("post_attention_layernorm.weight"),
+  ("attn", "q_kernel"): _Slot("self_attn.q_proj.weight", 1),
+  ("attn", "k_kernel"): _Slot("self_attn.k_proj.weight", 1),
+  ("attn", "v_kernel"): _Slot("self_attn.v_proj.weight", 1),
+  ("attn", "o_kernel"): _Slot("self_attn.o_proj.weight", 2),
+  ("attn", "q_bias"): _Slot("self_attn.q_proj.bias"),
+  ("attn", "k_bias"): _Slot("self_attn.k_proj.bias"),
+  ("attn", "v_bias"): _Slot("self_attn.v_proj.bias"),
+  ("attn", "q_norm", "scale"): _Slot("self_attn.q_norm.weight"),
+  ("attn", "k_norm", "scale"): _Slot("self_attn.k_norm.weight"),
+  ("mlp", "gate_kernel"): _Slot("mlp.gate_proj.weight", 1),
+  ("mlp", "up_kernel"): _Slot("mlp.up_proj.weight", 1),
+  ("mlp", "down_kernel"): _Slot("mlp.down_proj.weight", 1),
+}
+
+
+def _slot(path: tuple) -> _Slot:
+  path = tuple(int(p) if isinstance(p, int | np.integer) else str(p) for p in path)
+  if path in _TOP:
+    return _TOP[path]
+  if len(path) > 2 and path[0] == "blocks" and isinstance(path[1], int) and path[2:] in _BLOCK:
+    slot = _BLOCK[path[2:]]
+    return dataclasses.replace(slot, name=f"model.layers.{path[1]}.{slot.name}")
+  raise ValueError(f"param {'/'.join(map(str, path))} has no Hugging Face counterpart.")
+
+
+def _split_state(model_or_state) -> tuple[nnx.State, TransformerConfig | None]:
+  if isinstance(model_or_state, nnx.Module):
+    config = getattr(model_or_state, "config", None)
+    return nnx.state(model_or_state), config if isinstance(config, TransformerConfig) else None
+  return model_or_state, None
+
+
+def _value(variable):
+  return variable.get_value() if isinstance(variable, nnx.Variable) else variable
+
+
+def _check_config(path: str, config: TransformerConfig) -> None:
+  if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+    return
+  want = dataclasses.replace(config_from_hf(path), dtype=config.dtype)
+  for field in dataclasses.fields(TransformerConfig):
+    got, expected = getattr(config, field.name), getattr(want, field.name)
+    if got != expected:
+      raise ValueError(
+        f"the model has {field.name}={got!r} but {path}/{CONFIG_FILE} says {expected!r}; build "
+        "the model from config_from_hf(path)."
+      )
+
+
+def _sharding(variable, shape, mesh):
+  if mesh is not None:
+    axes = (
+      variable.get_metadata().get("out_sharding") if isinstance(variable, nnx.Variable) else None
+    )
+    if axes is None:
+      return sharding_lib.replicated(mesh)
+    return sharding_lib.logical_sharding(mesh, tuple(axes), shape)
+  current = getattr(_value(variable), "sharding", None)
+  return current if isinstance(current, jax.sharding.Sharding) else None
+
+
+def _place(array: np.ndarray, sharding) -> jax.Array:
+  if sharding is None:
+    return jax.device_put(array)
+  # Each process builds only its own shards, straight from host memory.
+  return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def load_hf_params(
+  path: str | os.PathLike,
+  model_or_abstract_state,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+  dtype=np.float32,
+) -> nnx.State:
+  """Reads a Hugging Face checkpoint into knitjax's param tree.
+
+  Every name and shape is checked against the header before any data is read; then tensors are
+  read, converted and placed one at a time, so host memory holds about one tensor at once.
+
+  Args:
+    path: checkpoint folder (`model.safetensors` or `model.safetensors.index.json` + shards).
+    model_or_abstract_state: a `Transformer` (updated in place and checked against the folder's
+      `config.json`), or its state, concrete or abstract (`nnx.split(nnx.eval_shape(...))[1]`).
+    mesh: when given, each param gets the NamedSharding of `knitjax.sharding`'s rules; otherwise
+      the sharding of the given concrete param, or the default device.
+    dtype: the dtype params are converted to (knitjax keeps float32 params).
+
+  Returns:
+    The loaded state, with the structure and metadata of the given one.
+
+  Raises:
+    ValueError: naming the first missing, misshapen or unused tensor.
+  """
+  path = os.fspath(path)
+  state, config = _split_state(model_or_abstract_state)
+  if config is not None:
+    _check_config(path, config)
+  entries = _checkpoint_entries(path)
+  plan, used = [], set()
+  for key, variable in nnx.to_flat_state(state):
+    slot, shape = _slot(key), tuple(_value(variable).shape)
+    entry = entries.get(slot.name)
+    if entry is None:
+      raise ValueError(f"{path} lacks tensor {slot.name!r} that the model needs (shape {shape}).")
+    if entry.shape != slot.hf_shape(shape):
+      raise ValueError(
+        f"tensor {slot.name!r} in {path} has shape {entry.shape} but the model needs "
+        f"{slot.hf_shape(shape)}."
+      )
+    plan.append((key, variable, slot, shape))
+    used.add(slot.name)
+  tied_head = "lm_head.weight" in entries and "lm_head.weight" not in used
+  for name in entries:
+    if name in used or (tied_head and name == "lm_head.weight"):
+      continue
+    if not name.endswith(".rotary_emb.inv_freq"):  # a non-persistent buffer some exports keep
+      raise ValueError(f"tensor {name!r} in {path} is not used by the model.")
+  if tied_head:  # some exports keep the tied head; accept only an exact copy of the embedding
+    embed = entries.get("model.embed_tokens.weight")
+    same = embed is not None and np.array_equal(
+      _read_tensor(entries["lm_head.weight"]), _read_tensor(embed)
+    )
+    if not same:
+      raise ValueError(
+        f"tensor 'lm_head.weight' in {path} differs from the embedding, but the model ties them; "
+        "set tie_embeddings=False (tie_word_embeddings=false)."
+      )
+  loaded = []
+  for key, variable, slot, shape in plan:
+    hf = _read_tensor(entries[slot.name]).astype(dtype, copy=False)
+    value = _place(
+      np.ascontiguousarray(slot.to_knitjax(hf, shape)), _sharding(variable, shape, mesh)
+    )
+    del hf
+    loaded.append((key, variable.replace(value) if isinstance(variable, nnx.Variable) else value))
+  new_state = nnx.from_flat_state(loaded)
+  if isinstance(model_or_abstract_state, nnx.Module):
+    nnx.update(model_or_abstract_state, new_state)
+  return new_state
+
+
+def _host(value, dtype) -> np.ndarray:
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    from jax.experimental import multihost_utils
+
+    value = multihost_utils.process_allgather(value, tiled=True)
+  return np.asarray(jax.device_get(value)).astype(dtype, copy=False)
+
+
+def save_hf_params(
+  model_or_state,
+  config: TransformerConfig,
+  path: str | os.PathLike,
+  *,
+  dtype=np.float32,
+  max_shard_bytes: int | None = None,
+) -> None:
+  """Writes `config.json` and the weights in Hugging Face layout (inverse of `load_hf_params`).
+
+  Args:
+    model_or_state: a `Transformer` or its (concrete) state.
+    config: its config (gives the family: qk_norm -> qwen3, qkv_bias -> qwen2, else llama).
+    path: folder to write (created if missing).
+    dtype: stored dtype, e.g. `np.float32` or `ml_dtypes.bfloat16`.
+    max_shard_bytes: when set, shards of at most this size (a single tensor may exceed it) and a
+      `model.safetensors.index.json`, as `save_pretrained` writes for big models.
+
+  Tensors are fetched to the host one at a time while writing. In a multi-process run every
+  process must call this (params are gathered); only process 0 writes.
+  """
+  path, dtype = os.fspath(path), np.dtype(dtype)
+  if dtype not in _DTYPE_NAMES:
+    raise ValueError(f"save_hf_params dtype {dtype} is not supported; accepted: float32, bfloat16.")
+  items = []
+  for key, variable in nnx.to_flat_state(_split_state(model_or_state)[0]):
+    value, slot = _value(variable), _slot(key)
+    fetch = lambda value=value, slot=slot: slot.to_hf(_host(value, dtype))
+    items.append((slot.name, slot.hf_shape(tuple(value.shape)), dtype, fetch))
+  items.sort(key=lambda item: item[0])
+  shards, size = [[]], 0
+  for item in items:
+    nbytes = math.prod(item[1]) * dtype.itemsize
+    if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(item)
+    size += nbytes
+  if max_shard_bytes is None:
+    files = [WEIGHTS_FILE]
+  else:
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  if jax.process_index() != 0:  # take part in the gathers of non-addressable params, in order
+    for *_, fetch in items:
+      fetch()
+    return
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, CONFIG_FILE), "w") as f:
+    json.dump(config_to_hf(config, torch_dtype=_TORCH_DTYPES[_DTYPE_NAMES[dtype]]), f, indent=2)
+  for file, shard in zip(files, shards, strict=True):
+    _write_streamed(os.path.join(path, file), shard)
+  if max_shard_bytes is not None:
+    index = {
+      "metadata": {"total_size": sum(math.prod(i[1]) * dtype.itemsize for i in items)},
+      "weight_map": {
+        item[0]: file for file, shard in zip(files, shards, strict=True) for item in shard
+      },
+    }
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+      json.dump(index, f, indent=2)
+
+
+def init_from_hf(
+  path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, dtype: str = "float32"
+):
+  """`(config, graphdef, state)` of a Transformer loaded from a checkpoint folder, no random init.
+
+  The drop-in for `sharding.init_sharded` when the policy starts from a Hugging Face checkpoint:
+  the model is only traced (`nnx.eval_shape`), then each param is read and placed on `mesh`.
+  """
+  config = config_from_hf(path, dtype=dtype)
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  return config, graphdef, load_hf_params(path, abstract_state, mesh=mesh)
