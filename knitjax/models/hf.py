@@ -360,9 +360,11 @@ def _sharding(variable, shape, mesh):
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
   if sharding is None:
-    return jax.device_put(array)
-  # Each process builds only its own shards, straight from host memory.
-  return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+    return jax.device_put(np.ascontiguousarray(array))
+  # Each process copies out only its own shards (of a maybe transposed view) from host memory.
+  return jax.make_array_from_callback(
+    array.shape, sharding, lambda index: np.ascontiguousarray(array[index])
+  )
 
 
 def load_hf_params(
@@ -374,8 +376,9 @@ def load_hf_params(
 ) -> nnx.State:
   """Reads a Hugging Face checkpoint into knitjax's param tree.
 
-  Every name and shape is checked against the header before any data is read; then tensors are
-  read, converted and placed one at a time, so host memory holds about one tensor at once.
+  Every name and shape is checked against the headers before any data is read; then tensors are
+  read, converted and placed one at a time, so host memory holds about one tensor (in its stored
+  and its loaded dtype) at once, never the whole model.
 
   Args:
     path: checkpoint folder (`model.safetensors` or `model.safetensors.index.json` + shards).
@@ -428,10 +431,7 @@ def load_hf_params(
   loaded = []
   for key, variable, slot, shape in plan:
     hf = _read_tensor(entries[slot.name]).astype(dtype, copy=False)
-    value = _place(
-      np.ascontiguousarray(slot.to_knitjax(hf, shape)), _sharding(variable, shape, mesh)
-    )
-    del hf
+    value = _place(slot.to_knitjax(hf, shape), _sharding(variable, shape, mesh))
     loaded.append((key, variable.replace(value) if isinstance(variable, nnx.Variable) else value))
   new_state = nnx.from_flat_state(loaded)
   if isinstance(model_or_abstract_state, nnx.Module):

@@ -200,6 +200,17 @@ def _assert_same(state_a, state_b):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_reexport_of_transformers_checkpoint_is_bitwise(tmp_path, family):
+  path = os.path.join(DATA, f"hf_{family}")
+  config, graphdef, state = hf.init_from_hf(path)
+  hf.save_hf_params(state, config, tmp_path, dtype=ml_dtypes.bfloat16)
+  original, exported = hf.read_safetensors(path), hf.read_safetensors(tmp_path)
+  assert sorted(original) == sorted(exported)
+  for name, tensor in original.items():
+    assert exported[name].dtype == tensor.dtype and np.array_equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_is_bitwise(tmp_path, family):
   config = hf.config_from_hf(HF_CONFIGS[family])
   model = _random_model(config)
