@@ -172,12 +172,21 @@ class RuntimeConfig:
   # "" starts or joins a local Ray, otherwise it is passed to ray.init (e.g. "auto").
   storage: str = "in_process"
   ray_address: str = ""
+  # Colocated only: generate in this many Ray actors (each writing to a Ray storage unit on its
+  # own node) instead of in process; 0: the embedded worker.
+  rollout_workers: int = 0
 
   def __post_init__(self):
     _one_of("config.runtime.mode", self.mode, MODES)
     _one_of("config.runtime.weight_sync", self.weight_sync, WEIGHT_SYNC)
     _one_of("config.runtime.adoption", self.adoption, ADOPTION)
     _one_of("config.runtime.storage", self.storage, STORAGE)
+    _positive("config.runtime.rollout_workers", self.rollout_workers, allow_zero=True)
+    if self.rollout_workers and self.mode != "colocated":
+      raise ValueError(
+        f"config.runtime.rollout_workers={self.rollout_workers} is accepted only with "
+        f"runtime.mode='colocated' (got {self.mode!r}); the disaggregated rollout is in process."
+      )
     _positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
     if self.param_slots < 1 + (self.adoption == "new_groups"):
       raise ValueError(

@@ -20,7 +20,7 @@ from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train.batch import left_pad
 from knitjax.transfer.group import GroupMeta
-from knitjax.transfer.storage import image_hash
+from knitjax.transfer.storage import StorageUnit, image_hash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,3 +179,37 @@ def assemble_group(
   payload["image_index"] = np.zeros(g, np.int32)
   meta = dataclasses.replace(meta, image_hashes=(image_hash(prompt.image),))
   return Group(meta=meta, payload=payload, images=(prompt.image,))
+
+
+class EmbeddedRollout:
+  """The in-process rollout of colocated runs: a worker that writes its groups to its unit.
+
+  Same contract as :class:`knitjax.rollout.ray_worker.RayRolloutPool`: ``generate`` stores the
+  payloads and returns the groups' metadata, for the admission index.
+  """
+
+  def __init__(self, worker: RolloutWorker, storage: StorageUnit):
+    self._worker, self._unit = worker, storage
+
+  @property
+  def storage(self) -> dict[int, StorageUnit]:
+    return {self._unit.unit_id: self._unit}
+
+  def generate(
+    self,
+    params: nnx.State,
+    prompts: Sequence[Prompt],
+    *,
+    version: int,
+    rng: jax.Array,
+    first_group_id: int,
+  ) -> list[GroupMeta]:
+    groups = self._worker.generate(
+      params, prompts, version=version, rng=rng, first_group_id=first_group_id
+    )
+    for g in groups:
+      self._unit.put(g.meta.group_id, g.payload, images=g.images)
+    return [g.meta for g in groups]
+
+  def close(self) -> None:
+    pass

@@ -19,7 +19,7 @@ from knitjax.models.transformer import Transformer
 from knitjax.models.vlm import VLM, make_prompt_embedder
 from knitjax.rollout.continuous import ContinuousEngine
 from knitjax.rollout.sampler import Sampler, SamplingConfig
-from knitjax.rollout.worker import RolloutWorker
+from knitjax.rollout.worker import EmbeddedRollout, RolloutWorker
 from knitjax.tasks.prompts import PromptSource, make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.tasks.tokenizer import CharTokenizer
@@ -195,6 +195,23 @@ def build_worker(config: Config, graphdef, mesh, prompts: Prompts, *, storage_un
   )
 
 
+def build_rollout(config: Config, graphdef, mesh, prompts: Prompts):
+  """The colocated rollout: an embedded worker, or ``runtime.rollout_workers`` Ray actors.
+
+  Either way ``generate(params, prompts, version=, rng=, first_group_id=)`` stores the payloads
+  in the rollout's storage units (``.storage``: unit id -> unit) and returns ``GroupMeta``s.
+  """
+  n = config.runtime.rollout_workers
+  if not n:
+    worker = build_worker(config, graphdef, mesh, prompts)
+    return EmbeddedRollout(worker, build_storage(config, prompts))
+  _ensure_ray(config)
+  from knitjax.rollout.ray_worker import RayRolloutPool, RayRolloutWorker
+
+  limits = build_storage_limits(config, prompts)
+  return RayRolloutPool([RayRolloutWorker(config, limits, unit_id=i) for i in range(n)])
+
+
 def build_engine(config: Config, graphdef, mesh, prompts: Prompts) -> ContinuousEngine:
   """The continuous-batching engine of the disaggregated rollout."""
   r, rt = config.rollout, config.runtime
@@ -231,25 +248,35 @@ def build_storage(config: Config, prompts: Prompts, *, unit_id: int = 0) -> Stor
 
   ``runtime.storage="ray"`` puts it in a Ray actor (starting or joining Ray if needed).
   """
+  limits = build_storage_limits(config, prompts)
+  if config.runtime.storage == "ray":
+    _ensure_ray(config)
+    from knitjax.transfer.ray_storage import RayStorageUnit
+
+    return RayStorageUnit(limits, unit_id=unit_id)
+  return InProcessStorageUnit(limits, unit_id=unit_id)
+
+
+def build_storage_limits(config: Config, prompts: Prompts) -> StorageLimits:
   r = config.rollout
   seq = prompts.prompt_len + r.max_new_tokens
   step_bytes = config.admission.groups_per_step * r.group_size * seq * 16
-  limits = StorageLimits(
+  return StorageLimits(
     vocab_size=config.model.vocab_size,
     max_seq_len=seq,
     max_bytes=int(max(8 * step_bytes, 1 << 24)),
   )
-  if config.runtime.storage == "ray":
-    try:
-      import ray
 
-      from knitjax.transfer.ray_storage import RayStorageUnit
-    except ImportError as e:
-      raise ValueError(f"config.runtime.storage='ray' needs Ray installed: {e}") from None
-    if not ray.is_initialized():
-      ray.init(address=config.runtime.ray_address or None, include_dashboard=False)
-    return RayStorageUnit(limits, unit_id=unit_id)
-  return InProcessStorageUnit(limits, unit_id=unit_id)
+
+def _ensure_ray(config: Config) -> None:
+  try:
+    import ray
+  except ImportError:
+    raise ValueError(
+      "config.runtime.storage='ray' / rollout_workers > 0 need Ray: pip install -e '.[ray]'."
+    ) from None
+  if not ray.is_initialized():
+    ray.init(address=config.runtime.ray_address or None, include_dashboard=False)
 
 
 def init_state(config: Config, mesh) -> tuple[nnx.GraphDef, TrainState, TrainState, object, object]:

@@ -43,9 +43,9 @@ def run(
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
   graphdef, state, shardings, train_step, ref = builder.init_state(config, mesh)
-  worker = builder.build_worker(config, graphdef, mesh, prompts)
-  storage = builder.build_storage(config, prompts)
-  admission = builder.build_admission(config, on_reject=lambda g: storage.release([g.group_id]))
+  rollout = builder.build_rollout(config, graphdef, mesh, prompts)
+  storage = rollout.storage  # unit id -> storage unit
+  admission = builder.build_admission(config, on_reject=lambda g: _release(storage, [g]))
   tracker = StalenessTracker()
   ckpt = Checkpointer(workdir, keep=config.checkpoint.keep)
   m_per_step = config.admission.minibatches
@@ -65,7 +65,7 @@ def run(
     workdir, total_steps=total, start_step=start_step, log_every=config.runtime.log_every
   )
   logging.info("training steps %d..%d on mesh %s", start_step + 1, total, dict(mesh.shape))
-  prepare = builder.build_prepare(config, {0: storage}, mesh, prompts)
+  prepare = builder.build_prepare(config, storage, mesh, prompts)
   metrics: dict = {}
   with jax.set_mesh(mesh):
     for step in range(start_step, total):
@@ -78,7 +78,7 @@ def run(
         counts = {c: n for c, n in need.items() if n > 0} or dict(config.admission.quotas)
         counts = {c: max(n, config.admission.quotas[c]) for c, n in counts.items()}
         t_r = time.time()
-        groups = worker.generate(
+        metas = rollout.generate(  # payloads go to the rollout's storage units
           state.params,
           prompts.next(counts),
           version=version,
@@ -87,11 +87,10 @@ def run(
         )
         rollout_s += time.time() - t_r
         chunk += 1
-        next_group_id += len(groups)
-        for g in groups:
-          gen_tokens += sum(g.meta.response_tokens)
-          storage.put(g.meta.group_id, g.payload, images=g.images)
-          released += admission.offer(g.meta)
+        next_group_id += len(metas)
+        for meta in metas:
+          gen_tokens += sum(meta.response_tokens)
+          released += admission.offer(meta)
 
       t_t = time.time()
       step_metrics: list[dict] = []
@@ -111,7 +110,7 @@ def run(
         )
         tracker.record(mb, consume_version=version)
         version += 1
-        storage.release([g.group_id for g in mb.groups])
+        _release(storage, mb.groups)
         step_metrics.append(m)
         infos.append(info)
       step_metrics = [host_metrics(m) for m in step_metrics]
@@ -145,6 +144,7 @@ def run(
         on_step(done, metrics)
   ckpt.close()
   writer.close()
+  rollout.close()
   if writer.primary:
     plot_reward(workdir)
   return {"step": total, **metrics}
@@ -154,3 +154,12 @@ def _from_list(minibatches: list[MiniBatch]) -> Callable[[float], MiniBatch | No
   """A feed source over one step's released mini-batches."""
   it = iter(minibatches)
   return lambda timeout: next(it, None)
+
+
+def _release(storage: dict, groups) -> None:
+  """Releases consumed (or rejected) groups in the units that hold them."""
+  by_unit: dict[int, list[int]] = {}
+  for g in groups:
+    by_unit.setdefault(g.storage_unit, []).append(g.group_id)
+  for unit, ids in by_unit.items():
+    storage[unit].release(ids)

@@ -2,6 +2,7 @@
 
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -120,3 +121,34 @@ def test_colocated_run_with_ray_storage_units(ray_local, tmp_path):
   c.runtime.storage = "ray"
   out = colocated.run(from_config_dict(c), str(tmp_path))
   assert out["step"] == c.runtime.steps and out["version"] == 2 * c.admission.minibatches
+
+
+@pytest.mark.slow
+def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
+  """Rollout in a Ray actor writing to a storage unit on its node; the trainer fetches from it."""
+  from configs import arith_tiny
+  from knitjax.config import from_config_dict
+  from knitjax.runtime import builder, colocated
+
+  c = arith_tiny.get_config("quick")
+  c.runtime.rollout_workers = 1
+  config = from_config_dict(c)
+  out = colocated.run(config, str(tmp_path))
+  assert out["step"] == c.runtime.steps and out["version"] == 2 * c.admission.minibatches
+  assert 0 <= out["reward_mean"] <= 1
+
+  # The pool directly: metadata comes back, payloads stay in the worker's unit until released.
+  prompts = builder.build_prompts(config)
+  mesh = builder.build_mesh(config)
+  graphdef, params = builder.build_model(config, mesh)
+  pool = builder.build_rollout(config, graphdef, mesh, prompts)
+  metas = pool.generate(
+    params, prompts.next({"arith": 3}), version=0, rng=jax.random.key(0), first_group_id=10
+  )
+  assert [m.group_id for m in metas] == [10, 11, 12]
+  assert {m.storage_unit for m in metas} == {0} and all(m.gen_version == 0 for m in metas)
+  unit = pool.storage[0]
+  assert unit.stats()["groups"] == 3
+  got = unit.get([11], ["response_tokens"])["response_tokens"][0]
+  assert got.shape[0] == config.rollout.group_size
+  pool.close()
