@@ -9,6 +9,7 @@ these dataclasses, never the ConfigDict.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -239,6 +240,9 @@ class Config:
   mesh: MeshConfig
   checkpoint: CheckpointConfig
   vision: VisionConfig | None = None  # set: the policy is a VLM (knitjax.models.vlm)
+  # A Hugging Face checkpoint folder (Qwen2/Qwen3/Llama, knitjax.models.hf) the policy starts
+  # from: config.model then comes from its config.json (only config.model.dtype may be set).
+  init_from: str = ""
 
 
 _SECTIONS = {
@@ -307,7 +311,7 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     ValueError: one sentence naming the bad field and what is accepted.
   """
   config = _to_plain(config)
-  known = {"seed", "model", "vision", *_SECTIONS}
+  known = {"seed", "model", "vision", "init_from", *_SECTIONS}
   for key in config:
     if key not in known:
       raise ValueError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}.")
@@ -315,7 +319,13 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     name: build_section(cls, config.get(name, {}), f"config.{name}")
     for name, cls in _SECTIONS.items()
   }
-  model = build_section(TransformerConfig, config.get("model", {}), "config.model")
+  init_from = config.get("init_from") or ""
+  if not isinstance(init_from, str):
+    raise ValueError(f"config.init_from={init_from!r} has the wrong type; expected a folder path.")
+  if init_from:
+    model = _model_from_checkpoint(init_from, config.get("model") or {})
+  else:
+    model = build_section(TransformerConfig, config.get("model", {}), "config.model")
   seed = config.get("seed", 0)
   if not isinstance(seed, int):
     raise ValueError(f"config.seed={seed!r} has the wrong type; expected int.")
@@ -327,4 +337,23 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
         f"config.vision (a VLM policy) runs with config.runtime.mode='colocated' only, got "
         f"{sections['runtime'].mode!r}."
       )
-  return Config(seed=seed, model=model, vision=vision, **sections)
+  if init_from and vision is not None:
+    raise ValueError(
+      "config.init_from loads a text decoder; it cannot be combined with config.vision."
+    )
+  return Config(seed=seed, model=model, vision=vision, init_from=init_from, **sections)
+
+
+def _model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerConfig:
+  """The decoder shape of a Hugging Face checkpoint; config.model may only choose the dtype."""
+  from knitjax.models import hf
+
+  extra = sorted(set(model) - {"dtype"})
+  if extra:
+    raise ValueError(
+      f"config.model.{extra[0]} cannot be set with config.init_from={path!r}: the shape comes from "
+      "the checkpoint's config.json; accepted: config.model.dtype only."
+    )
+  if not os.path.isdir(path):
+    raise ValueError(f"config.init_from={path!r} is not a folder (a Hugging Face checkpoint).")
+  return hf.config_from_hf(path, dtype=model.get("dtype", "float32"))

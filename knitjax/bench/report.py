@@ -7,7 +7,8 @@ from typing import Any
 
 
 def write_json(workdir: str, name: str, result: Mapping[str, Any]) -> str:
-  """Writes ``workdir/<name>.json`` and returns its path."""
+  """Writes ``workdir/<name>.json`` (creating ``workdir``) and returns its path."""
+  os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, f"{name}.json")
   with open(path, "w") as f:
     json.dump(result, f, indent=2, sort_keys=False, default=_to_builtin)

@@ -11,9 +11,9 @@ import dataclasses
 import math
 import os
 
-import matplotlib
 import ml_collections as mc
 import numpy as np
+from matplotlib.figure import Figure  # drawn without pyplot: the caller's backend is untouched
 
 from knitjax.bench.report import format_table, write_json
 from knitjax.runtime.staleness import staleness
@@ -22,9 +22,6 @@ from knitjax.sim.engine import SimResult, simulate
 from knitjax.sim.frontier import POINT_KEYS, compare, depth_grid, run_frontier
 from knitjax.sim.metrics import summarize_result
 from knitjax.sim.workload import POLICIES, ClassSpec, Pipeline, Workload
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 _CLASS_FIELDS = tuple(f.name for f in dataclasses.fields(ClassSpec) if f.name != "name")
 _WORKLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(Workload) if f.name != "classes")
@@ -278,7 +275,8 @@ def _arch_values(r: SimResult) -> np.ndarray:
 
 def _plot(path, frontier, ref_results, coloc, sweep) -> None:
   ncols = 3 if sweep else 2
-  fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4.5))
+  fig = Figure(figsize=(5.5 * ncols, 4.5))
+  axes = fig.subplots(1, ncols)
   ax = axes[0]
   for policy, pts in frontier.items():
     x = [p["arch_staleness_mean"] for p in pts]
@@ -320,7 +318,6 @@ def _plot(path, frontier, ref_results, coloc, sweep) -> None:
     ax.grid(alpha=0.3, axis="y")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def _table(out: dict) -> str:

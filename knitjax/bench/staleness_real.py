@@ -27,9 +27,9 @@ import copy
 import math
 import os
 
-import matplotlib
 import ml_collections as mc
 import numpy as np
+from matplotlib.figure import Figure  # drawn without pyplot: the caller's backend is untouched
 
 from knitjax.bench import learning, real_calibration
 from knitjax.bench.real_runs import launch, measured_point, read_run
@@ -37,9 +37,6 @@ from knitjax.bench.report import format_table, write_json
 from knitjax.config import from_config_dict
 from knitjax.runtime import builder
 from knitjax.sim.frontier import compare
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 POLICIES = ("train_batch", "minibatch")
 
@@ -294,7 +291,8 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
 
 
 def _plot(path: str, frontier: dict, predicted: dict) -> None:
-  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  fig = Figure(figsize=(16, 4.5))
+  axes = fig.subplots(1, 3)
   colors = {"colocated": "k", "train_batch": "C0", "minibatch": "C1"}
   for policy, pts in frontier.items():
     x = [p["arch_staleness_mean"] for p in pts]
@@ -339,7 +337,6 @@ def _plot(path: str, frontier: dict, predicted: dict) -> None:
     ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def _table(out, measured, predicted, errors) -> str:

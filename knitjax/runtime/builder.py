@@ -125,7 +125,13 @@ def build_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
 
 
 def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
-  """Sharded random init of the policy (seeded by ``config.seed``)."""
+  """Sharded random init of the policy (seeded by ``config.seed``), or the checkpoint of
+  ``config.init_from`` read tensor by tensor onto the mesh."""
+  if config.init_from:
+    from knitjax.models import hf
+
+    _, graphdef, params = hf.init_from_hf(config.init_from, mesh, dtype=config.model.dtype)
+    return graphdef, params
   if config.vision is not None:
     image_id = image_token_id(config)
     return sharding.init_sharded(
