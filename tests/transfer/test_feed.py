@@ -71,15 +71,23 @@ def test_errors_from_take_and_prepare_reach_the_trainer(prefetch):
     next(feed)
 
 
-def test_close_stops_a_feed_waiting_on_an_empty_queue():
-  queue = ReleasedQueue()
-  feed = OnDemandFeed(queue.get, lambda mb: (0, {}), count=5, prefetch=1)
-  t = threading.Thread(target=lambda: next(feed, None))
-  t.start()
-  t.join(0.2)
-  feed.close()
-  t.join(5)
-  assert not t.is_alive()
+def test_close_stops_the_background_preparation_waiting_on_an_empty_queue():
+  """After the last released mini-batch the prefetch thread polls the queue; close ends it."""
+  queue = ReleasedQueue([MiniBatch(0, 0, ())])
+  polls = []
+
+  def take(timeout):
+    polls.append(1)
+    return queue.get(min(timeout, 0.05))
+
+  feed = OnDemandFeed(take, lambda mb: (0, {}), count=5, prefetch=1)
+  assert next(feed).minibatch.step == 0  # the prefetch thread now waits for the next one
+  done = threading.Event()
+  threading.Thread(target=lambda: (feed.close(), done.set()), daemon=True).start()
+  assert done.wait(10)  # close() joins the thread: a blocked take returns within its poll
+  n = len(polls)
+  threading.Event().wait(0.3)
+  assert len(polls) == n  # nothing polls any more
 
 
 def test_released_queue_keeps_taken_minibatches_until_acknowledged():
