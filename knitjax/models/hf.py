@@ -5,24 +5,28 @@
 one tensor at a time, placing each with the sharding of `knitjax.sharding`'s rules; and
 `save_hf_params` writes the inverse, for tests and for exporting a trained policy.
 
-The safetensors format (8-byte little-endian header length, JSON header, raw little-endian bytes)
-is read and written here with NumPy and `ml_dtypes` (for bf16), so no extra dependency is needed;
-like every JAX host, the host is assumed little-endian.
+The safetensors files themselves are read and written by `knitjax.models.safetensors_io` (NumPy
+and `ml_dtypes`, no extra dependency); this module maps the Hugging Face layout onto knitjax's.
 """
 
 import dataclasses
 import json
 import math
 import os
-import struct
 from collections.abc import Mapping
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from knitjax import sharding as sharding_lib
+from knitjax.models.safetensors_io import (
+  DTYPE_NAMES,
+  Entry,
+  read_header,
+  read_tensor,
+  write_streamed,
+)
 from knitjax.models.transformer import Transformer, TransformerConfig
 
 CONFIG_FILE = "config.json"
@@ -34,12 +38,6 @@ _ARCHITECTURES = {
   "qwen2": "Qwen2ForCausalLM",
   "qwen3": "Qwen3ForCausalLM",
 }
-_DTYPES = {
-  "F64": np.dtype(np.float64),
-  "F32": np.dtype(np.float32),
-  "F16": np.dtype(np.float16),
-  "BF16": np.dtype(ml_dtypes.bfloat16),
-}
 _REQUIRED = (
   "vocab_size",
   "hidden_size",
@@ -47,7 +45,6 @@ _REQUIRED = (
   "num_hidden_layers",
   "num_attention_heads",
 )
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
@@ -167,55 +164,14 @@ def config_to_hf(config: TransformerConfig, *, torch_dtype: str = "float32") -> 
   return hf
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Entry:
-  file: str
-  dtype: np.dtype
-  shape: tuple[int, ...]
-  start: int  # absolute byte offset in `file`
-  nbytes: int
-
-
-def _read_header(file: str) -> dict[str, _Entry]:
-  size = os.path.getsize(file)
-  with open(file, "rb") as f:
-    prefix = f.read(8)
-    n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-    if not 0 < n <= size - 8:
-      raise ValueError(f"{file} is not a safetensors file (bad header length).")
-    header = json.loads(f.read(n))
-  entries = {}
-  for name, spec in header.items():
-    if name == "__metadata__":
-      continue
-    if spec["dtype"] not in _DTYPES:
-      raise ValueError(
-        f"tensor {name!r} in {file} has dtype {spec['dtype']}; accepted: {sorted(_DTYPES)}."
-      )
-    dtype, shape = _DTYPES[spec["dtype"]], tuple(spec["shape"])
-    begin, end = spec["data_offsets"]
-    if end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
-      raise ValueError(f"tensor {name!r} in {file} has data offsets that do not match its shape.")
-    entries[name] = _Entry(
-      file=file, dtype=dtype, shape=shape, start=8 + n + begin, nbytes=end - begin
-    )
-  return entries
-
-
-def _read_tensor(entry: _Entry) -> np.ndarray:
-  """Reads exactly one tensor's bytes from disk."""
-  raw = np.fromfile(entry.file, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
-  return raw.view(entry.dtype).reshape(entry.shape)
-
-
-def _checkpoint_entries(path: str) -> dict[str, _Entry]:
+def _checkpoint_entries(path: str) -> dict[str, Entry]:
   """Every tensor of a checkpoint folder (single file or index.json shards), by name."""
   index = os.path.join(path, INDEX_FILE)
   if os.path.isfile(index):
     weight_map = _read_json(index).get("weight_map", {})
-    entries: dict[str, _Entry] = {}
+    entries: dict[str, Entry] = {}
     for shard in sorted(set(weight_map.values())):
-      for name, entry in _read_header(os.path.join(path, shard)).items():
+      for name, entry in read_header(os.path.join(path, shard)).items():
         if name in entries:
           raise ValueError(f"tensor {name!r} appears in two shards of {path}.")
         entries[name] = entry
@@ -226,42 +182,12 @@ def _checkpoint_entries(path: str) -> dict[str, _Entry]:
   single = path if path.endswith(".safetensors") else os.path.join(path, WEIGHTS_FILE)
   if not os.path.isfile(single):
     raise ValueError(f"{path} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}.")
-  return _read_header(single)
+  return read_header(single)
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
   """All tensors of a checkpoint folder or `.safetensors` file, in their stored dtypes."""
-  return {name: _read_tensor(e) for name, e in _checkpoint_entries(os.fspath(path)).items()}
-
-
-def _write_streamed(file: str, items: list[tuple[str, tuple[int, ...], np.dtype, object]]) -> None:
-  """Writes `(name, shape, dtype, fetch)` items; `fetch()` is called for one tensor at a time."""
-  header, offset = {"__metadata__": {"format": "pt"}}, 0
-  for name, shape, dtype, _ in items:
-    if np.dtype(dtype) not in _DTYPE_NAMES:
-      raise ValueError(f"tensor {name!r} has dtype {dtype}; accepted: {sorted(_DTYPE_NAMES)}.")
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    header[name] = {
-      "dtype": _DTYPE_NAMES[np.dtype(dtype)],
-      "shape": list(shape),
-      "data_offsets": [offset, offset + nbytes],
-    }
-    offset += nbytes
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # the reference writer aligns the data to 8 bytes
-  with open(file, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)) + blob)
-    for name, shape, dtype, fetch in items:
-      array = np.asarray(fetch())
-      if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
-        raise ValueError(f"tensor {name!r} is not {dtype}{list(shape)} as its header says.")
-      f.write(np.ascontiguousarray(array).view(np.uint8).data)
-
-
-def write_safetensors(file: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
-  """Writes one `.safetensors` file (F64/F32/F16/BF16 tensors) in the stored order."""
-  items = [(n, tuple(np.shape(a)), np.asarray(a).dtype, lambda a=a: a) for n, a in tensors.items()]
-  _write_streamed(os.fspath(file), items)
+  return {name: read_tensor(e) for name, e in _checkpoint_entries(os.fspath(path)).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +347,7 @@ def load_hf_params(
   if tied_head:  # some exports keep the tied head; accept only an exact copy of the embedding
     embed = entries.get("model.embed_tokens.weight")
     same = embed is not None and np.array_equal(
-      _read_tensor(entries["lm_head.weight"]), _read_tensor(embed)
+      read_tensor(entries["lm_head.weight"]), read_tensor(embed)
     )
     if not same:
       raise ValueError(
@@ -430,7 +356,7 @@ def load_hf_params(
       )
   loaded = []
   for key, variable, slot, shape in plan:
-    hf = _read_tensor(entries[slot.name]).astype(dtype, copy=False)
+    hf = read_tensor(entries[slot.name]).astype(dtype, copy=False)
     value = _place(slot.to_knitjax(hf, shape), _sharding(variable, shape, mesh))
     loaded.append((key, variable.replace(value) if isinstance(variable, nnx.Variable) else value))
   new_state = nnx.from_flat_state(loaded)
@@ -469,7 +395,7 @@ def save_hf_params(
   process must call this (params are gathered); only process 0 writes.
   """
   path, dtype = os.fspath(path), np.dtype(dtype)
-  if dtype not in _DTYPE_NAMES:
+  if dtype not in DTYPE_NAMES:
     raise ValueError(f"save_hf_params dtype {dtype} is not supported; accepted: float32, bfloat16.")
   items = []
   for key, variable in nnx.to_flat_state(_split_state(model_or_state)[0]):
@@ -495,9 +421,9 @@ def save_hf_params(
     return
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, CONFIG_FILE), "w") as f:
-    json.dump(config_to_hf(config, torch_dtype=_TORCH_DTYPES[_DTYPE_NAMES[dtype]]), f, indent=2)
+    json.dump(config_to_hf(config, torch_dtype=_TORCH_DTYPES[DTYPE_NAMES[dtype]]), f, indent=2)
   for file, shard in zip(files, shards, strict=True):
-    _write_streamed(os.path.join(path, file), shard)
+    write_streamed(os.path.join(path, file), shard)
   if max_shard_bytes is not None:
     index = {
       "metadata": {"total_size": sum(math.prod(i[1]) * dtype.itemsize for i in items)},

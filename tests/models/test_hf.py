@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from knitjax import sharding
-from knitjax.models import hf
+from knitjax.models import hf, safetensors_io
 from knitjax.models.transformer import Transformer
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -130,7 +130,7 @@ def _write(path, config: dict, tensors: dict) -> str:
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config, f)
-  hf.write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+  safetensors_io.write_safetensors(os.path.join(path, "model.safetensors"), tensors)
   return str(path)
 
 
