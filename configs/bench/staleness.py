@@ -80,6 +80,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   c.trainer_overhead_fraction = 0.1
   c.trainer_s_per_token = 0.0
   c.trainer_overhead_s = 0.0
+  c.trainer_step_overhead_s = 0.0  # per-step host work after a step's last mini-batch
   # ---- pipeline (knitjax.sim.workload.Pipeline) ----
   c.weight_sync = "minibatch"
   c.adoption = "new_groups"

@@ -12,7 +12,9 @@ window (after the warmup steps):
   prefill to the sample's own slot instead, so ``prefill_s_per_token = S * c_g / (G * p)`` (``p``
   the mean prompt length) spends the same slot-seconds.
 * Trainer: the measured mean seconds per mini-batch (fetch, device transfer, update, weight
-  publish; the step has fixed shapes, so no per-token term).
+  publish; the step has fixed shapes, so no per-token term), and the per-step host work after a
+  step's last mini-batch (metrics, TensorBoard, logging): the window's wall time the trainer
+  spent neither on mini-batches nor waiting for one, per step (``trainer_step_overhead_s``).
 * Weight sync: publishing is part of the trainer's time; the rollout adopts a version without a
   pause (``weight_sync_s = 0``).
 * Lengths: each class's measured response lengths, as a trace the simulator samples from.
@@ -20,7 +22,8 @@ window (after the warmup steps):
 Colocated run (``rollout_s``, ``train_s`` per step of `knitjax.runtime.colocated`): every group
 of a step starts at once (``slots = B * G``); the batched sampler runs until its longest sample
 ends, so ``decode_s_per_token = rollout_s / max_new_tokens``; the trainer costs ``train_s / M``
-per mini-batch.
+per mini-batch, and the rest of each step's wall time (host work between steps) is the per-step
+overhead.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ def _window_start(run: dict, warmup_steps: int) -> float:
   return t_start + (run["wall"][warmup_steps - 1] if warmup_steps else 0.0)
 
 
+def _window_span(run: dict, warmup_steps: int) -> float:
+  """Wall seconds from the end of the warmup steps to the end of the last step."""
+  wall = run["wall"]
+  return float(wall[-1] - (wall[warmup_steps - 1] if warmup_steps else 0.0))
+
+
 def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   """Service times of a disaggregated run over its window (see the module docstring)."""
   t = run["timings"]
@@ -64,10 +73,14 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   c = max(0.0, (dt.sum() - b * iters.sum()) / max(starts.sum(), 1.0))
   mb = np.asarray(t["trainer_minibatch_s"], np.float64).reshape(-1, 2)
   mb = mb[mb[:, 0] > t0]
+  window = run["rows"][warmup_steps:]
+  idle_s = sum(r["trainer_idle_fraction"] * r["step_s"] for r in window)
+  host_s = _window_span(run, warmup_steps) - idle_s - mb[:, 1].sum()
   return {
     "decode_s_per_iteration": float(b),
     "group_start_s": float(c),
     "trainer_minibatch_s": float(mb[:, 1].mean()),
+    "trainer_step_overhead_s": max(0.0, float(host_s) / len(window)),
     "engine_calls": int(len(calls)),
     "rollout_busy_s": float(dt.sum()),
     "groups_started": int(starts.sum()),
@@ -119,6 +132,7 @@ def disaggregated_workload(
     weight_sync_s=0.0,
     trainer_s_per_token=0.0,
     trainer_overhead_s=costs["trainer_minibatch_s"],
+    trainer_step_overhead_s=costs.get("trainer_step_overhead_s", 0.0),
   )
 
 
@@ -126,11 +140,13 @@ def colocated_costs(run: dict, cfg: Config, *, warmup_steps: int) -> dict:
   """Service times of a colocated run over its window."""
   window = run["rows"][warmup_steps:]
   rollout_s = float(np.mean([r["rollout_s"] for r in window]))
+  train_s = float(np.mean([r["train_s"] for r in window]))
+  span = _window_span(run, warmup_steps)
   return {
     "decode_s_per_iteration": rollout_s / cfg.rollout.max_new_tokens,
     "group_start_s": 0.0,
-    "trainer_minibatch_s": float(np.mean([r["train_s"] for r in window]))
-    / cfg.admission.minibatches,
+    "trainer_minibatch_s": train_s / cfg.admission.minibatches,
+    "trainer_step_overhead_s": max(0.0, span / len(window) - rollout_s - train_s),
     "rollout_s_per_step": rollout_s,
     "slots": cfg.admission.groups_per_step * cfg.rollout.group_size,
   }

@@ -131,7 +131,12 @@ def _predict_all(config, runs, shared: bool) -> dict:
       traces[name] = real_calibration.write_traces(r["run"], r["workdir"])
       costs[name] = real_calibration.fit_costs(r["run"], warmup_steps=warm)
   if shared:
-    keys = ("decode_s_per_iteration", "group_start_s", "trainer_minibatch_s")
+    keys = (
+      "decode_s_per_iteration",
+      "group_start_s",
+      "trainer_minibatch_s",
+      "trainer_step_overhead_s",
+    )
     median = {k: float(np.median([c[k] for c in costs.values()])) for k in keys}
     costs = {n: {**c, **median} for n, c in costs.items()}
   ref = next(

@@ -67,6 +67,7 @@ def run(
   logging.info("training steps %d..%d on mesh %s", start_step + 1, total, dict(mesh.shape))
   prepare = builder.build_prepare(config, storage, mesh, prompts)
   metrics: dict = {}
+  t_start = time.time()
   with jax.set_mesh(mesh):
     for step in range(start_step, total):
       t0 = time.time()
@@ -114,8 +115,8 @@ def run(
         step_metrics.append(m)
         infos.append(info)
       step_metrics = [host_metrics(m) for m in step_metrics]
-      train_s = time.time() - t_t
-      step_s = time.time() - t0
+      now = time.time()
+      train_s, step_s = now - t_t, now - t0
       metrics = {
         "version": version,
         **{k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]},
@@ -124,6 +125,7 @@ def run(
         "step_s": step_s,
         "rollout_s": rollout_s,
         "train_s": train_s,
+        "wall_s": now - t_start,  # from this process's first step; host work between steps too
         **tracker.step_metrics(step),
       }
       done = step + 1

@@ -41,14 +41,21 @@ def trainer_tokens_per_step(w: Workload) -> float:
 
 
 def trainer_busy_per_step(w: Workload) -> float:
-  """Seconds of trainer compute per train step."""
-  return w.trainer_s_per_token * trainer_tokens_per_step(w) + w.minibatches * w.trainer_overhead_s
+  """Seconds of trainer work per train step (compute and per-step host work)."""
+  return (
+    w.trainer_s_per_token * trainer_tokens_per_step(w)
+    + w.minibatches * w.trainer_overhead_s
+    + w.trainer_step_overhead_s
+  )
 
 
 def calibrate_trainer(
   w: Workload, *, busy_ratio: float = 1.0, overhead_fraction: float = 0.1
 ) -> Workload:
   """Returns ``w`` with a trainer cost whose busy time is ``busy_ratio`` x the rollout's.
+
+  The per-step overhead ``w.trainer_step_overhead_s`` is kept; the per-token and per-mini-batch
+  terms share the rest.
 
   Args:
     w: the workload (its trainer fields are replaced).
@@ -60,7 +67,12 @@ def calibrate_trainer(
       f"calibrate_trainer: busy_ratio={busy_ratio!r} must be > 0 and "
       f"overhead_fraction={overhead_fraction!r} in [0, 1)."
     )
-  target = busy_ratio * rollout_busy_per_step(w)
+  target = busy_ratio * rollout_busy_per_step(w) - w.trainer_step_overhead_s
+  if target <= 0:
+    raise ValueError(
+      f"calibrate_trainer: trainer_step_overhead_s={w.trainer_step_overhead_s!r} alone exceeds "
+      f"busy_ratio={busy_ratio!r} x the rollout's busy time per step."
+    )
   return dataclasses.replace(
     w,
     trainer_s_per_token=(1 - overhead_fraction) * target / trainer_tokens_per_step(w),

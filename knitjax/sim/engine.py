@@ -241,6 +241,8 @@ class _Simulation:
     if v == self.warmup_versions:
       self._system(t, 0)
       self.window = (t, self.pool.busy_area, self.trainer.busy_total, self.system_area)
+    if v % self.M == 0 and self.w.trainer_step_overhead_s > 0 and v < self.target:
+      self.trainer.hold(t, self.w.trainer_step_overhead_s)
 
   def _break_deadlock(self) -> None:
     """Nothing can happen: the depth bound is full of groups the open step cannot use (e.g. plain
@@ -272,7 +274,10 @@ class _Simulation:
           self._break_deadlock()
           continue
         pool.advance(t_tr)
-        self._finish_train(t_tr)
+        if trainer.holding:
+          trainer.end_hold()
+        else:
+          self._finish_train(t_tr)
         if trainer.version >= self.target:
           break
         self._try_train(t_tr)

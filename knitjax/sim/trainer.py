@@ -2,6 +2,8 @@
 
 One optimizer update per mini-batch: the trainer's version is the number of mini-batches it has
 finished, and the mini-batch being computed uses (is consumed at) the version before its update.
+After the last mini-batch of a step (its weights already published) the trainer can be held for
+per-step host work (metrics, logging) before it takes the next mini-batch.
 """
 
 import collections
@@ -17,7 +19,8 @@ class Trainer:
   Attributes:
     version: policy version (mini-batches finished).
     busy_until: wall time the current mini-batch finishes (inf when idle).
-    busy_total: seconds spent computing so far (finished mini-batches).
+    busy_total: seconds spent computing so far (finished mini-batches and per-step holds).
+    holding: whether the current busy period is per-step host work, not a mini-batch.
   """
 
   def __init__(self, s_per_token: float, overhead_s: float):
@@ -27,6 +30,7 @@ class Trainer:
     self.version = 0
     self.busy_until = math.inf
     self.busy_total = 0.0
+    self.holding = False
     self._cost = 0.0
 
   @property
@@ -56,3 +60,15 @@ class Trainer:
     self.busy_total += self._cost
     self.busy_until = math.inf
     return self._cost
+
+  def hold(self, t: float, seconds: float) -> None:
+    """Keeps the (idle) trainer busy from ``t`` for ``seconds`` of per-step host work."""
+    self.holding = True
+    self._cost = seconds
+    self.busy_until = t + seconds
+
+  def end_hold(self) -> None:
+    """Ends a hold; the version does not change."""
+    self.holding = False
+    self.busy_total += self._cost
+    self.busy_until = math.inf

@@ -85,6 +85,8 @@ class Workload:
     weight_sync_s: seconds rollout decoding pauses to load each published version.
     trainer_s_per_token: trainer seconds per (prompt + response) token of a mini-batch.
     trainer_overhead_s: fixed trainer seconds per mini-batch (optimizer update, launch).
+    trainer_step_overhead_s: trainer seconds of host work once per train step, after its last
+      mini-batch's weights are published (metrics, logging); the next mini-batch waits for it.
   """
 
   classes: tuple[ClassSpec, ...]
@@ -97,6 +99,7 @@ class Workload:
   weight_sync_s: float = 2.0
   trainer_s_per_token: float = 1e-5
   trainer_overhead_s: float = 1.0
+  trainer_step_overhead_s: float = 0.0
 
   def __post_init__(self):
     object.__setattr__(self, "classes", tuple(self.classes))
@@ -117,6 +120,7 @@ class Workload:
       "weight_sync_s",
       "trainer_s_per_token",
       "trainer_overhead_s",
+      "trainer_step_overhead_s",
     ):
       v = getattr(self, name)
       _check(math.isfinite(v) and v >= 0, f"Workload.{name}={v!r} must be finite and >= 0.")

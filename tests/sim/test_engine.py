@@ -117,6 +117,23 @@ def test_metrics_match_the_runtime_staleness_accounting(make_tiny):
   assert m["arch_staleness_count"] == keep.sum() * w.group_size
 
 
+def test_per_step_trainer_overhead_delays_the_next_minibatch(make_tiny):
+  """A trainer-bound colocated run: each step costs its mini-batches plus the per-step hold, and
+  the hold counts as trainer busy time; conservation and the version count are unchanged."""
+  w = make_tiny()
+  base = _run(w, mode="colocated", policy="train_batch")
+  held = _run(
+    dataclasses.replace(w, trainer_step_overhead_s=5.0), mode="colocated", policy="train_batch"
+  )
+  steps = base.num_steps - base.warmup_steps
+  # Colocated turns: the hold sits between the last mini-batch and the next step's rollout,
+  # so every step in the window is longer by exactly the hold.
+  span = lambda r: r.t_end - r.t_window_start
+  assert span(held) - span(base) == pytest.approx(5.0 * steps, rel=0.05)
+  assert held.trainer_busy_s - base.trainer_busy_s == pytest.approx(5.0 * steps, rel=0.05)
+  assert counts(held)["consumed"] == counts(base)["consumed"]
+
+
 def test_bad_arguments_raise_one_clear_sentence(make_tiny):
   with pytest.raises(ValueError, match="warmup_steps"):
     simulate(make_tiny(), Pipeline(), num_steps=3, warmup_steps=3)
