@@ -73,6 +73,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   c.decode_s_per_token = 0.03
   c.occupancy_slowdown = 0.0
   c.prefill_s_per_token = 1e-4
+  c.group_start_pause_s = 0.0  # chunked prefill: a start never stalls the other slots
   c.weight_sync_s = 2.0
   # Trainer cost: calibrated from the workload unless calibrate_trainer=False.
   c.calibrate_trainer = True

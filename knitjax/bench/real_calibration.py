@@ -8,9 +8,11 @@ window (after the warmup steps):
   ``decode_s_per_token`` (a continuous-batching iteration, fixed shapes: ``occupancy_slowdown =
   0``). The rest of the rollout's busy time (prefill, host work between calls) is charged to group
   starts: ``c_g = (total call seconds - b * total iterations) / groups started``, so the simulated
-  rollout does the measured work. A start stalls every slot for ``c_g``; the simulator charges
-  prefill to the sample's own slot instead, so ``prefill_s_per_token = S * c_g / (G * p)`` (``p``
-  the mean prompt length) spends the same slot-seconds.
+  rollout does the measured work. A start stalls every slot for ``c_g`` (the jitted call
+  prefills before it decodes), and so it does in the simulator: ``group_start_pause_s = c_g``.
+  (``start_stalls=False`` charges prefill to the sample's own slot instead, the chunked-prefill
+  engine of the reference workload: ``prefill_s_per_token = S * c_g / (G * p)``, ``p`` the mean
+  prompt length, spends the same slot-seconds.)
 * Trainer: the measured mean seconds per mini-batch (fetch, device transfer, update, weight
   publish; the step has fixed shapes, so no per-token term), and the per-step host work after a
   step's last mini-batch (metrics, TensorBoard, logging): the window's wall time the trainer
@@ -115,9 +117,14 @@ def _classes(cfg: Config, traces: dict[str, str], prompt_tokens: dict[str, int])
 
 
 def disaggregated_workload(
-  cfg: Config, costs: dict, traces: dict[str, str], prompt_tokens: dict[str, int]
+  cfg: Config,
+  costs: dict,
+  traces: dict[str, str],
+  prompt_tokens: dict[str, int],
+  *,
+  start_stalls: bool = True,
 ) -> Workload:
-  """The `Workload` of a disaggregated run with the fitted costs."""
+  """The `Workload` of a disaggregated run with the fitted costs (see the module docstring)."""
   g, s = cfg.rollout.group_size, costs["slots"]
   quotas = cfg.admission.quotas
   p_mean = sum(prompt_tokens[c] * q for c, q in quotas.items()) / sum(quotas.values())
@@ -128,7 +135,8 @@ def disaggregated_workload(
     slots=s,
     decode_s_per_token=costs["decode_s_per_iteration"],
     occupancy_slowdown=0.0,
-    prefill_s_per_token=max(0.0, s * costs["group_start_s"] / (g * p_mean)),
+    prefill_s_per_token=0.0 if start_stalls else s * costs["group_start_s"] / (g * p_mean),
+    group_start_pause_s=costs["group_start_s"] if start_stalls else 0.0,
     weight_sync_s=0.0,
     trainer_s_per_token=0.0,
     trainer_overhead_s=costs["trainer_minibatch_s"],

@@ -24,15 +24,16 @@ def rollout_busy_per_step(w: Workload) -> float:
   """Seconds of rollout per train step at full occupancy.
 
   Counts the groups dynamic sampling rejects (``quota / (1 - reject_prob)`` generated per
-  accepted quota) and prefill in each sample's slot.
+  accepted quota), prefill in each sample's slot, and group starts that stall the whole pool.
   """
   tpt = w.decode_s_per_token * (1 + w.occupancy_slowdown)
-  slot_seconds = 0.0
+  slot_seconds, stall_s = 0.0, 0.0
   for c in w.classes:
     generated = c.quota / (1 - c.reject_prob)
     per_sample = tpt * mean_length(c) + w.prefill_s_per_token * c.prompt_tokens
     slot_seconds += generated * w.group_size * per_sample
-  return slot_seconds / w.slots
+    stall_s += generated * w.group_start_pause_s
+  return slot_seconds / w.slots + stall_s
 
 
 def trainer_tokens_per_step(w: Workload) -> float:

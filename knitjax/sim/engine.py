@@ -149,6 +149,8 @@ class _Simulation:
     gid = len(self.g_cls)
     lengths = self.lengths.take(c, self.G)
     self.pool.start(gid, lengths + self.prefill_iters[c])
+    if self.w.group_start_pause_s > 0:
+      self.pool.pause(self.w.group_start_pause_s, sync=False)
     self.scheduler.on_start(c)
     self.accepted_started += 1
     self._system(t, +1)

@@ -5,7 +5,8 @@ samples progress at the same rate in *tokens*, whatever the occupancy does to th
 The pool therefore keeps a token clock ``tau`` (iterations since the start) and stores each
 sample's finish as a point on that clock: the order of finishes never changes when the rate does,
 so one heap of finish points is exact, and wall time is recovered per event from the current
-iteration time. Pauses for weight sync stop the token clock.
+iteration time. Pauses for weight sync (and group starts that stall decoding) stop the token
+clock.
 """
 
 import heapq
@@ -77,11 +78,16 @@ class SlotPool:
       self.tau += (t - run_from) / self.iteration_s()
     self.t = t
 
-  def pause(self, seconds: float) -> None:
-    """Pauses decoding for ``seconds`` from now (queued after a pause already running)."""
+  def pause(self, seconds: float, *, sync: bool = True) -> None:
+    """Pauses decoding for ``seconds`` from now (queued after a pause already running).
+
+    ``sync``: the pause is a weight sync (counted in ``pause_total``); otherwise another stall of
+    the whole pool, e.g. a group start whose prefill interrupts decoding.
+    """
     start = max(self.t, self.pause_until)
     self.pause_until = start + seconds
-    self.pause_total += seconds
+    if sync:
+      self.pause_total += seconds
 
   def start(self, group_id: int, work: np.ndarray) -> None:
     """Starts a group now; ``work[i]`` is sample i's slot time in decode iterations."""

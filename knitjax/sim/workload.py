@@ -82,6 +82,8 @@ class Workload:
     occupancy_slowdown: iteration time is ``decode_s_per_token * (1 + occupancy_slowdown *
       active / slots)``; 0 means occupancy does not slow decoding.
     prefill_s_per_token: prefill seconds per prompt token, spent in the sample's own slot.
+    group_start_pause_s: seconds every group start stalls the whole pool (an engine whose
+      prefill, or host work per start, interrupts decoding of all slots); 0: starts never stall.
     weight_sync_s: seconds rollout decoding pauses to load each published version.
     trainer_s_per_token: trainer seconds per (prompt + response) token of a mini-batch.
     trainer_overhead_s: fixed trainer seconds per mini-batch (optimizer update, launch).
@@ -96,6 +98,7 @@ class Workload:
   decode_s_per_token: float = 0.03
   occupancy_slowdown: float = 0.0
   prefill_s_per_token: float = 1e-4
+  group_start_pause_s: float = 0.0
   weight_sync_s: float = 2.0
   trainer_s_per_token: float = 1e-5
   trainer_overhead_s: float = 1.0
@@ -117,6 +120,7 @@ class Workload:
     for name in (
       "occupancy_slowdown",
       "prefill_s_per_token",
+      "group_start_pause_s",
       "weight_sync_s",
       "trainer_s_per_token",
       "trainer_overhead_s",

@@ -134,6 +134,19 @@ def test_per_step_trainer_overhead_delays_the_next_minibatch(make_tiny):
   assert counts(held)["consumed"] == counts(base)["consumed"]
 
 
+def test_group_starts_that_stall_the_pool_delay_every_slot(make_tiny):
+  """With ``group_start_pause_s`` each start stops the token clock for everyone: the run takes
+  longer and the stall is not counted as weight sync."""
+  w = dataclasses.replace(make_tiny(), weight_sync_s=0.0)
+  base = _run(w, max_lag_steps=0.5)
+  stalled = _run(dataclasses.replace(w, group_start_pause_s=0.5), max_lag_steps=0.5)
+  assert stalled.sync_pause_s == base.sync_pause_s == 0.0
+  assert stalled.t_end > base.t_end
+  # Every completed group took at least one stall (its own start) on top of its decoding.
+  done = ~np.isnan(stalled.t_complete)
+  assert (stalled.t_complete[done] - stalled.t_start[done] >= 0.5 - 1e-9).all()
+
+
 def test_bad_arguments_raise_one_clear_sentence(make_tiny):
   with pytest.raises(ValueError, match="warmup_steps"):
     simulate(make_tiny(), Pipeline(), num_steps=3, warmup_steps=3)
