@@ -10,9 +10,8 @@ window (after the warmup steps):
   starts: ``c_g = (total call seconds - b * total iterations) / groups started``, so the simulated
   rollout does the measured work. A start stalls every slot for ``c_g`` (the jitted call
   prefills before it decodes), and so it does in the simulator: ``group_start_pause_s = c_g``.
-  (``start_stalls=False`` charges prefill to the sample's own slot instead, the chunked-prefill
-  engine of the reference workload: ``prefill_s_per_token = S * c_g / (G * p)``, ``p`` the mean
-  prompt length, spends the same slot-seconds.)
+  (Charging the same slot-seconds to each sample's own slot instead, as for a chunked-prefill
+  engine, over-predicted partially overlapped runs by ~20%.)
 * Trainer: the measured mean seconds per mini-batch (fetch, device transfer, update, weight
   publish; the step has fixed shapes, so no per-token term), and the per-step host work after a
   step's last mini-batch (metrics, TensorBoard, logging): the window's wall time the trainer
@@ -121,26 +120,21 @@ def disaggregated_workload(
   costs: dict,
   traces: dict[str, str],
   prompt_tokens: dict[str, int],
-  *,
-  start_stalls: bool = True,
 ) -> Workload:
   """The `Workload` of a disaggregated run with the fitted costs (see the module docstring)."""
-  g, s = cfg.rollout.group_size, costs["slots"]
-  quotas = cfg.admission.quotas
-  p_mean = sum(prompt_tokens[c] * q for c, q in quotas.items()) / sum(quotas.values())
   return Workload(
     classes=_classes(cfg, traces, prompt_tokens),
-    group_size=g,
+    group_size=cfg.rollout.group_size,
     minibatches=cfg.admission.minibatches,
-    slots=s,
+    slots=costs["slots"],
     decode_s_per_token=costs["decode_s_per_iteration"],
     occupancy_slowdown=0.0,
-    prefill_s_per_token=0.0 if start_stalls else s * costs["group_start_s"] / (g * p_mean),
-    group_start_pause_s=costs["group_start_s"] if start_stalls else 0.0,
+    prefill_s_per_token=0.0,
+    group_start_pause_s=costs["group_start_s"],
     weight_sync_s=0.0,
     trainer_s_per_token=0.0,
     trainer_overhead_s=costs["trainer_minibatch_s"],
-    trainer_step_overhead_s=costs.get("trainer_step_overhead_s", 0.0),
+    trainer_step_overhead_s=costs["trainer_step_overhead_s"],
   )
 
 

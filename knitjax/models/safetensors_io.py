@@ -36,6 +36,7 @@ class Entry:
 
 
 def read_header(file: str) -> dict[str, Entry]:
+  """Every tensor's dtype, shape and byte range in ``file``, checked against the file size."""
   size = os.path.getsize(file)
   with open(file, "rb") as f:
     prefix = f.read(8)
