@@ -49,7 +49,7 @@ class TaskConfig:
   prompt_len: int = 0  # 0: the task's own maximum prompt length
 
   def __post_init__(self):
-    from knitjax.tasks.prompts import TASKS
+    from knitjax.tasks.registry import TASKS
     from knitjax.tasks.rewards import REWARDS
 
     _one_of("config.task.name", self.name, tuple(TASKS))

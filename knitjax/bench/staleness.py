@@ -16,12 +16,12 @@ import numpy as np
 from matplotlib.figure import Figure  # drawn without pyplot: the caller's backend is untouched
 
 from knitjax.bench.report import format_table, write_json
-from knitjax.runtime.staleness import staleness
 from knitjax.sim import costs
 from knitjax.sim.engine import SimResult, simulate
 from knitjax.sim.frontier import POINT_KEYS, compare, depth_grid, run_frontier
 from knitjax.sim.metrics import summarize_result
 from knitjax.sim.workload import POLICIES, ClassSpec, Pipeline, Workload
+from knitjax.transfer.staleness import staleness
 
 _CLASS_FIELDS = tuple(f.name for f in dataclasses.fields(ClassSpec) if f.name != "name")
 _WORKLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(Workload) if f.name != "classes")

@@ -20,7 +20,8 @@ from knitjax.models.vlm import VLM, make_prompt_embedder
 from knitjax.rollout.continuous import ContinuousEngine
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.rollout.worker import EmbeddedRollout, RolloutWorker
-from knitjax.tasks.prompts import PromptSource, make_prompt_source
+from knitjax.tasks.prompts import PromptSource
+from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train import losses, mm_step

@@ -20,11 +20,11 @@ from absl import logging
 from knitjax.config import Config
 from knitjax.runtime import builder
 from knitjax.runtime.metrics import MetricsWriter, plot_reward
-from knitjax.runtime.staleness import StalenessTracker
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import host_metrics
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.feed import OnDemandFeed, exposed_transfer
+from knitjax.transfer.staleness import StalenessTracker
 
 
 def run(

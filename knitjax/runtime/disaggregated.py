@@ -35,13 +35,13 @@ from knitjax.runtime.metrics import MetricsWriter, plot_reward
 from knitjax.runtime.released import ReleasedQueue, minibatch_from_dict, minibatch_to_dict
 from knitjax.runtime.rollout_thread import RolloutThread, prompt_from_dict, prompt_to_dict
 from knitjax.runtime.snapshot import restore_groups, snapshot_groups
-from knitjax.runtime.staleness import StalenessTracker
 from knitjax.runtime.versions import VersionClock
 from knitjax.runtime.weight_sync import WeightSync
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import host_metrics
 from knitjax.transfer.feed import OnDemandFeed, exposed_transfer
+from knitjax.transfer.staleness import StalenessTracker
 
 
 def split_devices(config: Config, devices=None) -> tuple[list, list]:

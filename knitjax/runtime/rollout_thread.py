@@ -21,11 +21,11 @@ import jax
 import numpy as np
 
 from knitjax.rollout.continuous import ContinuousEngine, Finished, Request
+from knitjax.rollout.scheduling import PlainScheduler
 from knitjax.rollout.worker import assemble_group
 from knitjax.runtime.released import ReleasedQueue
 from knitjax.runtime.versions import VersionClock
 from knitjax.runtime.weight_sync import WeightSync
-from knitjax.sim.scheduling import PlainScheduler
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.admission import AdmissionIndex
 from knitjax.transfer.storage import StorageUnit

@@ -1,14 +1,14 @@
 """Metrics of a simulation: staleness distributions, idle fractions, throughput, Little's law.
 
 Everything is measured over the window after the warm-up steps (the pipeline filling up is not
-steady state). Staleness uses the runtime's own accounting (`knitjax.runtime.staleness`), per
+steady state). Staleness uses the runtime's own accounting (`knitjax.transfer.staleness`), per
 trajectory: the `G` trajectories of a group share their versions, so each group counts `G` times.
 """
 
 import numpy as np
 
-from knitjax.runtime.staleness import staleness, summarize
 from knitjax.sim.engine import CONSUMED, GENERATING, PENDING, QUEUED, REJECTED, SimResult
+from knitjax.transfer.staleness import staleness, summarize
 
 
 def counts(r: SimResult) -> dict[str, int]:

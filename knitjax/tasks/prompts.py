@@ -12,8 +12,6 @@ from typing import Any
 import grain
 import numpy as np
 
-from knitjax.tasks.tokenizer import CharTokenizer
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Prompt:
@@ -116,36 +114,3 @@ class PromptSource:
         f"prompt source state needs next_index >= 0, got {state.get('next_index')!r}."
       )
     self._next_index = next_index
-
-
-TASKS = ("arith", "gsm8k", "longtail", "count_images")
-
-
-def make_prompt_source(
-  task: str, *, seed: int, **task_kwargs
-) -> tuple["PromptSource", CharTokenizer]:
-  """Returns (PromptSource, CharTokenizer) for ``task``.
-
-  Args:
-    task: ``"arith"`` (kwargs: ``cls`` in ``"arith"``/``"sum"``, ``shuffle``) or ``"gsm8k"``
-      (kwargs: ``path`` to the JSONL file, ``cls``, ``shuffle``) or ``"longtail"`` (kwargs:
-      ``cls`` in ``"arith"``/``"think"``, ``shuffle``) or ``"count_images"`` (kwargs: ``cls``,
-      ``shuffle``, ``num_examples``, ``image_tokens``, ``data_seed``).
-    seed: shuffle seed of the stream.
-    **task_kwargs: passed to the task's ``make_source``.
-  """
-  # Imported here because the task modules build on this one.
-  from knitjax.tasks import arith, count_images, gsm8k, longtail
-
-  makers = {
-    "arith": arith.make_source,
-    "gsm8k": gsm8k.make_source,
-    "longtail": longtail.make_source,
-    "count_images": count_images.make_source,
-  }
-  if task not in makers:
-    raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}.")
-  try:
-    return makers[task](seed=seed, **task_kwargs)
-  except TypeError as e:
-    raise ValueError(f"bad arguments {sorted(task_kwargs)} for task {task!r}: {e}.") from None

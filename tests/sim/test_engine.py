@@ -5,10 +5,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from knitjax.runtime.staleness import staleness
 from knitjax.sim.engine import CONSUMED, REJECTED, simulate
 from knitjax.sim.metrics import counts, littles_law, summarize_result
 from knitjax.sim.workload import Pipeline
+from knitjax.transfer.staleness import staleness
 
 
 def _run(w, steps=30, seed=0, **pipeline):

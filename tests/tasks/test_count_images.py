@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from knitjax.tasks import count_images
-from knitjax.tasks.prompts import make_prompt_source
+from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from knitjax.tasks import gsm8k
-from knitjax.tasks.prompts import make_prompt_source
+from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 
 RECORDS = [

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from knitjax.tasks import arith
-from knitjax.tasks.prompts import Prompt, PromptSource, make_prompt_source
+from knitjax.tasks.prompts import Prompt, PromptSource
+from knitjax.tasks.registry import make_prompt_source
 
 
 def _ids(prompts):

@@ -1,6 +1,6 @@
 """Prompt scheduling: exact quota proportions (plain); need-driven and throttled (aware)."""
 
-from knitjax.sim.scheduling import AdmissionAwareScheduler, PlainScheduler
+from knitjax.rollout.scheduling import AdmissionAwareScheduler, PlainScheduler
 from knitjax.transfer.admission import AdmissionIndex
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.quota import QuotaSpec

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitjax.runtime.staleness import StalenessTracker, staleness, summarize
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.group import GroupMeta
+from knitjax.transfer.staleness import StalenessTracker, staleness, summarize
 
 _ids = iter(range(10**6))
 
