@@ -15,22 +15,13 @@ Weights are published after every mini-batch; rollout may run one train step ahe
 
 import ml_collections
 
+from configs import common
+
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.model = dict(
-    vocab_size=16,
-    num_layers=2,
-    d_model=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    ffn_dim=128,
-    qk_norm=True,
-    tie_embeddings=True,
-    dtype="float32",
-  )
+  c.model = common.tiny_decoder(vocab_size=16)
   c.task = dict(name="longtail", reward="longtail")
   c.rollout = dict(
     group_size=8,
@@ -41,15 +32,7 @@ def get_config(arg=None):
     decode_steps=8,
     refill_groups=8,
   )
-  c.train = dict(
-    lr=1e-3,
-    warmup_steps=10,
-    grad_clip=1.0,
-    micro_batches=1,
-    advantage="grpo",
-    aggregation="token_mean",
-    entropy_coef=0.01,
-  )
+  c.train = common.grpo_train()
   c.admission = dict(
     policy="minibatch",
     quotas={"arith": 16, "think": 16},

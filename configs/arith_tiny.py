@@ -9,33 +9,16 @@ PPO-clip 0.2, token-mean, no KL; the reward requires the answer digit then the e
 
 import ml_collections
 
+from configs import common
+
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.model = dict(
-    vocab_size=16,
-    num_layers=2,
-    d_model=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    ffn_dim=128,
-    qk_norm=True,
-    tie_embeddings=True,
-    dtype="float32",
-  )
+  c.model = common.tiny_decoder(vocab_size=16)
   c.task = dict(name="arith", reward="arith_exact")
   c.rollout = dict(group_size=8, max_new_tokens=4, temperature=1.0)
-  c.train = dict(
-    lr=1e-3,
-    warmup_steps=10,
-    grad_clip=1.0,
-    micro_batches=1,
-    advantage="grpo",
-    aggregation="token_mean",
-    entropy_coef=0.01,
-  )
+  c.train = common.grpo_train()
   c.admission = dict(policy="minibatch", quotas={"arith": 32}, minibatches=1)
   c.runtime = dict(mode="colocated", steps=600, log_every=25, prefetch=1)
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)

@@ -13,22 +13,13 @@ mini-batch encodes its 32 unique images once (train.encoder_dedup), not 256 time
 
 import ml_collections
 
+from configs import common
+
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.model = dict(
-    vocab_size=23,
-    num_layers=2,
-    d_model=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    ffn_dim=128,
-    qk_norm=True,
-    tie_embeddings=True,
-    dtype="float32",
-  )
+  c.model = common.tiny_decoder(vocab_size=23)
   c.vision = dict(
     image_size=16,
     patch_size=4,
@@ -42,17 +33,7 @@ def get_config(arg=None):
   )
   c.task = dict(name="count_images", reward="count_exact")
   c.rollout = dict(group_size=8, max_new_tokens=2, temperature=1.0)
-  c.train = dict(
-    lr=1e-3,
-    warmup_steps=10,
-    grad_clip=1.0,
-    micro_batches=2,
-    advantage="grpo",
-    aggregation="token_mean",
-    entropy_coef=0.01,
-    encoder_dedup=True,
-    remat_encoder=False,
-  )
+  c.train = common.grpo_train(micro_batches=2, encoder_dedup=True, remat_encoder=False)
   c.admission = dict(policy="minibatch", quotas={"count": 32}, minibatches=1)
   c.runtime = dict(mode="colocated", steps=600, log_every=25)
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)

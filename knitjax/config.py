@@ -17,15 +17,18 @@ from typing import Any
 
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
+from knitjax.rollout.continuous import ADOPTION
+from knitjax.train.advantages import ESTIMATORS
+from knitjax.train.losses import AGGREGATIONS
+from knitjax.transfer.admission import POLICIES
 
+# Choices the runtime implements; runtime sits above config, so config owns their names.
 MODES = ("colocated", "disaggregated")
-POLICIES = ("train_batch", "minibatch", "greedy")
 WEIGHT_SYNC = ("minibatch", "step")
-ADOPTION = ("new_groups", "mid_generation")
 STORAGE = ("in_process", "ray")
-DTYPES = ("float32", "bfloat16")
-ADVANTAGES = ("grpo", "drgrpo", "rloo")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+# "auto": the continuous engine for disaggregated text runs, the batched sampler otherwise.
+ENGINES = ("auto", "batched", "continuous")
+ADVANTAGES = tuple(ESTIMATORS)
 
 
 def _one_of(path: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -71,12 +74,16 @@ class RolloutConfig:
   slots: int = 64  # disaggregated: concurrent samples of the continuous-batching engine
   decode_steps: int = 8  # disaggregated: decode iterations per engine call, at most
   refill_groups: int = 1  # disaggregated: groups the engine may start (prefill) per call
+  # What generates behind the rollout contract: "batched" (one sampler call per wave of
+  # slots // group_size groups; colocated: the whole step), "continuous" (the engine), "auto".
+  engine: str = "auto"
 
   def __post_init__(self):
     _positive("config.rollout.group_size", self.group_size)
     _positive("config.rollout.slots", self.slots)
     _positive("config.rollout.decode_steps", self.decode_steps)
     _positive("config.rollout.refill_groups", self.refill_groups)
+    _one_of("config.rollout.engine", self.engine, ENGINES)
     for cls, n in self.class_max_new_tokens.items():
       if not isinstance(n, int) or not 1 <= n <= self.max_new_tokens:
         raise ValueError(
@@ -173,8 +180,8 @@ class RuntimeConfig:
   # "" starts or joins a local Ray, otherwise it is passed to ray.init (e.g. "auto").
   storage: str = "in_process"
   ray_address: str = ""
-  # Colocated only: generate in this many Ray actors (each writing to a Ray storage unit on its
-  # own node) instead of in process; 0: the embedded worker.
+  # Generate in this many Ray actors (each writing to a Ray storage unit on its own node)
+  # instead of in process; 0: in process.
   rollout_workers: int = 0
 
   def __post_init__(self):
@@ -183,11 +190,6 @@ class RuntimeConfig:
     _one_of("config.runtime.adoption", self.adoption, ADOPTION)
     _one_of("config.runtime.storage", self.storage, STORAGE)
     _positive("config.runtime.rollout_workers", self.rollout_workers, allow_zero=True)
-    if self.rollout_workers and self.mode != "colocated":
-      raise ValueError(
-        f"config.runtime.rollout_workers={self.rollout_workers} is accepted only with "
-        f"runtime.mode='colocated' (got {self.mode!r}); the disaggregated rollout is in process."
-      )
     _positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
     if self.param_slots < 1 + (self.adoption == "new_groups"):
       raise ValueError(
@@ -332,16 +334,44 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   vision = None
   if config.get("vision"):
     vision = build_section(VisionConfig, config["vision"], "config.vision")
-    if sections["runtime"].mode != "colocated":
-      raise ValueError(
-        f"config.vision (a VLM policy) runs with config.runtime.mode='colocated' only, got "
-        f"{sections['runtime'].mode!r}."
-      )
   if init_from and vision is not None:
     raise ValueError(
       "config.init_from loads a text decoder; it cannot be combined with config.vision."
     )
+  sections["rollout"] = _resolve_engine(sections, vision)
+  _check_class_budgets(sections)
   return Config(seed=seed, model=model, vision=vision, init_from=init_from, **sections)
+
+
+def _resolve_engine(sections: dict, vision: VisionConfig | None) -> RolloutConfig:
+  """Resolves ``rollout.engine="auto"`` and checks the rollout can run the policy."""
+  rollout, runtime, task = sections["rollout"], sections["runtime"], sections["task"]
+  engine = rollout.engine
+  if engine == "auto":
+    text_disagg = runtime.mode == "disaggregated" and vision is None
+    engine = "continuous" if text_disagg else "batched"
+  if vision is not None:
+    if engine == "continuous":
+      raise ValueError(
+        "config.rollout.engine='continuous' cannot encode images; a VLM (config.vision) needs "
+        "config.rollout.engine='batched' (or 'auto')."
+      )
+    if task.name != "count_images":
+      raise ValueError(
+        f"config.vision is set but config.task.name={task.name!r} has no images; accepted: "
+        "count_images."
+      )
+  return dataclasses.replace(rollout, engine=engine)
+
+
+def _check_class_budgets(sections: dict) -> None:
+  budgets, quotas = sections["rollout"].class_max_new_tokens, sections["admission"].quotas
+  unknown = sorted(set(budgets) - set(quotas))
+  if unknown:
+    raise ValueError(
+      f"config.rollout.class_max_new_tokens names {unknown}, which are not quota classes "
+      f"{sorted(quotas)}."
+    )
 
 
 def _model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerConfig:

@@ -15,7 +15,7 @@ beta); 2 fake CPU devices, batch-sharded. The first `warmup_steps` steps (compil
 
 import ml_collections
 
-from configs import arith_tiny
+from configs import arith_tiny, common
 
 
 def get_config(arg=None):
@@ -27,18 +27,7 @@ def get_config(arg=None):
   c.baseline_python = ""  # a venv python with the external system; empty: knitjax alone
   c.baseline_script = "benchmarks/external/tunix_step_time.py"
   run = arith_tiny.get_config()
-  run.model = dict(
-    vocab_size=256,
-    num_layers=2,
-    d_model=128,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    ffn_dim=256,
-    qk_norm=True,
-    tie_embeddings=True,
-    dtype="float32",
-  )
+  run.model = common.tiny_decoder(vocab_size=256, d_model=128, head_dim=32, ffn_dim=256)
   run.task.prompt_len = 8
   run.rollout = dict(group_size=4, max_new_tokens=32, temperature=1.0)
   run.train.kl_coef = 0.04

@@ -37,7 +37,7 @@ from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.models.vlm import VLM, split_params
 from knitjax.train import losses, mm_step
-from knitjax.train.batch import make_batch
+from knitjax.train.batch import make_batch, pack_rows
 from knitjax.train.step import (
   MICRO_BATCH_FIELDS,
   StepHParams,
@@ -85,9 +85,7 @@ def make_workload(
       index.append(g)
   rows = len(prompts)
   batch = make_batch(
-    prompts,
-    responses,
-    logps,
+    pack_rows(prompts, responses, logps),
     rng.normal(size=rows).astype(np.float32),
     prompt_len=len(prompts[0]),
     max_new_tokens=response_tokens,

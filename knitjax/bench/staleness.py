@@ -20,7 +20,8 @@ from knitjax.sim import costs
 from knitjax.sim.engine import SimResult, simulate
 from knitjax.sim.frontier import POINT_KEYS, compare, depth_grid, run_frontier
 from knitjax.sim.metrics import summarize_result
-from knitjax.sim.workload import POLICIES, ClassSpec, Pipeline, Workload
+from knitjax.sim.workload import ClassSpec, Pipeline, Workload
+from knitjax.transfer.admission import POLICIES
 from knitjax.transfer.staleness import staleness
 
 _CLASS_FIELDS = tuple(f.name for f in dataclasses.fields(ClassSpec) if f.name != "name")

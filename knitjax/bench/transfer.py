@@ -33,18 +33,14 @@ import time
 import numpy as np
 
 from knitjax.bench.report import format_table, write_json
-from knitjax.transfer.access import FETCH_FIELDS, consumer_batch, fetch_minibatch
+from knitjax.transfer.access import BatchLayout, consumer_batch, fetch_minibatch
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
 from knitjax.transfer.group import GroupMeta
-from knitjax.transfer.payload import synthetic_payload
+from knitjax.transfer.payload import GroupPayload, synthetic_payload
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
 
 MODES = ("centralized", "hash_placement", "on_demand")
-
-
-def _group_bytes(payload: dict) -> int:
-  return sum(v.nbytes for v in payload.values())
 
 
 def _hash_unit(group_id: int, hosts: int) -> int:
@@ -83,7 +79,9 @@ def run(config, workdir: str) -> dict:
   limits = StorageLimits(
     vocab_size=w.vocab_size, max_seq_len=w.prompt_len + w.response_len, max_bytes=1 << 40
   )
-  layout = dict(estimator="grpo", prompt_len=w.prompt_len, max_new_tokens=w.response_len, pad_id=0)
+  layout = BatchLayout(
+    estimator="grpo", prompt_len=w.prompt_len, max_new_tokens=w.response_len, pad_id=0
+  )
   totals = {m: {"cross_host_bytes": 0, "busiest_endpoint_bytes": 0.0, "requests": 0} for m in MODES}
   cpu_s = {m: [] for m in MODES}
   local_fraction, total_bytes, gid = [], 0, 0
@@ -106,7 +104,7 @@ def run(config, workdir: str) -> dict:
       hash_of[gid] = _hash_unit(gid, w.hosts)
       units["rollout_host"][unit_of[gid]].put(gid, p)
       units["hash"][hash_of[gid]].put(gid, p)
-      nbytes[gid] = _group_bytes(p)
+      nbytes[gid] = units["hash"][hash_of[gid]].get([gid])[0].nbytes  # the stored payload
       total_bytes += nbytes[gid]
       lens = tuple(int(x) for x in p["response_lengths"])
       metas.append(
@@ -139,24 +137,24 @@ def run(config, workdir: str) -> dict:
         totals[mode][k] += v
       t = time.perf_counter()
       if mode == "centralized":  # gather everything in one place, then cut out each part
-        whole, _ = fetch_minibatch(the_mb, the_units, **layout)
+        whole, _ = fetch_minibatch(the_mb, the_units, layout)
         rows = len(whole["advantages"]) // w.hosts
         parts = [
           {k: v[c * rows : (c + 1) * rows].copy() for k, v in whole.items()} for c in range(w.hosts)
         ]
       elif mode == "hash_placement":
         parts = [
-          fetch_minibatch(the_plan.minibatch_for(c), the_units, **layout)[0] for c in range(w.hosts)
+          fetch_minibatch(the_plan.minibatch_for(c), the_units, layout)[0] for c in range(w.hosts)
         ]
       else:
         parts = [
           consumer_batch(
             the_mb,
             the_units,
+            layout=layout,
             consumer=c,
             num_consumers=w.hosts,
             locality_slack=w.locality_slack,
-            **layout,
           )[0]
           for c in range(w.hosts)
         ]
@@ -179,7 +177,7 @@ def run(config, workdir: str) -> dict:
       modes[m]["busiest_endpoint_bytes_per_minibatch"], 1.0
     )
   result = {
-    "workload": {**w.to_dict(), "fields": list(FETCH_FIELDS)},
+    "workload": {**w.to_dict(), "fields": [f.name for f in dataclasses.fields(GroupPayload)]},
     "minibatch_bytes": total_bytes / n,
     "on_demand_local_fraction": float(np.mean(local_fraction)),
     "modes": modes,

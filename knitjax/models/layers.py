@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# Compute dtypes a model may run in, by the name configs use (`TransformerConfig.dtype`).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
 # Masked attention scores: finite so that a query with no visible key (a left-padding slot) gets a
 # harmless uniform average instead of NaN.
 _MASK_VALUE = -1e30

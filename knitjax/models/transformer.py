@@ -14,8 +14,6 @@ from flax import nnx
 
 from knitjax.models import layers
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
@@ -49,9 +47,9 @@ class TransformerConfig:
         f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
         f"({self.num_kv_heads})."
       )
-    if self.dtype not in _DTYPES:
+    if self.dtype not in layers.DTYPES:
       raise ValueError(
-        f"TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}."
+        f"TransformerConfig.dtype must be one of {sorted(layers.DTYPES)}, got {self.dtype!r}."
       )
     if not self.rope_theta > 0:
       raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
@@ -60,7 +58,7 @@ class TransformerConfig:
 
   @property
   def compute_dtype(self) -> jnp.dtype:
-    return _DTYPES[self.dtype]
+    return layers.DTYPES[self.dtype]
 
 
 @jax.tree_util.register_dataclass

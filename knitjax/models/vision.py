@@ -20,8 +20,6 @@ from flax import nnx
 
 from knitjax.models import layers
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionConfig:
@@ -59,8 +57,10 @@ class VisionConfig:
         f"VisionConfig.image_size ({self.image_size}) must be a multiple of patch_size "
         f"({self.patch_size})."
       )
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"VisionConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}.")
+    if self.dtype not in layers.DTYPES:
+      raise ValueError(
+        f"VisionConfig.dtype must be one of {sorted(layers.DTYPES)}, got {self.dtype!r}."
+      )
     if not self.norm_eps > 0:
       raise ValueError(f"VisionConfig.norm_eps must be > 0, got {self.norm_eps!r}.")
 
@@ -71,7 +71,7 @@ class VisionConfig:
 
   @property
   def compute_dtype(self) -> jnp.dtype:
-    return _DTYPES[self.dtype]
+    return layers.DTYPES[self.dtype]
 
 
 def _normal(stddev: float):

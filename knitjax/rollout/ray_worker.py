@@ -1,15 +1,16 @@
-"""Rollout workers as Ray actors, each writing into a storage unit on its own node.
+"""The rollout contract over Ray actors, each writing into a storage unit on its own node.
 
-A :class:`RayRolloutWorker` is a Ray actor running the same :class:`RolloutWorker` as the
-embedded runtime (sampler on the actor's local devices, rewards, group assembly). Its storage
-unit is a :class:`~knitjax.transfer.ray_storage.RayStorageUnit` placed on the actor's node, so a
-group's payload is written where it was generated and never passes through the trainer's driver:
-``generate`` returns only the groups' :class:`GroupMeta`, which the driver offers to the
-admission index; consumers later fetch the payloads from the unit on demand.
+Each actor hosts a rollout built by a picklable ``factory`` on the actor's local devices (the
+runtime passes one; this module knows nothing of configs or builders), and a
+:class:`~knitjax.transfer.ray_storage.RayStorageUnit` placed on the actor's node, so a group's
+payload is written where it was generated and never passes through the driver: the actors return
+only the groups' :class:`GroupMeta`, which the driver offers to the admission index; consumers
+fetch the payloads from the units on demand.
 
-Weights: the trainer publishes host copies of its parameters once per version with
-:func:`publish` (one ``ray.put``; every worker reads the same object), and each worker puts them
-on its devices before generating.
+Weights: :meth:`RayRollout.adopt` puts a host copy of the parameters in Ray's object store once
+per version (one ``ray.put``; every actor reads the same object) and queues the load on every
+actor without waiting: an actor runs its calls in submission order, so generation started after
+``adopt`` uses the new version, while generation already running finishes on the old one.
 
 Ray is optional (``pip install -e '.[ray]'``).
 """
@@ -17,172 +18,185 @@ Ray is optional (``pip install -e '.[ray]'``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
-from knitjax.config import Config
+from knitjax.rollout.contract import Rollout, RolloutStats
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.ray_storage import NodeAffinitySchedulingStrategy, RayStorageUnit, ray
 from knitjax.transfer.storage import StorageLimits, StorageUnit
 
+_WAIT_S = 0.5  # a step returns after this long even if no actor finished (the caller polls)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostedRollout:
+  """What a factory builds inside an actor: the rollout, a params template, the local mesh."""
+
+  rollout: Rollout
+  params: nnx.State  # sharded on ``mesh``; published weights are loaded in its structure
+  mesh: jax.sharding.Mesh
+
+
+# ``factory(storage_unit) -> HostedRollout``, called inside the actor; must pickle (e.g. a
+# ``functools.partial`` of a module-level function).
+RolloutFactory = Callable[[StorageUnit], HostedRollout]
+
 
 class _RolloutActor:
-  """The actor body: builds the model skeleton, sampler and worker on the actor's devices."""
+  """The actor body: one hosted rollout, fed whole batches of groups by the driver."""
 
-  def __init__(self, config: Config, unit_id: int):
-    from knitjax import sharding
-    from knitjax.runtime import builder
-
-    # Rollout runs on this node's devices only (a 1-axis data mesh over them).
-    devices = jax.local_devices()
-    config = dataclasses.replace(
-      config, mesh=dataclasses.replace(config.mesh, shape=(len(devices), 1, 1))
-    )
-    self._mesh = builder.build_mesh(config, devices=devices)
-    prompts = builder.build_prompts(config)
-    graphdef, self._params = builder.build_model(config, self._mesh)
-    self._shardings = sharding.state_shardings(self._params, self._mesh)
-    self._worker = builder.build_worker(config, graphdef, self._mesh, prompts, storage_unit=unit_id)
-    self._storage: RayStorageUnit | None = None
-    self._version: int | None = None
+  def __init__(self, factory: RolloutFactory):
+    self._factory = factory
+    self._hosted: HostedRollout | None = None
 
   def attach(self, storage: RayStorageUnit) -> None:
-    """The storage unit this worker writes to (placed on the same node)."""
-    self._storage = storage
+    """Builds the rollout, writing to ``storage`` (placed on this node)."""
+    self._hosted = self._factory(storage)
 
-  def set_weights(self, version: int, pure_params: dict) -> None:
-    if version == self._version:
-      return
-    state = jax.tree.map(lambda x: x, self._params)  # a new State of the same structure
+  def adopt(self, version: int, pure_params: dict) -> None:
+    h = self._hosted
+    state = jax.tree.map(lambda x: x, h.params)  # a new State of the same structure
     nnx.replace_by_pure_dict(state, pure_params)
-    self._params = jax.device_put(state, self._shardings)
-    self._version = version
+    state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, h.params))
+    h.rollout.adopt(state, version)
 
-  def generate(
-    self, prompts: Sequence[Prompt], key_data: np.ndarray, first_group_id: int
-  ) -> list[GroupMeta]:
-    if self._version is None or self._storage is None:
-      raise RuntimeError("the rollout worker needs weights and a storage unit before generating.")
-    with jax.set_mesh(self._mesh):
-      groups = self._worker.generate(
-        self._params,
-        prompts,
-        version=self._version,
-        rng=jax.random.wrap_key_data(key_data),
-        first_group_id=first_group_id,
-      )
-    for g in groups:  # the payload stays on this node
-      self._storage.put(g.meta.group_id, g.payload, images=g.images)
-    return [g.meta for g in groups]
+  def generate(self, items: Sequence[tuple[Prompt, int]], key_data: np.ndarray) -> list[GroupMeta]:
+    """Generates the given ``(prompt, group id)``s to completion; payloads stay on this node."""
+    h = self._hosted
+    if h is None or h.rollout.version is None:
+      raise RuntimeError("the rollout actor needs weights and a storage unit before generating.")
+    rng, todo, metas, call = jax.random.wrap_key_data(key_data), list(items), [], 0
+    with jax.set_mesh(h.mesh):
+      while todo or h.rollout.inflight:
+        while todo and h.rollout.capacity():
+          h.rollout.start(*todo.pop(0))
+        metas += h.rollout.step(jax.random.fold_in(rng, call) if call else rng)
+        call += 1
+    return metas
 
   def node_id(self) -> str:
     return ray.get_runtime_context().get_node_id()
 
-  def device_count(self) -> int:
-    return jax.local_device_count()
-
 
 def publish(params: nnx.State) -> ray.ObjectRef:
-  """Host copy of the trainer's params in Ray's object store, read by every worker."""
+  """Host copy of the trainer's params in Ray's object store, read by every actor."""
   return ray.put(jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(params))))
 
 
-class RayRolloutWorker:
-  """Driver-side handle of one rollout actor and its node-local storage unit.
+class RayRollout:
+  """Rollout actors used as one rollout (the contract of `knitjax.rollout.contract`).
+
+  ``step`` hands the groups started since the last call to idle actors in contiguous shares
+  (share ``i`` draws from ``fold_in(rng, i)``), then returns the groups of every actor that has
+  finished, waiting up to ``_WAIT_S`` for one.
 
   Args:
-    config: the validated run config (model, task, rollout settings).
-    limits: the byte budget and validation bounds of the worker's storage unit.
-    unit_id: the storage unit's id (``GroupMeta.storage_unit`` of the groups it writes).
-    node_id: Ray node to run on (None: Ray chooses); the unit is placed on the same node.
-    num_cpus: CPUs Ray reserves for the actor.
+    factory: builds an actor's rollout around its storage unit (see :data:`RolloutFactory`).
+    limits: byte budget and validation bounds of each actor's storage unit.
+    workers: number of actors; unit ids are ``0..workers-1``.
+    groups_per_call: groups one actor generates per call (None: no bound).
+    node_ids: Ray node per actor (None: Ray chooses); each unit goes on its actor's node.
+    num_cpus: CPUs Ray reserves per actor.
   """
 
   def __init__(
     self,
-    config: Config,
+    factory: RolloutFactory,
     limits: StorageLimits,
-    unit_id: int,
+    workers: int,
     *,
-    node_id: str | None = None,
+    groups_per_call: int | None = None,
+    node_ids: Sequence[str] | None = None,
     num_cpus: float = 1,
   ):
     if not ray.is_initialized():
-      raise RuntimeError("RayRolloutWorker needs a running Ray: call ray.init() first.")
-    options: dict = {"num_cpus": num_cpus}
-    if node_id is not None:
-      options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    self.unit_id = unit_id
-    self._actor = ray.remote(_RolloutActor).options(**options).remote(config, unit_id)
-    # The unit goes on the node the worker runs on: payloads are written where they are made.
-    self.node_id = ray.get(self._actor.node_id.remote())
-    self.storage = RayStorageUnit(limits, unit_id, node_id=self.node_id)
-    ray.get(self._actor.attach.remote(self.storage))
-
-  def set_weights(self, version: int, params_ref: ray.ObjectRef) -> ray.ObjectRef:
-    """Starts loading published weights; returns the call's ref (await it with ``ray.get``)."""
-    return self._actor.set_weights.remote(version, params_ref)
-
-  def generate_async(
-    self, prompts: Sequence[Prompt], *, rng: jax.Array, first_group_id: int
-  ) -> ray.ObjectRef:
-    """Starts generating one group per prompt; ``ray.get`` gives their ``GroupMeta``."""
-    key_data = np.asarray(jax.random.key_data(rng))
-    return self._actor.generate.remote(list(prompts), key_data, first_group_id)
-
-  def close(self) -> None:
-    ray.kill(self._actor)
-    self.storage.close()
-
-
-class RayRolloutPool:
-  """Several rollout workers used as one: same ``generate`` contract as the embedded rollout.
-
-  ``generate`` publishes the params once per version, splits the prompts into contiguous
-  shares (group ids and RNG streams follow the share), runs the workers in parallel and returns
-  every group's ``GroupMeta`` in prompt order; the payloads are already in the workers' units.
-  """
-
-  def __init__(self, workers: Sequence[RayRolloutWorker]):
-    if not workers:
-      raise ValueError("a rollout pool needs at least one worker.")
-    self.workers = list(workers)
-    self._published: tuple[int, ray.ObjectRef] | None = None
+      raise RuntimeError("RayRollout needs a running Ray: call ray.init() first.")
+    if workers < 1:
+      raise ValueError(f"a Ray rollout needs at least one worker, got {workers}.")
+    self._actors, self._units = [], {}
+    for i in range(workers):
+      options: dict = {"num_cpus": num_cpus}
+      if node_ids is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_ids[i], soft=False)
+      actor = ray.remote(_RolloutActor).options(**options).remote(factory)
+      node = ray.get(actor.node_id.remote())
+      unit = RayStorageUnit(limits, i, node_id=node)  # payloads are written where they are made
+      ray.get(actor.attach.remote(unit))
+      self._actors.append(actor)
+      self._units[i] = unit
+    self._per_call = groups_per_call
+    self._version: int | None = None
+    self._pending: list[tuple[Prompt, int]] = []
+    self._running: dict[ray.ObjectRef, tuple[int, int]] = {}  # call -> (actor, groups)
+    self._stats = RolloutStats(shards=workers)
 
   @property
-  def storage(self) -> dict[int, StorageUnit]:
-    return {w.unit_id: w.storage for w in self.workers}
+  def storage(self) -> Mapping[int, StorageUnit]:
+    return dict(self._units)
 
-  def generate(
-    self,
-    params: nnx.State,
-    prompts: Sequence[Prompt],
-    *,
-    version: int,
-    rng: jax.Array,
-    first_group_id: int,
-  ) -> list[GroupMeta]:
-    if self._published is None or self._published[0] != version:
-      self._published = (version, publish(params))
-    ref = self._published[1]
-    ray.get([w.set_weights(version, ref) for w in self.workers])
-    n, k = len(prompts), len(self.workers)
-    bounds = [n * i // k for i in range(k + 1)]
-    calls = [
-      w.generate_async(
-        prompts[bounds[i] : bounds[i + 1]],
-        rng=jax.random.fold_in(rng, i),
-        first_group_id=first_group_id + bounds[i],
-      )
-      for i, w in enumerate(self.workers)
-      if bounds[i + 1] > bounds[i]
-    ]
-    return [meta for metas in ray.get(calls) for meta in metas]
+  @property
+  def version(self) -> int | None:
+    return self._version
+
+  @property
+  def inflight(self) -> int:
+    return len(self._pending) + sum(n for _, n in self._running.values())
+
+  def adopt(self, params, version: int) -> None:
+    if version == self._version:
+      return
+    ref = publish(params)
+    for a in self._actors:
+      a.adopt.remote(version, ref)
+    self._version = version
+
+  def _idle(self) -> list[int]:
+    busy = {a for a, _ in self._running.values()}
+    return [i for i in range(len(self._actors)) if i not in busy]
+
+  def capacity(self) -> int:
+    if self._per_call is None:
+      return 1 << 30
+    return max(0, len(self._idle()) * self._per_call - len(self._pending))
+
+  def start(self, prompt: Prompt, group_id: int) -> None:
+    if self._version is None:
+      raise RuntimeError("the rollout has no policy: call adopt(params, version) first.")
+    self._pending.append((prompt, group_id))
+
+  def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
+    idle = self._idle()
+    if self._pending and idle:
+      n, k = len(self._pending), len(idle)
+      bounds = [n * i // k for i in range(k + 1)]
+      for i, actor in enumerate(idle):
+        share = self._pending[bounds[i] : bounds[i + 1]]
+        if share:
+          key = np.asarray(jax.random.key_data(jax.random.fold_in(rng, i)))
+          self._running[self._actors[actor].generate.remote(share, key)] = (actor, len(share))
+      self._pending = []
+    if not self._running:
+      return []
+    ready, _ = ray.wait(list(self._running), num_returns=1, timeout=_WAIT_S)
+    if ready:  # collect every call that is done by now
+      ready, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=0)
+    metas = []
+    for ref in sorted(ready, key=lambda r: self._running[r][0]):
+      del self._running[ref]
+      metas += ray.get(ref)
+    self._stats.tokens += sum(sum(m.response_tokens) for m in metas)
+    return metas
+
+  def stats(self) -> RolloutStats:
+    return dataclasses.replace(self._stats)
 
   def close(self) -> None:
-    for w in self.workers:
-      w.close()
+    for a in self._actors:
+      ray.kill(a)
+    for u in self._units.values():
+      u.close()

@@ -13,6 +13,8 @@ import math
 
 from knitjax.transfer.admission import AdmissionIndex
 
+SCHEDULING = ("plain", "admission_aware")
+
 
 class PlainScheduler:
   """Classes in quota proportion, deterministic."""
@@ -93,4 +95,4 @@ def make_scheduler(kind: str, index: AdmissionIndex, quotas: list[int], horizon_
     return PlainScheduler(quotas)
   if kind == "admission_aware":
     return AdmissionAwareScheduler(index, quotas, horizon_steps)
-  raise ValueError(f"scheduling={kind!r} is not accepted; choose 'plain' or 'admission_aware'.")
+  raise ValueError(f"scheduling={kind!r} is not accepted; choose one of: {', '.join(SCHEDULING)}.")

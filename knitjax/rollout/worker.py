@@ -1,8 +1,10 @@
-"""Rollout worker: prompts -> G samples each -> rewards -> complete groups.
+"""The batched rollout: prompts -> G samples each (one sampler call) -> rewards -> groups.
 
-The worker turns a batch of prompts into complete groups: a :class:`GroupMeta`
-(what the admission index sees) and a payload (what the storage unit keeps).
-It is the same in colocated and disaggregated execution.
+:class:`RolloutWorker` turns a batch of prompts into complete groups: a :class:`GroupMeta`
+(what the admission index sees) and a payload (what the storage unit keeps);
+:class:`BatchedRollout` puts it behind the rollout contract (`knitjax.rollout.contract`), used
+in colocated and disaggregated execution, in process or inside a Ray actor.
+:func:`assemble_group` scores one group's samples; the continuous engine's rollout uses it too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from knitjax.rollout.contract import RolloutStats
 from knitjax.rollout.sampler import Sampler
 from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.tokenizer import CharTokenizer
@@ -56,6 +59,8 @@ class RolloutWorker:
     self._tokenizer = tokenizer
     self._reward_fn = reward_fn
     self._group_size = group_size
+    self.group_size = group_size
+    self.max_new_tokens = sampler.sampling.max_new_tokens
     self._prompt_len = prompt_len
     self._storage_unit = storage_unit
 
@@ -66,9 +71,9 @@ class RolloutWorker:
     *,
     version: int,
     rng: jax.Array,
-    first_group_id: int,
+    group_ids: Sequence[int],
   ) -> list[Group]:
-    """Samples one group per prompt at policy ``version``; ids count up from ``first_group_id``."""
+    """Samples one group per prompt at policy ``version``; ``group_ids``: one id per prompt."""
     g = self._group_size
     rows = [p.tokens for p in prompts for _ in range(g)]
     tokens_bp, lens_b = left_pad(rows, self._prompt_len, self._tokenizer.pad_id)
@@ -86,7 +91,7 @@ class RolloutWorker:
           samples.tokens[sl],
           np.minimum(samples.lengths[sl], budget),
           samples.logprobs[sl],
-          group_id=first_group_id + i,
+          group_id=group_ids[i],
           version=version,
           reward_fn=self._reward_fn,
           tokenizer=self._tokenizer,
@@ -181,35 +186,64 @@ def assemble_group(
   return Group(meta=meta, payload=payload, images=(prompt.image,))
 
 
-class EmbeddedRollout:
-  """The in-process rollout of colocated runs: a worker that writes its groups to its unit.
+class BatchedRollout:
+  """The batched sampler behind the rollout contract: each ``step`` generates every started group
+  in one call at the newest adopted version, and writes the payloads into ``storage``.
 
-  Same contract as :class:`knitjax.rollout.ray_worker.RayRolloutPool`: ``generate`` stores the
-  payloads and returns the groups' metadata, for the admission index.
+  Args:
+    worker: sampler, rewards and group assembly.
+    storage: the storage unit the payloads go to.
+    max_groups: groups one call generates at most (None: no bound; colocated steps start all).
   """
 
-  def __init__(self, worker: RolloutWorker, storage: StorageUnit):
-    self._worker, self._unit = worker, storage
+  def __init__(self, worker: RolloutWorker, storage: StorageUnit, *, max_groups: int | None = None):
+    self._worker, self._unit, self._max = worker, storage, max_groups
+    self._params, self._version = None, None
+    self._queued: list[tuple[Prompt, int]] = []
+    self._stats = RolloutStats()
 
   @property
   def storage(self) -> dict[int, StorageUnit]:
     return {self._unit.unit_id: self._unit}
 
-  def generate(
-    self,
-    params: nnx.State,
-    prompts: Sequence[Prompt],
-    *,
-    version: int,
-    rng: jax.Array,
-    first_group_id: int,
-  ) -> list[GroupMeta]:
+  @property
+  def version(self) -> int | None:
+    return self._version
+
+  @property
+  def inflight(self) -> int:
+    return len(self._queued)
+
+  def adopt(self, params, version: int) -> None:
+    self._params, self._version = params, version
+
+  def capacity(self) -> int:
+    return (1 << 30 if self._max is None else self._max) - len(self._queued)
+
+  def start(self, prompt: Prompt, group_id: int) -> None:
+    if self._version is None:
+      raise RuntimeError("the rollout has no policy: call adopt(params, version) first.")
+    self._queued.append((prompt, group_id))
+
+  def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
+    del want_room  # one call generates every started group
+    if not self._queued:
+      return []
+    prompts, ids = zip(*self._queued, strict=True)
+    self._stats.live_samples = len(prompts) * self._worker.group_size
     groups = self._worker.generate(
-      params, prompts, version=version, rng=rng, first_group_id=first_group_id
+      self._params, prompts, version=self._version, rng=rng, group_ids=ids
     )
+    self._queued = []
     for g in groups:
       self._unit.put(g.meta.group_id, g.payload, images=g.images)
+      self._stats.tokens += sum(g.meta.response_tokens)
+    self._stats.decode_iterations += self._worker.max_new_tokens
+    self._stats.live_samples = 0
     return [g.meta for g in groups]
+
+  def stats(self) -> RolloutStats:
+    return dataclasses.replace(self._stats)
 
   def close(self) -> None:
     pass

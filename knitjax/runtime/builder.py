@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import jax
-import numpy as np
 from flax import nnx
 
 from knitjax import sharding
@@ -18,49 +18,30 @@ from knitjax.config import Config
 from knitjax.models.transformer import Transformer
 from knitjax.models.vlm import VLM, make_prompt_embedder
 from knitjax.rollout.continuous import ContinuousEngine
+from knitjax.rollout.contract import Rollout
 from knitjax.rollout.sampler import Sampler, SamplingConfig
-from knitjax.rollout.worker import EmbeddedRollout, RolloutWorker
+from knitjax.rollout.streaming import StreamingRollout
+from knitjax.rollout.worker import BatchedRollout, RolloutWorker
+from knitjax.runtime.learner import Learner
+from knitjax.tasks import count_images
 from knitjax.tasks.prompts import PromptSource
 from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
-from knitjax.tasks.tokenizer import CharTokenizer
+from knitjax.tasks.streams import ClassStreams
 from knitjax.train import losses, mm_step
-from knitjax.train.batch import split_micro_batches
+from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.step import (
   StepHParams,
   TrainState,
-  batch_shardings,
   compile_train_step,
   init_train_state,
 )
-from knitjax.transfer.access import consumer_batch, to_global
+from knitjax.transfer.access import BatchLayout
 from knitjax.transfer.admission import AdmissionIndex
+from knitjax.transfer.prepare import MiniBatchPreparer
 from knitjax.transfer.quota import QuotaSpec
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits, StorageUnit
-
-
-@dataclasses.dataclass
-class Prompts:
-  """One prompt stream per quota class (DESIGN.md: per-class streams)."""
-
-  sources: dict[str, PromptSource]
-  tokenizer: CharTokenizer
-  prompt_len: int
-
-  def next(self, counts: dict[str, int]) -> list:
-    out = []
-    for cls, n in counts.items():
-      if n:
-        out += self.sources[cls].next(n)
-    return out
-
-  def state_dict(self) -> dict:
-    return {cls: s.get_state() for cls, s in self.sources.items()}
-
-  def load_state_dict(self, state: dict) -> None:
-    for cls, s in self.sources.items():
-      s.set_state(state[cls])
 
 
 def _longest_prompt(source: PromptSource) -> int:
@@ -69,7 +50,7 @@ def _longest_prompt(source: PromptSource) -> int:
   return max(len(p.tokens) for p in probe.next(source.num_examples))
 
 
-def build_prompts(config: Config) -> Prompts:
+def build_prompts(config: Config) -> ClassStreams:
   """Per-class prompt streams; the quota classes name the task's classes."""
   sources, tokenizer = {}, None
   for i, cls in enumerate(sorted(config.admission.quotas)):
@@ -93,7 +74,7 @@ def build_prompts(config: Config) -> Prompts:
     )
   if config.vision is not None:
     _check_images(config, sources)
-  return Prompts(sources=sources, tokenizer=tokenizer, prompt_len=prompt_len)
+  return ClassStreams(sources=sources, tokenizer=tokenizer, prompt_len=prompt_len)
 
 
 def _check_images(config: Config, sources: dict[str, PromptSource]) -> None:
@@ -109,18 +90,6 @@ def _check_images(config: Config, sources: dict[str, PromptSource]) -> None:
       )
 
 
-def image_token_id(config: Config) -> int:
-  """The VLM's image placeholder id: the image task's placeholder in its tokenizer."""
-  from knitjax.tasks import count_images
-
-  if config.task.name != "count_images":
-    raise ValueError(
-      f"config.vision is set but config.task.name={config.task.name!r} has no images; "
-      "accepted: count_images."
-    )
-  return count_images.image_token_id(count_images.make_tokenizer())
-
-
 def build_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
   return sharding.make_mesh(config.mesh.shape, devices=devices)
 
@@ -134,7 +103,7 @@ def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
     _, graphdef, params = hf.init_from_hf(config.init_from, mesh, dtype=config.model.dtype)
     return graphdef, params
   if config.vision is not None:
-    image_id = image_token_id(config)
+    image_id = count_images.image_token_id(count_images.make_tokenizer())
     return sharding.init_sharded(
       lambda: VLM(config.model, config.vision, image_token_id=image_id, rngs=nnx.Rngs(config.seed)),
       mesh,
@@ -144,9 +113,9 @@ def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
 
 def build_trainer(config: Config, graphdef, params, mesh):
   """Returns ``(state, state_shardings, compiled step, reference params or None)``."""
-  optimizer = make_optimizer(config.train)
-  state, shardings = init_train_state(params, optimizer, mesh)
   t = config.train
+  optimizer = make_optimizer(t)
+  state, shardings = init_train_state(params, optimizer, mesh)
   hparams = StepHParams(
     loss=losses.LossConfig(
       eps_low=t.eps_low,
@@ -178,14 +147,40 @@ def build_trainer(config: Config, graphdef, params, mesh):
   return state, shardings, step, ref
 
 
-def build_worker(config: Config, graphdef, mesh, prompts: Prompts, *, storage_unit: int = 0):
+def init_state(config: Config, mesh) -> tuple[nnx.GraphDef, TrainState, TrainState, object, object]:
+  graphdef, params = build_model(config, mesh)
+  state, shardings, step, ref = build_trainer(config, graphdef, params, mesh)
+  return graphdef, state, shardings, step, ref
+
+
+def build_learner(config: Config, mesh, workdir: str) -> tuple[nnx.GraphDef, Learner]:
+  """The policy's graph definition and a Learner over its freshly initialised train state."""
+  graphdef, state, _, step, ref = init_state(config, mesh)
+  learner = Learner(
+    state,
+    step,
+    ref_params=ref,
+    checkpointer=Checkpointer(workdir, keep=config.checkpoint.keep),
+    every_steps=config.checkpoint.every_steps,
+    mode=config.runtime.mode,
+  )
+  return graphdef, learner
+
+
+def _sampling(config: Config) -> SamplingConfig:
+  r = config.rollout
+  return SamplingConfig(
+    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
+  )
+
+
+def build_worker(config: Config, graphdef, mesh, prompts: ClassStreams) -> RolloutWorker:
+  """The batched sampler, rewards and group assembly on ``mesh``."""
   r = config.rollout
   sampler = Sampler(
     graphdef,
     mesh=mesh,
-    sampling=SamplingConfig(
-      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
-    ),
+    sampling=_sampling(config),
     eos_id=prompts.tokenizer.eos_id,
     pad_id=prompts.tokenizer.pad_id,
     prompt_len=prompts.prompt_len,
@@ -196,38 +191,18 @@ def build_worker(config: Config, graphdef, mesh, prompts: Prompts, *, storage_un
     reward_fn=get_reward_fn(config.task.reward),
     group_size=r.group_size,
     prompt_len=prompts.prompt_len,
-    storage_unit=storage_unit,
     class_max_new_tokens=r.class_max_new_tokens,
     prompt_embedder=make_prompt_embedder(graphdef, mesh) if config.vision is not None else None,
   )
 
 
-def build_rollout(config: Config, graphdef, mesh, prompts: Prompts):
-  """The colocated rollout: an embedded worker, or ``runtime.rollout_workers`` Ray actors.
-
-  Either way ``generate(params, prompts, version=, rng=, first_group_id=)`` stores the payloads
-  in the rollout's storage units (``.storage``: unit id -> unit) and returns ``GroupMeta``s.
-  """
-  n = config.runtime.rollout_workers
-  if not n:
-    worker = build_worker(config, graphdef, mesh, prompts)
-    return EmbeddedRollout(worker, build_storage(config, prompts))
-  _ensure_ray(config)
-  from knitjax.rollout.ray_worker import RayRolloutPool, RayRolloutWorker
-
-  limits = build_storage_limits(config, prompts)
-  return RayRolloutPool([RayRolloutWorker(config, limits, unit_id=i) for i in range(n)])
-
-
-def build_engine(config: Config, graphdef, mesh, prompts: Prompts) -> ContinuousEngine:
-  """The continuous-batching engine of the disaggregated rollout."""
+def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> ContinuousEngine:
+  """The continuous-batching engine (``rollout.engine="continuous"``)."""
   r, rt = config.rollout, config.runtime
   return ContinuousEngine(
     graphdef,
     mesh=mesh,
-    sampling=SamplingConfig(
-      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
-    ),
+    sampling=_sampling(config),
     slots=r.slots,
     prompt_len=prompts.prompt_len,
     eos_id=prompts.tokenizer.eos_id,
@@ -236,6 +211,60 @@ def build_engine(config: Config, graphdef, mesh, prompts: Prompts) -> Continuous
     decode_steps=r.decode_steps,
     adoption=rt.adoption,
     param_slots=rt.param_slots,
+  )
+
+
+def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: StorageUnit):
+  """The in-process rollout of ``rollout.engine`` on ``mesh``, writing into ``unit``."""
+  r = config.rollout
+  if r.engine == "continuous":
+    return StreamingRollout(
+      build_engine(config, graphdef, mesh, prompts),
+      unit,
+      reward_fn=get_reward_fn(config.task.reward),
+      tokenizer=prompts.tokenizer,
+      group_size=r.group_size,
+      budgets=r.class_max_new_tokens,
+    )
+  # Colocated steps generate all their groups in one call; disaggregated waves fill the slots.
+  per_call = None if config.runtime.mode == "colocated" else max(1, r.slots // r.group_size)
+  return BatchedRollout(build_worker(config, graphdef, mesh, prompts), unit, max_groups=per_call)
+
+
+def hosted_rollout(config: Config, storage: StorageUnit):
+  """A Ray actor's rollout (`knitjax.rollout.ray_worker.RolloutFactory`): the model skeleton and
+  the configured rollout on the actor's local devices, writing into ``storage``."""
+  from knitjax.rollout.ray_worker import HostedRollout
+
+  devices = jax.local_devices()
+  config = dataclasses.replace(
+    config, mesh=dataclasses.replace(config.mesh, shape=(len(devices), 1, 1))
+  )
+  mesh = build_mesh(config, devices=devices)
+  prompts = build_prompts(config)
+  graphdef, params = build_model(config, mesh)
+  return HostedRollout(_local_rollout(config, graphdef, mesh, prompts, storage), params, mesh)
+
+
+def build_rollout(config: Config, graphdef, mesh, prompts: ClassStreams) -> Rollout:
+  """The run's rollout: in process on ``mesh``, or ``runtime.rollout_workers`` Ray actors.
+
+  Either way it writes payloads into its storage units (``.storage``: unit id -> unit) and
+  returns ``GroupMeta``s (`knitjax.rollout.contract`).
+  """
+  n = config.runtime.rollout_workers
+  if not n:
+    return _local_rollout(config, graphdef, mesh, prompts, build_storage(config, prompts))
+  _ensure_ray(config)
+  from knitjax.rollout.ray_worker import RayRollout
+
+  r = config.rollout
+  per_call = None if config.runtime.mode == "colocated" else max(1, r.slots // r.group_size)
+  return RayRollout(
+    functools.partial(hosted_rollout, config),
+    build_storage_limits(config, prompts),
+    n,
+    groups_per_call=per_call,
   )
 
 
@@ -250,7 +279,7 @@ def build_admission(config: Config, on_reject=None) -> AdmissionIndex:
   return AdmissionIndex(spec, a.policy, dynamic_sampling=a.dynamic_sampling, on_reject=on_reject)
 
 
-def build_storage(config: Config, prompts: Prompts, *, unit_id: int = 0) -> StorageUnit:
+def build_storage(config: Config, prompts: ClassStreams, *, unit_id: int = 0) -> StorageUnit:
   """A storage unit sized for a few train steps of payload (float32 log-probs + int32 tokens).
 
   ``runtime.storage="ray"`` puts it in a Ray actor (starting or joining Ray if needed).
@@ -264,10 +293,13 @@ def build_storage(config: Config, prompts: Prompts, *, unit_id: int = 0) -> Stor
   return InProcessStorageUnit(limits, unit_id=unit_id)
 
 
-def build_storage_limits(config: Config, prompts: Prompts) -> StorageLimits:
+def build_storage_limits(config: Config, prompts: ClassStreams) -> StorageLimits:
   r = config.rollout
   seq = prompts.prompt_len + r.max_new_tokens
   step_bytes = config.admission.groups_per_step * r.group_size * seq * 16
+  if config.vision is not None:  # images, once per group at most
+    v = config.vision
+    step_bytes += config.admission.groups_per_step * v.image_size**2 * v.channels * 4
   return StorageLimits(
     vocab_size=config.model.vocab_size,
     max_seq_len=seq,
@@ -276,20 +308,19 @@ def build_storage_limits(config: Config, prompts: Prompts) -> StorageLimits:
 
 
 def _ensure_ray(config: Config) -> None:
+  """Joins ``runtime.ray_address``, or starts a local Ray listening on loopback only."""
   try:
     import ray
   except ImportError:
     raise ValueError(
       "config.runtime.storage='ray' / rollout_workers > 0 need Ray: pip install -e '.[ray]'."
     ) from None
-  if not ray.is_initialized():
-    ray.init(address=config.runtime.ray_address or None, include_dashboard=False)
-
-
-def init_state(config: Config, mesh) -> tuple[nnx.GraphDef, TrainState, TrainState, object, object]:
-  graphdef, params = build_model(config, mesh)
-  state, shardings, step, ref = build_trainer(config, graphdef, params, mesh)
-  return graphdef, state, shardings, step, ref
+  if ray.is_initialized():
+    return
+  if config.runtime.ray_address:
+    ray.init(address=config.runtime.ray_address, include_dashboard=False)
+  else:  # an unauthenticated local cluster must not listen on every interface
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
 
 
 def rng_for(seed: int, step: int) -> jax.Array:
@@ -297,34 +328,18 @@ def rng_for(seed: int, step: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def numpy_rng(seed: int) -> np.random.Generator:
-  return np.random.default_rng(seed)
-
-
-def build_prepare(config: Config, storage: dict, mesh, prompts: Prompts):
-  """``prepare(minibatch) -> (device batch, info)``: this consumer's on-demand access.
-
-  Fetches this process's groups of the consumer plan from their storage units, lays them out
-  and assembles the global, sharded ``[K, rows / K, ...]`` arrays of the train step.
-  """
-  k = config.train.micro_batches
-  shardings = batch_shardings(mesh)
-
-  def prepare(mb):
-    local, info = consumer_batch(
-      mb,
-      storage,
-      consumer=jax.process_index(),
-      num_consumers=jax.process_count(),
-      locality_slack=config.runtime.locality_slack,
-      estimator=config.train.advantage,
-      prompt_len=prompts.prompt_len,
-      max_new_tokens=config.rollout.max_new_tokens,
-      pad_id=prompts.tokenizer.pad_id,
-    )
-    if "images" in local:  # VLM: unique images padded to a static count per mini-batch
-      n = sum(len(g.image_hashes) for g in mb.groups)
-      return mm_step.device_batch(local, k, mesh, num_images=n), info
-    return to_global(split_micro_batches(local, k), shardings), info
-
-  return prepare
+def build_preparer(config: Config, storage, mesh, prompts: ClassStreams) -> MiniBatchPreparer:
+  """This consumer's on-demand access: fetch its groups, lay out, place on the train mesh."""
+  layout = BatchLayout(
+    estimator=config.train.advantage,
+    prompt_len=prompts.prompt_len,
+    max_new_tokens=config.rollout.max_new_tokens,
+    pad_id=prompts.tokenizer.pad_id,
+  )
+  return MiniBatchPreparer(
+    storage,
+    layout=layout,
+    mesh=mesh,
+    micro_batches=config.train.micro_batches,
+    locality_slack=config.runtime.locality_slack,
+  )

@@ -103,6 +103,11 @@ class MetricsWriter:
       self._tb.close()
 
 
+def mean_rows(rows: list[Mapping[str, float]]) -> dict[str, float]:
+  """Per-key means over the mini-batches of a train step (every row has the same keys)."""
+  return {k: float(sum(r[k] for r in rows) / len(rows)) for k in rows[0]}
+
+
 def read_metrics(workdir: str) -> list[dict]:
   """Reads ``workdir/metrics.jsonl``."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:

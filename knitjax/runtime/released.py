@@ -13,7 +13,6 @@ import threading
 import time
 
 from knitjax.transfer.admission import MiniBatch
-from knitjax.transfer.group import GroupMeta
 
 
 class ReleasedQueue:
@@ -59,11 +58,3 @@ class ReleasedQueue:
     """Every released mini-batch not consumed yet, oldest first (what a checkpoint keeps)."""
     with self._cond:
       return [mb for mb, _ in self._items]
-
-
-def minibatch_to_dict(mb: MiniBatch) -> dict:
-  return {"step": mb.step, "index": mb.index, "groups": [g.to_dict() for g in mb.groups]}
-
-
-def minibatch_from_dict(d: dict) -> MiniBatch:
-  return MiniBatch(d["step"], d["index"], tuple(GroupMeta.from_dict(g) for g in d["groups"]))

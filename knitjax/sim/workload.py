@@ -8,13 +8,11 @@ sweeps). Every cost-model assumption is spelled out in docs/simulator.md.
 import dataclasses
 import math
 
+from knitjax.config import MODES, WEIGHT_SYNC
+from knitjax.rollout.continuous import ADOPTION
+from knitjax.rollout.scheduling import SCHEDULING
+from knitjax.transfer.admission import POLICIES
 from knitjax.transfer.quota import QuotaSpec
-
-POLICIES = ("train_batch", "minibatch", "greedy")
-MODES = ("disaggregated", "colocated")
-WEIGHT_SYNC = ("minibatch", "step")
-ADOPTION = ("new_groups", "mid_generation")
-SCHEDULING = ("plain", "admission_aware")
 
 
 def _check(ok: bool, message: str) -> None:

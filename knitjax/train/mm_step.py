@@ -32,7 +32,6 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from knitjax import sharding
 from knitjax.models.vlm import split_params
@@ -199,8 +198,8 @@ def mm_train_step(
 
 def batch_shardings(mesh: jax.sharding.Mesh) -> dict[str, NamedSharding]:
   """Row fields ``[K, rows, ...]`` split on rows; images ``[U, ...]`` split over the batch axes."""
-  rows = NamedSharding(mesh, P(None, sharding.BATCH_AXES))
-  return {**{k: rows for k in MM_ROW_FIELDS}, "images": NamedSharding(mesh, P(sharding.BATCH_AXES))}
+  rows = sharding.logical_sharding(mesh, (None, "batch"))
+  return {**{k: rows for k in MM_ROW_FIELDS}, "images": sharding.logical_sharding(mesh, ("batch",))}
 
 
 def batch_shards(mesh: jax.sharding.Mesh) -> int:

@@ -1,23 +1,36 @@
 """The optimizer: AdamW with linear warmup and global-norm gradient clipping."""
 
+from typing import Protocol
+
 import optax
 
-from knitjax.config import TrainConfig
+
+class OptimizerHParams(Protocol):
+  """What the optimizer reads; `knitjax.config.TrainConfig` is one (train/ sits below config)."""
+
+  lr: float
+  warmup_steps: int  # optimizer updates; 0: no warmup
+  weight_decay: float
+  b1: float
+  b2: float
+  grad_clip: float  # global norm; 0: no clipping
 
 
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(hparams: OptimizerHParams) -> optax.GradientTransformation:
   """AdamW on a warmup-then-constant schedule, after global-norm clipping.
 
   RL fine-tuning runs are short and reward-driven, so the schedule holds the
   learning rate after warmup rather than decaying it to a horizon the run may
   never reach.
   """
-  if config.warmup_steps:
-    schedule = optax.linear_schedule(0.0, config.lr, config.warmup_steps)
+  if hparams.warmup_steps:
+    schedule = optax.linear_schedule(0.0, hparams.lr, hparams.warmup_steps)
   else:
-    schedule = optax.constant_schedule(config.lr)
+    schedule = optax.constant_schedule(hparams.lr)
   parts = []
-  if config.grad_clip:
-    parts.append(optax.clip_by_global_norm(config.grad_clip))
-  parts.append(optax.adamw(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay))
+  if hparams.grad_clip:
+    parts.append(optax.clip_by_global_norm(hparams.grad_clip))
+  parts.append(
+    optax.adamw(schedule, b1=hparams.b1, b2=hparams.b2, weight_decay=hparams.weight_decay)
+  )
   return optax.chain(*parts)

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from knitjax import sharding
 from knitjax.train import losses
@@ -147,8 +146,8 @@ def host_metrics(metrics: dict) -> dict[str, float]:
 
 
 def batch_shardings(mesh) -> dict[str, NamedSharding]:
-  """``[K, rows, ...]`` batch arrays: micro-batch axis unsharded, rows over data and fsdp."""
-  rows = NamedSharding(mesh, P(None, ("data", "fsdp")))
+  """``[K, rows, ...]`` batch arrays: micro-batch axis unsharded, rows on the "batch" rule."""
+  rows = sharding.logical_sharding(mesh, (None, "batch"))
   return {k: rows for k in MICRO_BATCH_FIELDS}
 
 

@@ -1,8 +1,10 @@
 """On-demand access: a consumer fetches a released mini-batch's payloads from storage.
 
-The consumer asks each storage unit for exactly the groups of the mini-batch
-that live there, computes the advantages of each (complete) group, and lays
-the rows out as trainer arrays (:func:`knitjax.train.batch.make_batch`).
+The consumer asks each storage unit for exactly the groups of the mini-batch that live there
+(their ``GroupPayload``s), computes the advantages of each (complete) group, stacks the groups'
+rows (:func:`knitjax.transfer.payload.stack_rows`) and lays them out as trainer arrays
+(:func:`knitjax.train.batch.make_batch`, which honours ``response_mask``). ``BatchLayout`` says
+how (advantage estimator, row lengths, padding id).
 
 With several consumers (hosts), :func:`consumer_batch` fetches only the groups the consumer plan
 (`knitjax.transfer.consumer`) gives this consumer; split into its slices of the micro-batches
@@ -18,79 +20,90 @@ hash, across groups and storage units) is fetched once; the batch gains ``images
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
 
 import jax
 import numpy as np
 
-from knitjax.train.advantages import compute_advantages
+from knitjax.train.advantages import ESTIMATORS, compute_advantages
 from knitjax.train.batch import make_batch
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import plan_consumers
+from knitjax.transfer.payload import GroupPayload, stack_rows
 from knitjax.transfer.storage import StorageUnit
 
-FETCH_FIELDS = (
-  "prompt_tokens",
-  "prompt_lengths",
-  "response_tokens",
-  "response_lengths",
-  "logprobs",
-  "rewards",
-)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchLayout:
+  """How a consumer turns fetched groups into trainer arrays.
+
+  Attributes:
+    estimator: advantage estimator, a key of ``knitjax.train.advantages.ESTIMATORS``.
+    prompt_len: ``P``, the padded prompt length of a trainer row.
+    max_new_tokens: ``N``, the padded response length of a trainer row.
+    pad_id: padding token id.
+  """
+
+  estimator: str
+  prompt_len: int
+  max_new_tokens: int
+  pad_id: int
+
+  def __post_init__(self):
+    if self.estimator not in ESTIMATORS:
+      raise ValueError(
+        f"BatchLayout.estimator is {self.estimator!r}; accepted: one of {list(ESTIMATORS)}."
+      )
+    for name, low in (("prompt_len", 1), ("max_new_tokens", 1), ("pad_id", 0)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"BatchLayout.{name} is {value!r}; accepted: an int >= {low}.")
 
 
 def fetch_minibatch(
-  minibatch: MiniBatch,
-  storage: Mapping[int, StorageUnit],
-  *,
-  estimator: str,
-  prompt_len: int,
-  max_new_tokens: int,
-  pad_id: int,
+  minibatch: MiniBatch, storage: Mapping[int, StorageUnit], layout: BatchLayout
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """Fetches and lays out one mini-batch; rows are grouped by group, in mini-batch order.
 
+  Args:
+    minibatch: the groups to fetch (one ``get`` per storage unit holding some of them).
+    storage: the storage units by id.
+    layout: advantage estimator and trainer row layout.
+
   Returns:
-    The trainer arrays and a few host metrics (reward mean/std, response tokens).
+    The trainer arrays and a few host metrics (reward mean/std, loss-carrying response tokens,
+    fraction of groups with a reward signal).
   """
   by_unit: dict[int, list[int]] = defaultdict(list)
   for g in minibatch.groups:
     by_unit[g.storage_unit].append(g.group_id)
-  fetched: dict[int, dict[str, np.ndarray]] = {}
+  fetched: dict[int, GroupPayload] = {}
   for unit, ids in by_unit.items():
-    got = storage[unit].get(ids, FETCH_FIELDS)
-    for k, gid in enumerate(ids):
-      fetched[gid] = {f: got[f][k] for f in FETCH_FIELDS}
+    fetched.update(zip(ids, storage[unit].get(ids), strict=True))
+  payloads = [fetched[g.group_id] for g in minibatch.groups]
 
-  prompts, responses, logps, advs, rewards = [], [], [], [], []
-  for g in minibatch.groups:
-    p = fetched[g.group_id]
-    r = np.asarray(p["rewards"], np.float32)
-    advs.append(np.asarray(compute_advantages(r[None], estimator))[0])
-    rewards.append(r)
-    for k in range(len(r)):
-      n = int(p["response_lengths"][k])
-      prompts.append(p["prompt_tokens"][k][: int(p["prompt_lengths"][k])])
-      responses.append(p["response_tokens"][k][:n])
-      logps.append(p["logprobs"][k][:n])
+  # Advantages are per group (its G samples), so they are computed before the rows are stacked.
+  advantages = [
+    np.asarray(compute_advantages(p.rewards[None], layout.estimator), np.float32)[0]
+    for p in payloads
+  ]
   batch = make_batch(
-    prompts,
-    responses,
-    logps,
-    np.concatenate(advs),
-    prompt_len=prompt_len,
-    max_new_tokens=max_new_tokens,
-    pad_id=pad_id,
+    stack_rows(payloads),
+    np.concatenate(advantages),
+    prompt_len=layout.prompt_len,
+    max_new_tokens=layout.max_new_tokens,
+    pad_id=layout.pad_id,
   )
   if any(g.image_hashes for g in minibatch.groups):
-    batch["images"], batch["image_index"] = _fetch_images(minibatch, storage)
-  all_rewards = np.concatenate(rewards)
+    batch["images"], batch["image_index"] = _fetch_images(minibatch, fetched, storage)
+  rewards = np.concatenate([p.rewards for p in payloads])
   info = {
-    "reward_mean": float(all_rewards.mean()),
-    "reward_std": float(all_rewards.std()),
-    "response_tokens": float(batch["loss_mask"].sum()),
-    "signal_groups": float(np.mean([r.std() > 0 for r in rewards])),
+    "reward_mean": float(rewards.mean()),
+    "reward_std": float(rewards.std()),
+    "response_tokens": float(batch["loss_mask"].sum()),  # masked-off tokens are not counted
+    "signal_groups": float(np.mean([p.rewards.std() > 0 for p in payloads])),
   }
   if "images" in batch:
     info["unique_images"] = float(len(batch["images"]))
@@ -101,24 +114,23 @@ def consumer_batch(
   minibatch: MiniBatch,
   storage: Mapping[int, StorageUnit],
   *,
+  layout: BatchLayout,
   consumer: int,
   num_consumers: int,
   locality_slack: float = 0.5,
-  **layout,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """This consumer's rows of the mini-batch (``[rows / num_consumers, ...]``, unsplit).
 
   Args:
     minibatch: a released mini-batch.
     storage: the storage units by id (a consumer reads only those holding its groups).
+    layout: advantage estimator and trainer row layout (see :func:`fetch_minibatch`).
     consumer: this consumer's index (``jax.process_index()``).
     num_consumers: consumers sharing the mini-batch (``jax.process_count()``).
     locality_slack: see :func:`knitjax.transfer.consumer.plan_consumers`.
-    **layout: ``estimator``, ``prompt_len``, ``max_new_tokens``, ``pad_id`` of
-      :func:`fetch_minibatch`.
   """
   plan = plan_consumers(minibatch, num_consumers, locality_slack=locality_slack)
-  batch, info = fetch_minibatch(plan.minibatch_for(consumer), storage, **layout)
+  batch, info = fetch_minibatch(plan.minibatch_for(consumer), storage, layout)
   if "images" in batch and num_consumers > 1:
     raise ValueError("image mini-batches are laid out for one consumer (num_consumers=1) only.")
   info.update(plan.stats())
@@ -139,32 +151,30 @@ def to_global(local: dict[str, np.ndarray], shardings: Mapping[str, jax.sharding
 
 
 def _fetch_images(
-  minibatch: MiniBatch, storage: Mapping[int, StorageUnit]
+  minibatch: MiniBatch, payloads: Mapping[int, GroupPayload], storage: Mapping[int, StorageUnit]
 ) -> tuple[np.ndarray, np.ndarray]:
   """The mini-batch's unique images (first-use order) and each row's index into them."""
-  by_unit: dict[int, list[int]] = defaultdict(list)
-  for g in minibatch.groups:
-    if g.image_hashes:
-      by_unit[g.storage_unit].append(g.group_id)
-  image_index = {}
-  for unit, ids in by_unit.items():
-    got = storage[unit].get(ids, ["image_index"])["image_index"]
-    image_index.update(zip(ids, got, strict=True))
   slots: dict[str, int] = {}
   unit_of: dict[str, int] = {}
   rows = []
   for g in minibatch.groups:
-    if not g.image_hashes:
-      rows += [-1] * g.num_samples
+    index = payloads[g.group_id].image_index
+    if not g.image_hashes or index is None:
+      rows.append(np.full(g.num_samples, -1, np.int32))
       continue
-    for k in image_index[g.group_id]:
+    # GroupMeta.image_hashes is in the group's image order, the one image_index counts in; slots
+    # go to the images the rows use, in first-use order.
+    used, first = np.unique(index, return_index=True)
+    slot_of = np.full(len(g.image_hashes), -1, np.int32)
+    for k in used[np.argsort(first)]:
       h = g.image_hashes[int(k)]
       if h not in slots:
         slots[h], unit_of[h] = len(slots), g.storage_unit
-      rows.append(slots[h])
+      slot_of[k] = slots[h]
+    rows.append(slot_of[index])
   images: list = [None] * len(slots)
   for unit in set(unit_of.values()):
     hashes = [h for h in slots if unit_of[h] == unit]
     for h, image in zip(hashes, storage[unit].get_images(hashes), strict=True):
       images[slots[h]] = image
-  return np.stack(images), np.asarray(rows, np.int32)
+  return np.stack(images), np.concatenate(rows)

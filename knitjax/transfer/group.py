@@ -10,6 +10,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from knitjax import records
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupMeta:
@@ -94,16 +96,13 @@ class GroupMeta:
     return self.gen_version if self.gen_version_newest is None else self.gen_version_newest
 
   def to_dict(self) -> dict[str, Any]:
-    """Plain-Python form (lists instead of tuples), e.g. for checkpoints."""
-    d = dataclasses.asdict(self)
-    for name in ("prompt_tokens", "response_tokens", "image_hashes"):
-      d[name] = list(d[name])
-    return d
+    """Plain-Python form (lists instead of tuples), e.g. for checkpoints (`knitjax.records`)."""
+    return records.to_json(self)
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "GroupMeta":
     """Inverse of `to_dict`."""
-    return cls(**d)
+    return records.from_json(cls, d)
 
 
 def _is_int(x) -> bool:

@@ -1,12 +1,14 @@
-"""Trajectory payload schema and its validation, for the storage unit.
+"""Trajectory payload schema, its validation for the storage unit, and its stored form.
 
-A group's payload is a mapping from field name to NumPy arrays, one row per sample (``G``
+A group's input payload is a mapping from field name to NumPy arrays, one row per sample (``G``
 samples, ``N`` the padded response width):
 
 - ``prompt_tokens`` (required): int32 ``[G, P]``, or a sequence of ``G`` 1-D int32 arrays (ragged
   prompts); every prompt has at least 1 token.
 - ``response_tokens`` (required): int32 ``[G, N]``, right-padded, ``N >= 1``.
 - ``response_mask``: bool ``[G, N]``, the tokens that carry loss; False from the response length on.
+  It may have holes inside the response (e.g. tool output in a multi-turn response): those tokens
+  stay in the sequence but carry no loss.
 - ``response_lengths``: int32 ``[G]``, ``0 <= length <= N``. At least one of mask and lengths is
   given; the other is derived (lengths: last masked position + 1; mask: a prefix of the length).
 - ``logprobs`` (required): float32 ``[G, N]``, behavior log-probs; finite where the mask is on.
@@ -19,12 +21,14 @@ rows) must lie in ``[0, vocab_size)``; ``prompt_len + response_len <= max_seq_le
 ``P, N <= max_seq_len``. Images (``K`` of them, shared by the group's samples) are uint8, float16
 or float32 arrays ``[H, W]`` or ``[H, W, C]``, finite, at most ``max_image_bytes`` each.
 
-Normalised (stored) form: ``prompt_tokens`` right-padded with 0 to ``[G, P_max]`` plus a derived
-``prompt_lengths`` int32 ``[G]``; both ``response_mask`` and ``response_lengths``; log-probs set
-to 0.0 where the mask is off, so a padded position can never put a NaN into a loss. Arrays are
-private, contiguous, read-only copies.
+Normalised (stored) form, a frozen :class:`GroupPayload`: ``prompt_tokens`` right-padded with 0
+to ``[G, P_max]`` plus a derived ``prompt_lengths`` int32 ``[G]``; both ``response_mask`` and
+``response_lengths``; log-probs set to 0.0 where the mask is off, so a padded position can never
+put a NaN into a loss. Arrays are private, contiguous, read-only copies. :func:`stack_rows` lays
+several groups out as ``[rows, ...]`` arrays for a trainer batch.
 """
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -42,31 +46,86 @@ REJECT_REASONS = (
   "duplicate",
 )
 
-INPUT_FIELDS = (
-  "prompt_tokens",
-  "response_tokens",
-  "response_mask",
-  "response_lengths",
-  "logprobs",
-  "rewards",
-  "ref_logprobs",
-  "image_index",
-)
-REQUIRED_FIELDS = ("prompt_tokens", "response_tokens", "logprobs", "rewards")
-# Fields a reader can ask for: the inputs plus the derived prompt lengths.
-STORED_FIELDS = (*INPUT_FIELDS, "prompt_lengths")
-# Dtypes of the stored form.
-FIELD_DTYPES = {
-  "prompt_tokens": np.dtype(np.int32),
-  "prompt_lengths": np.dtype(np.int32),
-  "response_tokens": np.dtype(np.int32),
-  "response_mask": np.dtype(np.bool_),
-  "response_lengths": np.dtype(np.int32),
-  "logprobs": np.dtype(np.float32),
-  "rewards": np.dtype(np.float32),
-  "ref_logprobs": np.dtype(np.float32),
-  "image_index": np.dtype(np.int32),
-}
+
+def _array(dtype, role: str):
+  """A ``GroupPayload`` field: its stored dtype and its role in an input payload.
+
+  Roles: ``required``; ``mask_or_lengths`` (at least one of the two is given); ``optional``;
+  ``derived`` (computed by validation, not accepted as input).
+  """
+  metadata = {"dtype": np.dtype(dtype), "role": role}
+  if role == "optional":
+    return dataclasses.field(default=None, metadata=metadata)
+  return dataclasses.field(metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class GroupPayload:
+  """A group's payload in its normalised stored form (see the module docstring).
+
+  Built by :func:`validate_payload` (the one place a payload is checked, where it enters a storage
+  unit) or :meth:`from_arrays`; the constructor itself checks nothing. The dataclass fields are
+  the one list of payload fields: names, dtypes and input roles all derive from them.
+
+  Attributes:
+    prompt_tokens: int32 ``[G, P]``, right-padded with 0.
+    prompt_lengths: int32 ``[G]``, tokens of each prompt (``>= 1``).
+    response_tokens: int32 ``[G, N]``, right-padded.
+    response_mask: bool ``[G, N]``, the tokens that carry loss (may have holes, e.g. tool output).
+    response_lengths: int32 ``[G]``, tokens of each response (the mask is off from there on).
+    logprobs: float32 ``[G, N]``, behavior log-probs, 0 off the mask.
+    rewards: float32 ``[G]``.
+    ref_logprobs: float32 ``[G, N]``, 0 off the mask, or None.
+    image_index: int32 ``[G]``, each sample's index into the group's images, or None.
+  """
+
+  prompt_tokens: np.ndarray = _array(np.int32, "required")
+  prompt_lengths: np.ndarray = _array(np.int32, "derived")
+  response_tokens: np.ndarray = _array(np.int32, "required")
+  response_mask: np.ndarray = _array(np.bool_, "mask_or_lengths")
+  response_lengths: np.ndarray = _array(np.int32, "mask_or_lengths")
+  logprobs: np.ndarray = _array(np.float32, "required")
+  rewards: np.ndarray = _array(np.float32, "required")
+  ref_logprobs: np.ndarray | None = _array(np.float32, "optional")
+  image_index: np.ndarray | None = _array(np.int32, "optional")
+
+  @property
+  def num_samples(self) -> int:
+    """``G``, the number of samples (rows) of the group."""
+    return len(self.rewards)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the arrays held (the optional fields only when present)."""
+    return sum(x.nbytes for x in self.to_arrays().values())
+
+  def to_arrays(self) -> dict[str, np.ndarray]:
+    """Field name -> array, the optional fields only when present (checkpoints, ``np.savez``)."""
+    return {name: x for name in FIELD_DTYPES if (x := getattr(self, name)) is not None}
+
+  @classmethod
+  def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> "GroupPayload":
+    """Inverse of :meth:`to_arrays`; checks the field names only (storage validates the rest).
+
+    Raises:
+      ValueError: a field is unknown, or a non-optional one is missing.
+    """
+    unknown = sorted(set(arrays) - set(FIELD_DTYPES))
+    if unknown:
+      raise ValueError(f"unknown payload fields {unknown}; accepted: {list(FIELD_DTYPES)}.")
+    missing = [n for n in FIELD_DTYPES if n not in arrays and n not in _OPTIONAL]
+    if missing:
+      raise ValueError(f"payload fields {missing} are missing; only {list(_OPTIONAL)} may be.")
+    return cls(**{name: np.asarray(x) for name, x in arrays.items()})
+
+
+_FIELDS = dataclasses.fields(GroupPayload)
+# Dtypes of the stored form, by field name (every field of GroupPayload, in its order).
+FIELD_DTYPES = {f.name: f.metadata["dtype"] for f in _FIELDS}
+# Fields an input payload may carry (all but the derived prompt lengths).
+INPUT_FIELDS = tuple(f.name for f in _FIELDS if f.metadata["role"] != "derived")
+REQUIRED_FIELDS = tuple(f.name for f in _FIELDS if f.metadata["role"] == "required")
+_OPTIONAL = tuple(f.name for f in _FIELDS if f.metadata["role"] == "optional")
 
 _IMAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.float16), np.dtype(np.float32))
 
@@ -161,19 +220,39 @@ def _check_finite_on_mask(gid, name: str, x: np.ndarray, mask: np.ndarray) -> No
     )
 
 
+def _as_input(gid, payload: GroupPayload) -> dict:
+  """An input mapping of an already-built payload: ragged prompts cut at ``prompt_lengths``."""
+  prompt = _check_array(gid, "prompt_tokens", payload.prompt_tokens, np.int32, (None, None))
+  g, p = prompt.shape
+  lengths = _check_array(gid, "prompt_lengths", payload.prompt_lengths, np.int32, (g,))
+  bad = (lengths < 1) | (lengths > p)
+  if bad.any():
+    i = int(np.argmax(bad))
+    raise PayloadError(
+      gid,
+      "prompt_lengths",
+      "shape",
+      f"is {lengths[i]} at sample {i}; accepted: 1 <= length <= {p}.",
+    )
+  out = {n: x for n, x in payload.to_arrays().items() if n in INPUT_FIELDS}
+  out["prompt_tokens"] = [row[:n] for row, n in zip(prompt, lengths, strict=True)]
+  return out
+
+
 def validate_payload(
   group_id,
-  payload: Mapping[str, np.ndarray],
+  payload: Mapping[str, np.ndarray] | GroupPayload,
   num_images: int,
   *,
   vocab_size: int,
   max_seq_len: int,
-) -> dict[str, np.ndarray]:
+) -> GroupPayload:
   """Validates a group payload and returns its normalised, read-only stored form.
 
   Args:
     group_id: the group's id, for messages.
-    payload: field name -> array, per the module docstring.
+    payload: field name -> array, per the module docstring; or a ``GroupPayload`` (checked the
+      same way, its prompts cut at ``prompt_lengths``).
     num_images: how many images come with the group (bounds ``image_index``).
     vocab_size: token ids must lie in ``[0, vocab_size)``.
     max_seq_len: bound on prompt + response tokens per sample.
@@ -184,6 +263,8 @@ def validate_payload(
   Raises:
     PayloadError: naming the first bad field and what is accepted.
   """
+  if isinstance(payload, GroupPayload):
+    payload = _as_input(group_id, payload)
   if not isinstance(payload, Mapping):
     raise PayloadError(
       group_id, "payload", "dtype", "is not a mapping; accepted: a mapping of field -> np.ndarray."
@@ -303,6 +384,34 @@ def validate_payload(
   for name, x in out.items():
     out[name] = x = np.array(x, copy=True, order="C")
     x.setflags(write=False)
+  return GroupPayload(**out)
+
+
+def stack_rows(payloads: Sequence[GroupPayload]) -> dict[str, np.ndarray]:
+  """The groups' samples as ``[rows, ...]`` arrays, groups in the given order.
+
+  Token-width fields are padded (0, False) to the widest group: prompts stay right-padded with
+  ``prompt_lengths``, responses with ``response_mask`` and ``response_lengths``. An optional field
+  appears only when every group has it.
+
+  Raises:
+    ValueError: ``payloads`` is empty.
+  """
+  if not payloads:
+    raise ValueError("stack_rows got no group payloads; accepted: at least one.")
+  rows = sum(p.num_samples for p in payloads)
+  out = {}
+  for name, dtype in FIELD_DTYPES.items():
+    parts = [getattr(p, name) for p in payloads]
+    if any(x is None for x in parts):
+      continue
+    widths = tuple(max(x.shape[d] for x in parts) for d in range(1, parts[0].ndim))
+    stacked = np.zeros((rows, *widths), dtype)
+    r = 0
+    for x in parts:  # one slice copy per group; padding stays 0 / False
+      stacked[(slice(r, r + len(x)), *(slice(0, d) for d in x.shape[1:]))] = x
+      r += len(x)
+    out[name] = stacked
   return out
 
 

@@ -7,8 +7,9 @@ no controller relays payloads. The actor is threaded (``max_concurrency``), so a
 by the byte budget (``on_full="block"``) waits inside the actor while ``release`` calls from the
 trainer still run, exactly as in process.
 
-Errors raised in the actor (``PayloadError``, ``StorageFull``, ``KeyError``, ``ValueError``) reach
-the caller as the same exception types, so the runtime handles both implementations alike.
+Payloads travel as ``GroupPayload`` dataclasses (pickled by Ray, arrays out of band). Errors raised
+in the actor (``PayloadError``, ``StorageFull``, ``KeyError``, ``ValueError``) reach the caller as
+the same exception types, so the runtime handles both implementations alike.
 
 Ray is optional (``pip install -e '.[ray]'``); importing this module without it fails with one
 sentence saying so.
@@ -20,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from knitjax.transfer.payload import GroupPayload
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits, StorageUnit
 
 try:
@@ -40,8 +42,8 @@ class _StorageActor:
   def put(self, group_id, payload, images):
     return self._unit.put(group_id, payload, images)
 
-  def get(self, group_ids, fields):
-    return self._unit.get(group_ids, fields)
+  def get(self, group_ids):
+    return self._unit.get(group_ids)
 
   def get_images(self, hashes):
     return self._unit.get_images(hashes)
@@ -102,12 +104,17 @@ class RayStorageUnit(StorageUnit):
     return _result(self._actor.node_id.remote())
 
   def put(
-    self, group_id: int, payload: Mapping[str, np.ndarray], images: Sequence[np.ndarray] = ()
+    self,
+    group_id: int,
+    payload: Mapping[str, np.ndarray] | GroupPayload,
+    images: Sequence[np.ndarray] = (),
   ) -> int:
-    return _result(self._actor.put.remote(group_id, dict(payload), list(images)))
+    if not isinstance(payload, GroupPayload) and isinstance(payload, Mapping):
+      payload = dict(payload)  # a plain dict pickles; other mappings may not
+    return _result(self._actor.put.remote(group_id, payload, list(images)))
 
-  def get(self, group_ids: Sequence[int], fields: Sequence[str]) -> dict[str, list[np.ndarray]]:
-    return _result(self._actor.get.remote(list(group_ids), list(fields)))
+  def get(self, group_ids: Sequence[int]) -> list[GroupPayload]:
+    return _result(self._actor.get.remote(list(group_ids)))
 
   def get_images(self, hashes: Sequence[str]) -> list[np.ndarray]:
     return _result(self._actor.get_images.remote(list(hashes)))

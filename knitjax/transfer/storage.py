@@ -1,7 +1,8 @@
 """Storage unit: the host-side store of trajectory payloads, with a byte budget.
 
 Rollout workers ``put`` each complete group's payload (schema in ``knitjax.transfer.payload``)
-once; consumers ``get`` the fields of the groups assigned to them; the runtime ``release``s groups
+once; consumers ``get`` the ``GroupPayload``s of the groups assigned to them; the runtime
+``release``s groups
 after their mini-batch is consumed. Images are stored once per content hash (``image_hash``) with
 a reference count per group that uses them, and freed with the last such group.
 
@@ -27,14 +28,14 @@ import numpy as np
 
 from knitjax.transfer.payload import (
   REJECT_REASONS,
-  STORED_FIELDS,
+  GroupPayload,
   PayloadError,
   validate_image,
   validate_payload,
 )
 
 __all__ = [
-  "GET_FIELDS",
+  "GroupPayload",
   "InProcessStorageUnit",
   "PayloadError",
   "StorageFull",
@@ -42,9 +43,6 @@ __all__ = [
   "StorageUnit",
   "image_hash",
 ]
-
-# Fields ``get`` serves: the inputs plus the derived ``prompt_lengths``.
-GET_FIELDS = STORED_FIELDS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,6 +88,15 @@ def image_hash(image: np.ndarray) -> str:
   return h.hexdigest()
 
 
+def release_groups(storage: Mapping[int, "StorageUnit"], groups: Sequence) -> None:
+  """Releases consumed (or rejected) groups (``GroupMeta``s) in the units that hold them."""
+  by_unit: dict[int, list[int]] = {}
+  for g in groups:
+    by_unit.setdefault(g.storage_unit, []).append(g.group_id)
+  for unit, ids in by_unit.items():
+    storage[unit].release(ids)
+
+
 class StorageUnit(abc.ABC):
   """Interface of a storage unit (in-process here, a Ray actor on many machines)."""
 
@@ -97,13 +104,16 @@ class StorageUnit(abc.ABC):
 
   @abc.abstractmethod
   def put(
-    self, group_id: int, payload: Mapping[str, np.ndarray], images: Sequence[np.ndarray] = ()
+    self,
+    group_id: int,
+    payload: Mapping[str, np.ndarray] | GroupPayload,
+    images: Sequence[np.ndarray] = (),
   ) -> int:
     """Validates and stores one group's payload and images.
 
     Args:
       group_id: unique among the groups held.
-      payload: field -> array, per ``knitjax.transfer.payload``.
+      payload: field -> array, per ``knitjax.transfer.payload``, or a ``GroupPayload``.
       images: the group's images; ``image_index`` indexes into them.
 
     Returns:
@@ -115,16 +125,14 @@ class StorageUnit(abc.ABC):
     """
 
   @abc.abstractmethod
-  def get(self, group_ids: Sequence[int], fields: Sequence[str]) -> dict[str, list[np.ndarray]]:
-    """Returns, for each field, one array per group in the given order (its stored form).
+  def get(self, group_ids: Sequence[int]) -> list[GroupPayload]:
+    """Returns the stored payload of each group, in the given order.
 
-    Per-sample fields are ``[G]``, token fields ``[G, width]`` of that group (see
-    ``knitjax.transfer.payload``); group boundaries are kept because advantages are per group.
-    Arrays are read-only; copy before changing them.
+    Group boundaries are kept because advantages are per group. Arrays are read-only; copy
+    before changing them.
 
     Raises:
-      KeyError: a group is not held, or lacks an optional field that was asked for.
-      ValueError: a field name is not one of ``GET_FIELDS``.
+      KeyError: a group is not held (the message names it).
     """
 
   @abc.abstractmethod
@@ -143,7 +151,7 @@ class StorageUnit(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class _Group:
-  fields: Mapping[str, np.ndarray]
+  payload: GroupPayload
   image_hashes: tuple[str, ...]  # unique, in first-use order
   nbytes: int  # payload only; images are counted once in the unit
 
@@ -172,7 +180,10 @@ class InProcessStorageUnit(StorageUnit):
     return err
 
   def put(
-    self, group_id: int, payload: Mapping[str, np.ndarray], images: Sequence[np.ndarray] = ()
+    self,
+    group_id: int,
+    payload: Mapping[str, np.ndarray] | GroupPayload,
+    images: Sequence[np.ndarray] = (),
   ) -> int:
     if isinstance(group_id, bool) or not isinstance(group_id, int | np.integer):
       raise self._reject(
@@ -182,7 +193,7 @@ class InProcessStorageUnit(StorageUnit):
     lim = self.limits
     # Validation and hashing run outside the lock: they touch no shared state.
     try:
-      fields = validate_payload(
+      stored = validate_payload(
         gid, payload, len(images), vocab_size=lim.vocab_size, max_seq_len=lim.max_seq_len
       )
       checked = [
@@ -192,7 +203,7 @@ class InProcessStorageUnit(StorageUnit):
     except PayloadError as err:
       raise self._reject(err) from None
     unique = dict(zip((image_hash(im) for im in checked), checked, strict=True))
-    payload_bytes = sum(x.nbytes for x in fields.values())
+    payload_bytes = stored.nbytes
     full_bytes = payload_bytes + sum(im.nbytes for im in unique.values())
     if full_bytes > lim.max_bytes:
       raise self._reject(
@@ -239,7 +250,7 @@ class InProcessStorageUnit(StorageUnit):
           else:
             self._images[h] = im
           self._refs[h] = self._refs.get(h, 0) + 1
-        self._groups[gid] = _Group(fields, tuple(unique), payload_bytes)
+        self._groups[gid] = _Group(stored, tuple(unique), payload_bytes)
         self._bytes += need
         self._counts["puts"] += 1
         return need
@@ -251,10 +262,7 @@ class InProcessStorageUnit(StorageUnit):
         self._reserved.discard(gid)
         self._cond.notify_all()
 
-  def get(self, group_ids: Sequence[int], fields: Sequence[str]) -> dict[str, list[np.ndarray]]:
-    for f in fields:
-      if f not in GET_FIELDS:
-        raise ValueError(f"field {f!r} is not served; accepted: {list(GET_FIELDS)}.")
+  def get(self, group_ids: Sequence[int]) -> list[GroupPayload]:
     with self._cond:
       missing = [g for g in group_ids if g not in self._groups]
       if missing:
@@ -262,15 +270,8 @@ class InProcessStorageUnit(StorageUnit):
           f"groups {missing} are not held by storage unit {self.unit_id} "
           "(never put, or already released)."
         )
-      held = [(g, self._groups[g]) for g in group_ids]
       self._counts["gets"] += 1
-    out = {}
-    for f in fields:
-      lacking = [g for g, s in held if f not in s.fields]
-      if lacking:
-        raise KeyError(f"groups {lacking} were put without the optional field {f!r}.")
-      out[f] = [s.fields[f] for _, s in held]
-    return out
+      return [self._groups[g].payload for g in group_ids]
 
   def get_images(self, hashes: Sequence[str]) -> list[np.ndarray]:
     with self._cond:

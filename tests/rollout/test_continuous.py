@@ -9,7 +9,7 @@ from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.rollout.continuous import ContinuousEngine, Request
 from knitjax.rollout.sampler import SamplingConfig
-from knitjax.train.batch import make_batch
+from knitjax.train.batch import make_batch, pack_rows
 from knitjax.train.step import sequence_logprobs
 
 P, N = 6, 10
@@ -57,9 +57,9 @@ def _requests(start, n, rng, budget=None):
 
 def _teacher_forced(graphdef, params, reqs, done):
   batch = make_batch(
-    [reqs[f.tag].tokens for f in done],
-    [f.tokens for f in done],
-    [f.logprobs for f in done],
+    pack_rows(
+      [reqs[f.tag].tokens for f in done], [f.tokens for f in done], [f.logprobs for f in done]
+    ),
     np.zeros(len(done)),
     prompt_len=P,
     max_new_tokens=N,

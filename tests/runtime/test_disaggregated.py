@@ -104,3 +104,49 @@ def test_depth_bound_and_device_split():
   assert rollout == [0, 1, 2] and trainer == [3, 4, 5, 6, 7]
   with pytest.raises(ValueError, match="leaves no devices"):
     split_devices(from_config_dict(quick_config(rollout_devices=8)), devices=list(range(8)))
+
+
+def test_vlm_runs_disaggregated_through_the_batched_rollout(tmp_path):
+  """A VLM policy in disaggregated mode: same contract, images stored once, encoder dedup."""
+  from configs import count_vlm_tiny
+
+  c = count_vlm_tiny.get_config("quick")
+  c.runtime.update(mode="disaggregated", steps=2, max_lag_steps=0.5)
+  c.admission.update(quotas={"count": 8}, minibatches=2)
+  c.rollout.slots = 4 * c.rollout.group_size  # waves of 4 groups
+  cfg = from_config_dict(c)
+  assert cfg.rollout.engine == "batched"
+  train(cfg, str(tmp_path))
+  rows = check_run(str(tmp_path), c)
+  for r in rows:  # each mini-batch's 4 groups bring 4 images, each encoded once
+    assert r["unique_images"] == 4
+    assert r["encoder_images_encoded"] == 4 and r["encoder_backward_passes"] == 1
+
+
+def test_text_runs_disaggregated_with_the_batched_sampler(tmp_path):
+  config = quick_config()
+  config.rollout.engine = "batched"
+  train(from_config_dict(config), str(tmp_path))
+  check_run(str(tmp_path), config)
+
+
+def test_the_other_mode_cannot_resume_a_workdir(tmp_path):
+  """Resuming a colocated workdir in disaggregated mode (or back) is refused, not dropped."""
+  from configs import arith_tiny
+
+  c = arith_tiny.get_config("quick")
+  c.runtime.steps = 1
+  train(from_config_dict(c), str(tmp_path))
+  c.runtime.update(mode="disaggregated", steps=2)
+  with pytest.raises(ValueError, match="come from a colocated run"):
+    train(from_config_dict(c), str(tmp_path))
+
+
+def test_vlm_with_the_continuous_engine_is_one_clear_error():
+  from configs import count_vlm_tiny
+
+  c = count_vlm_tiny.get_config("quick")
+  c.runtime.mode = "disaggregated"
+  c.rollout.engine = "continuous"
+  with pytest.raises(ValueError, match="needs config.rollout.engine='batched'"):
+    from_config_dict(c)

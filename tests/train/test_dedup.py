@@ -18,7 +18,7 @@ from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.models.vlm import VLM
 from knitjax.train import losses, mm_step
-from knitjax.train.batch import make_batch
+from knitjax.train.batch import make_batch, pack_rows
 from knitjax.train.dedup import dedup_gather
 from knitjax.train.step import StepHParams
 
@@ -59,9 +59,7 @@ def _minibatch(seed=0):
       index.append(image)
   rows = len(prompts)
   batch = make_batch(
-    prompts,
-    responses,
-    logps,
+    pack_rows(prompts, responses, logps),
     rng.normal(size=rows).astype(np.float32),
     prompt_len=P_LEN,
     max_new_tokens=N_NEW,
@@ -177,7 +175,7 @@ def test_fetch_minibatch_gives_each_unique_image_once():
   from knitjax.rollout.worker import assemble_group
   from knitjax.tasks import count_images
   from knitjax.tasks.prompts import Prompt
-  from knitjax.transfer.access import fetch_minibatch
+  from knitjax.transfer.access import BatchLayout, fetch_minibatch
   from knitjax.transfer.admission import MiniBatch
   from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
 
@@ -212,11 +210,15 @@ def test_fetch_minibatch_gives_each_unique_image_once():
   batch, info = fetch_minibatch(
     MiniBatch(step=0, index=0, groups=tuple(metas)),
     units,
-    estimator="grpo",
-    prompt_len=26,
-    max_new_tokens=2,
-    pad_id=0,
+    BatchLayout(estimator="grpo", prompt_len=26, max_new_tokens=2, pad_id=0),
   )
   np.testing.assert_array_equal(batch["images"], np.stack([a, b]))
   np.testing.assert_array_equal(batch["image_index"], [0] * 8 + [1] * 4 + [-1] * 4)
   assert info["unique_images"] == 2
+
+
+def test_batch_shardings_follow_the_batch_rule():
+  P = jax.sharding.PartitionSpec
+  specs = {k: s.spec for k, s in mm_step.batch_shardings(sharding.make_mesh((2, 2, 2))).items()}
+  assert specs.pop("images") == P(("data", "fsdp"))
+  assert set(specs.values()) == {P(None, ("data", "fsdp"))}

@@ -11,7 +11,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import losses
-from knitjax.train.batch import make_batch, split_micro_batches
+from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
 from knitjax.train.step import (
   StepHParams,
   batch_shardings,
@@ -35,7 +35,7 @@ def random_minibatch(seed=0, rows=ROWS):
   logps = [rng.normal(-3.0, 0.5, n).astype(np.float32) for n in lens]
   adv = rng.normal(size=rows).astype(np.float32)
   return make_batch(
-    prompts, responses, logps, adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0
+    pack_rows(prompts, responses, logps), adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0
   )
 
 
@@ -132,3 +132,9 @@ def test_state_is_sharded_on_fsdp_tensor_mesh():
   state, _ = init_train_state(params, optax.adamw(1e-3), mesh)
   sharding.assert_params_sharded(state.params, mesh, min_size=4096)
   sharding.assert_params_sharded(state.opt_state, mesh, min_size=4096)
+
+
+def test_batch_rows_follow_the_batch_rule():
+  mesh = sharding.make_mesh((2, 2, 2))
+  specs = {k: s.spec for k, s in batch_shardings(mesh).items()}
+  assert set(specs.values()) == {jax.sharding.PartitionSpec(None, ("data", "fsdp"))}

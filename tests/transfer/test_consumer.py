@@ -19,7 +19,7 @@ from knitjax.train.step import (
   host_metrics,
   init_train_state,
 )
-from knitjax.transfer.access import consumer_batch, fetch_minibatch, to_global
+from knitjax.transfer.access import BatchLayout, consumer_batch, fetch_minibatch, to_global
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import plan_consumers
 from knitjax.transfer.group import GroupMeta
@@ -96,7 +96,7 @@ CFG = TransformerConfig(
   vocab_size=32, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=32
 )
 P_LEN, N_NEW, G = 4, 5, 2
-LAYOUT = dict(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
+LAYOUT = BatchLayout(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
 
 
 def _stored_minibatch(num_groups=8, units=2):
@@ -126,10 +126,12 @@ def test_consumers_fetch_only_their_groups_and_the_update_is_unchanged():
   """C consumers each fetch their part; together they give the whole mini-batch's update."""
   mb, storage = _stored_minibatch()
   k, consumers = 2, 2
-  whole, _ = fetch_minibatch(mb, storage, **LAYOUT)
+  whole, _ = fetch_minibatch(mb, storage, LAYOUT)
   parts, infos = zip(
     *[
-      consumer_batch(mb, storage, consumer=c, num_consumers=consumers, locality_slack=1e9, **LAYOUT)
+      consumer_batch(
+        mb, storage, layout=LAYOUT, consumer=c, num_consumers=consumers, locality_slack=1e9
+      )
       for c in range(consumers)
     ],
     strict=True,

@@ -8,10 +8,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from knitjax.transfer.access import fetch_minibatch  # noqa: E402
+from knitjax.transfer.access import BatchLayout, fetch_minibatch  # noqa: E402
 from knitjax.transfer.admission import MiniBatch  # noqa: E402
 from knitjax.transfer.group import GroupMeta  # noqa: E402
-from knitjax.transfer.payload import PayloadError, synthetic_payload  # noqa: E402
+from knitjax.transfer.payload import GroupPayload, PayloadError, synthetic_payload  # noqa: E402
 from knitjax.transfer.ray_storage import RayStorageUnit  # noqa: E402
 from knitjax.transfer.storage import StorageFull, StorageLimits  # noqa: E402
 
@@ -36,18 +36,22 @@ def test_put_get_release_and_errors_cross_the_actor(ray_local):
   unit = RayStorageUnit(LIMITS, unit_id=3)
   p = _payload(0)
   assert unit.put(7, p) > 0
-  got = unit.get([7], ["response_tokens", "rewards"])
-  np.testing.assert_array_equal(got["response_tokens"][0], p["response_tokens"])
-  np.testing.assert_array_equal(got["rewards"][0], p["rewards"])
+  (got,) = unit.get([7])
+  assert isinstance(got, GroupPayload)
+  for name, x in p.items():
+    np.testing.assert_array_equal(getattr(got, name), x, err_msg=name)
+  # A GroupPayload goes in as it came out (pickled by Ray), validated again by the unit.
+  assert unit.put(9, got) == got.nbytes
+  np.testing.assert_array_equal(unit.get([9])[0].response_mask, p["response_mask"])
   bad = dict(p, response_tokens=p["response_tokens"] + VOCAB)  # ids outside the vocabulary
   with pytest.raises(PayloadError, match="field 'response_tokens'") as e:
     unit.put(8, bad)
   assert e.value.field == "response_tokens"
-  with pytest.raises(KeyError):
-    unit.get([99], ["rewards"])
+  with pytest.raises(KeyError, match=r"groups \[99\] are not held by storage unit 3"):
+    unit.get([7, 99])
   s = unit.stats()
-  assert s["groups"] == 1 and sum(s["rejected"].values()) == 1
-  unit.release([7])
+  assert s["groups"] == 2 and sum(s["rejected"].values()) == 1
+  unit.release([7, 9])
   assert unit.stats()["groups"] == 0
   assert isinstance(unit.node_id, str) and unit.node_id
   unit.close()
@@ -96,8 +100,8 @@ def test_consumer_fetches_a_minibatch_from_two_ray_units(ray_local):
       )
     )
   mb = MiniBatch(0, 0, tuple(metas))
-  layout = dict(estimator="grpo", prompt_len=P, max_new_tokens=N, pad_id=0)
-  batch, info = fetch_minibatch(mb, units, **layout)
+  layout = BatchLayout(estimator="grpo", prompt_len=P, max_new_tokens=N, pad_id=0)
+  batch, info = fetch_minibatch(mb, units, layout)
   assert batch["tokens"].shape == (4 * G, P + N)
   # The same groups in process give the same arrays.
   from knitjax.transfer.storage import InProcessStorageUnit
@@ -105,7 +109,7 @@ def test_consumer_fetches_a_minibatch_from_two_ray_units(ray_local):
   local = {u: InProcessStorageUnit(LIMITS, unit_id=u) for u in (0, 1)}
   for gid in range(4):
     local[gid % 2].put(gid, _payload(10 + gid))
-  expected, _ = fetch_minibatch(mb, local, **layout)
+  expected, _ = fetch_minibatch(mb, local, layout)
   for k in expected:
     np.testing.assert_array_equal(batch[k], expected[k])
 
@@ -128,6 +132,7 @@ def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
   """Rollout in a Ray actor writing to a storage unit on its node; the trainer fetches from it."""
   from configs import arith_tiny
   from knitjax.config import from_config_dict
+  from knitjax.rollout import contract
   from knitjax.runtime import builder, colocated
 
   c = arith_tiny.get_config("quick")
@@ -142,13 +147,27 @@ def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
   mesh = builder.build_mesh(config)
   graphdef, params = builder.build_model(config, mesh)
   pool = builder.build_rollout(config, graphdef, mesh, prompts)
-  metas = pool.generate(
-    params, prompts.next({"arith": 3}), version=0, rng=jax.random.key(0), first_group_id=10
+  metas = contract.generate(
+    pool, params, prompts.next({"arith": 3}), version=0, rng=jax.random.key(0), first_group_id=10
   )
   assert [m.group_id for m in metas] == [10, 11, 12]
   assert {m.storage_unit for m in metas} == {0} and all(m.gen_version == 0 for m in metas)
   unit = pool.storage[0]
   assert unit.stats()["groups"] == 3
-  got = unit.get([11], ["response_tokens"])["response_tokens"][0]
+  got = unit.get([11])[0].response_tokens
   assert got.shape[0] == config.rollout.group_size
   pool.close()
+
+
+@pytest.mark.slow
+def test_disaggregated_run_with_ray_rollout_workers(ray_local, tmp_path):
+  """Disaggregated mode drives Ray rollout actors through the same contract as in process:
+  quotas per step, versions, conservation; payloads fetched from the actors' node-local units."""
+  from knitjax.config import from_config_dict
+  from knitjax.runtime.train import train
+  from tests.runtime.test_disaggregated import check_run, quick_config
+
+  c = quick_config(rollout_workers=2)
+  train(from_config_dict(c), str(tmp_path))
+  rows = check_run(str(tmp_path), c)
+  assert rows[-1]["queue_storage_groups"] == rows[-1]["groups_pending"]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from knitjax.transfer.payload import FIELD_DTYPES, REJECT_REASONS
 from knitjax.transfer.storage import (
-  GET_FIELDS,
+  GroupPayload,
   InProcessStorageUnit,
   PayloadError,
   StorageFull,
@@ -58,12 +58,18 @@ def payload_bytes(payload):
 
 
 def assert_got(unit, gid, expected):
-  fields = list(expected)
-  got = unit.get([gid], fields)
-  for f in fields:
-    assert len(got[f]) == 1
-    np.testing.assert_array_equal(got[f][0], expected[f], err_msg=f)
-    assert got[f][0].dtype == FIELD_DTYPES[f], f
+  """The unit holds ``expected`` (field -> array) for ``gid``, and no other field."""
+  (got,) = unit.get([gid])
+  assert isinstance(got, GroupPayload)
+  for f, dtype in FIELD_DTYPES.items():
+    if f not in expected:
+      assert getattr(got, f) is None, f
+      continue
+    np.testing.assert_array_equal(getattr(got, f), expected[f], err_msg=f)
+    assert getattr(got, f).dtype == dtype, f
+  assert got.to_arrays().keys() == expected.keys()
+  assert got.num_samples == len(expected["rewards"])
+  assert got.nbytes == sum(x.nbytes for x in expected.values())
 
 
 def test_round_trip_and_byte_count():
@@ -74,9 +80,9 @@ def test_round_trip_and_byte_count():
   assert stored == payload_bytes(a) + payload_bytes(b)
   assert_got(unit, 7, stored_form(a))
   assert_got(unit, 8, stored_form(b))
-  got = unit.get([8, 7], ["rewards", "response_tokens"])
-  np.testing.assert_array_equal(got["rewards"][0], b["rewards"])
-  np.testing.assert_array_equal(got["response_tokens"][1], a["response_tokens"])
+  got = unit.get([8, 7])  # in the order asked
+  np.testing.assert_array_equal(got[0].rewards, b["rewards"])
+  np.testing.assert_array_equal(got[1].response_tokens, a["response_tokens"])
   s = unit.stats()
   assert (s["unit_id"], s["groups"], s["bytes"], s["puts"], s["gets"]) == (3, 2, stored, 2, 3)
   assert s["rejected"] == dict.fromkeys(REJECT_REASONS, 0)
@@ -91,10 +97,14 @@ def test_stored_copy_is_private_and_read_only():
   expected = p["response_tokens"].copy()
   unit.put(0, p)
   p["response_tokens"][:] = 0  # the writer reuses its buffer
-  got = unit.get([0], ["response_tokens"])["response_tokens"][0]
-  np.testing.assert_array_equal(got, expected)
+  (got,) = unit.get([0])
+  np.testing.assert_array_equal(got.response_tokens, expected)
+  for name, x in got.to_arrays().items():
+    assert not x.flags.writeable, name
   with pytest.raises(ValueError):
-    got[0, 0] = 1
+    got.response_tokens[0, 0] = 1
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    got.rewards = np.zeros(3, np.float32)
 
 
 def test_normalisation_ragged_prompts_and_derived_mask_or_lengths():
@@ -109,16 +119,16 @@ def test_normalisation_ragged_prompts_and_derived_mask_or_lengths():
   unit.put(0, {**common, "response_lengths": np.array([3, 2], np.int32)})
   # A mask with a hole (e.g. a tool output inside the response) gives lengths = last on + 1.
   unit.put(1, {**common, "response_mask": np.array([[1, 0, 1, 0], [1, 1, 0, 0]], bool)})
-  got = unit.get([0, 1], GET_FIELDS[:6] + ("prompt_lengths",))
+  got = unit.get([0, 1])
   for k in range(2):
-    np.testing.assert_array_equal(got["prompt_tokens"][k], [[5, 6, 7], [8, 0, 0]])
-    np.testing.assert_array_equal(got["prompt_lengths"][k], [3, 1])
-    np.testing.assert_array_equal(got["response_lengths"][k], [3, 2])
-  np.testing.assert_array_equal(got["response_mask"][0], [[1, 1, 1, 0], [1, 1, 0, 0]])
-  np.testing.assert_array_equal(got["response_mask"][1], [[1, 0, 1, 0], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(got[k].prompt_tokens, [[5, 6, 7], [8, 0, 0]])
+    np.testing.assert_array_equal(got[k].prompt_lengths, [3, 1])
+    np.testing.assert_array_equal(got[k].response_lengths, [3, 2])
+  np.testing.assert_array_equal(got[0].response_mask, [[1, 1, 1, 0], [1, 1, 0, 0]])
+  np.testing.assert_array_equal(got[1].response_mask, [[1, 0, 1, 0], [1, 1, 0, 0]])
   # Off-mask log-probs are stored as 0 so padding can never poison a loss.
-  np.testing.assert_array_equal(got["logprobs"][0], [[-1, -2, -5, 0], [-3, -4, 0, 0]])
-  np.testing.assert_array_equal(got["logprobs"][1], [[-1, 0, -5, 0], [-3, -4, 0, 0]])
+  np.testing.assert_array_equal(got[0].logprobs, [[-1, -2, -5, 0], [-3, -4, 0, 0]])
+  np.testing.assert_array_equal(got[1].logprobs, [[-1, 0, -5, 0], [-3, -4, 0, 0]])
 
 
 # Each case: (mutation of a valid payload, field named, reason counted).
@@ -255,8 +265,8 @@ def test_bad_payload_rejected_naming_the_field(case):
   s = unit.stats()
   assert s["rejected"][reason] == 1 and sum(s["rejected"].values()) == 1
   assert (s["groups"], s["bytes"], s["images"], s["puts"]) == (0, 0, 0, 0)
-  with pytest.raises(KeyError):
-    unit.get([11], ["rewards"])
+  with pytest.raises(KeyError, match=r"groups \[11\] are not held"):
+    unit.get([11])
 
 
 @pytest.mark.parametrize(
@@ -364,7 +374,8 @@ def test_image_dedup_by_hash_with_refcounts():
   got = unit.get_images([hb, ha])
   np.testing.assert_array_equal(got[0], img_b)
   np.testing.assert_array_equal(got[1], img_a)
-  np.testing.assert_array_equal(unit.get([2], ["image_index"])["image_index"][0], [0, 1, 0])
+  np.testing.assert_array_equal(unit.get([2])[0].image_index, [0, 1, 0])
+  assert unit.get([1])[0].image_index is None
   unit.release([1])
   s = unit.stats()
   assert (s["images"], s["image_refs"]) == (2, 2)  # group 2 still uses img_a
@@ -498,12 +509,10 @@ def test_get_and_release_errors_change_nothing():
   unit = InProcessStorageUnit(LIMITS)
   p = make_payload(np.random.default_rng(9))
   unit.put(0, p)
-  with pytest.raises(ValueError, match="'advantages' is not served"):
-    unit.get([0], ["advantages"])
-  with pytest.raises(KeyError, match="without the optional field 'ref_logprobs'"):
-    unit.get([0], ["ref_logprobs"])
-  with pytest.raises(KeyError, match=r"groups \[3\] are not held"):
-    unit.get([0, 3], ["rewards"])
+  assert unit.get([0])[0].ref_logprobs is None  # put without the optional field
+  with pytest.raises(KeyError, match=r"groups \[3\] are not held by storage unit 0"):
+    unit.get([0, 3])
+  assert unit.stats()["gets"] == 1  # the failed get counts nothing
   with pytest.raises(KeyError, match="nothing was released"):
     unit.release([0, 3])
   with pytest.raises(KeyError, match="repeat"):
@@ -568,12 +577,12 @@ def test_concurrent_put_get_release_loses_nothing():
           break
         batch.append(nxt)
       try:
-        fields = tuple(expected[batch[0]][0])  # every stored field
-        got = unit.get(batch, fields)
+        got = unit.get(batch)
         for k, gid in enumerate(batch):
           want, hashes = expected[gid]
-          for f in fields:
-            np.testing.assert_array_equal(got[f][k], want[f])
+          assert got[k].to_arrays().keys() == want.keys()
+          for f, x in want.items():  # every stored field
+            np.testing.assert_array_equal(getattr(got[k], f), x)
           for im, h in zip(unit.get_images(hashes), hashes, strict=True):
             assert image_hash(im) == h
         with lock:

@@ -1,0 +1,37 @@
+"""Defaults the training configs share: the tiny decoder and the GRPO train settings.
+
+Configs import it as ``from configs import common`` (like big_vision's ``configs/common.py``),
+so run from the repository root, as every usage line says. Each function returns a fresh dict;
+keyword arguments replace or add fields.
+"""
+
+
+def tiny_decoder(*, vocab_size: int, **changes) -> dict:
+  """A Qwen3-style decoder from random init: 2 layers, d_model 64, 4 heads x 16, 2 KV heads."""
+  model = dict(
+    vocab_size=vocab_size,
+    num_layers=2,
+    d_model=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    ffn_dim=128,
+    qk_norm=True,
+    tie_embeddings=True,
+    dtype="float32",
+  )
+  return model | changes
+
+
+def grpo_train(**changes) -> dict:
+  """GRPO settings of ../shared/NOTES.md: lr 1e-3, warmup 10, token-mean, entropy bonus 0.01."""
+  train = dict(
+    lr=1e-3,
+    warmup_steps=10,
+    grad_clip=1.0,
+    micro_batches=1,
+    advantage="grpo",
+    aggregation="token_mean",
+    entropy_coef=0.01,
+  )
+  return train | changes

@@ -1,0 +1,135 @@
+"""The continuous-batching engine behind the rollout contract.
+
+:class:`StreamingRollout` starts a group as ``G`` requests in free slots of the
+:class:`~knitjax.rollout.continuous.ContinuousEngine`, collects finished samples (out of order,
+as slots free up), and when the last sample of a group finishes scores the group
+(:func:`~knitjax.rollout.worker.assemble_group`) and writes its payload into the storage unit.
+The gen version of a group is the oldest version any of its samples used (partial rollout
+records the newest too).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+
+from knitjax.rollout.continuous import ContinuousEngine, Finished, Request
+from knitjax.rollout.contract import RolloutStats
+from knitjax.rollout.worker import assemble_group
+from knitjax.tasks.prompts import Prompt
+from knitjax.transfer.group import GroupMeta
+from knitjax.transfer.storage import StorageUnit
+
+
+class StreamingRollout:
+  """Continuous batching: groups start as slots free up and complete out of order.
+
+  Args:
+    engine: the engine on the rollout mesh.
+    storage: the storage unit payloads go to.
+    reward_fn: the verifier.
+    tokenizer: the task's tokenizer (rewards decode with it).
+    group_size: ``G``.
+    budgets: max new tokens per class (classes not named: the engine's ``max_new_tokens``).
+  """
+
+  def __init__(
+    self,
+    engine: ContinuousEngine,
+    storage: StorageUnit,
+    *,
+    reward_fn: Callable,
+    tokenizer,
+    group_size: int,
+    budgets: Mapping[str, int] | None = None,
+  ):
+    self.engine, self._unit = engine, storage
+    self._reward_fn, self._tokenizer = reward_fn, tokenizer
+    self._g, self._budgets = group_size, dict(budgets or {})
+    self._requests: list[Request] = []  # started, not yet handed to the engine
+    self._groups: dict[int, tuple[Prompt, list[Finished | None]]] = {}
+    self._tokens = 0
+
+  @property
+  def storage(self) -> dict[int, StorageUnit]:
+    return {self._unit.unit_id: self._unit}
+
+  @property
+  def version(self) -> int | None:
+    return self.engine.version
+
+  @property
+  def inflight(self) -> int:
+    return len(self._groups)
+
+  def adopt(self, params, version: int) -> None:
+    self.engine.load(params, version)
+
+  def capacity(self) -> int:
+    queued = len(self._requests)
+    rows = min(self.engine.free_slots - queued, self.engine.refill_rows - queued)
+    return max(0, rows // self._g)
+
+  def start(self, prompt: Prompt, group_id: int) -> None:
+    if self.engine.version is None:
+      raise RuntimeError("the rollout has no policy: call adopt(params, version) first.")
+    budget = self._budgets.get(prompt.cls, self.engine.sampling.max_new_tokens)
+    self._groups[group_id] = (prompt, [None] * self._g)
+    self._requests += [
+      Request(tag=(group_id, k), tokens=prompt.tokens, max_new_tokens=budget)
+      for k in range(self._g)
+    ]
+
+  def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
+    requests, self._requests = self._requests, []
+    if not requests and self.engine.live_samples == 0:
+      return []
+    finished = self.engine.step(requests, rng=rng, stop_free=self._g if want_room else 0)
+    done = []
+    for f in finished:
+      gid, k = f.tag
+      samples = self._groups[gid][1]
+      samples[k] = f
+      self._tokens += len(f.tokens)
+      if all(s is not None for s in samples):
+        done.append(self._complete(gid))
+    return done
+
+  def _complete(self, gid: int) -> GroupMeta:
+    prompt, samples = self._groups.pop(gid)
+    n = self.engine.sampling.max_new_tokens
+    tokens = np.zeros((self._g, n), np.int32)
+    logprobs = np.zeros((self._g, n), np.float32)
+    lengths = np.array([len(s.tokens) for s in samples], np.int32)
+    for k, s in enumerate(samples):
+      tokens[k, : lengths[k]] = s.tokens
+      logprobs[k, : lengths[k]] = s.logprobs
+    group = assemble_group(
+      prompt,
+      tokens,
+      lengths,
+      logprobs,
+      group_id=gid,
+      version=min(s.version for s in samples),
+      version_newest=max(s.version_newest for s in samples),
+      reward_fn=self._reward_fn,
+      tokenizer=self._tokenizer,
+      storage_unit=self._unit.unit_id,
+      completion_time=time.time(),
+    )
+    self._unit.put(gid, group.payload, images=group.images)
+    return group.meta
+
+  def stats(self) -> RolloutStats:
+    return RolloutStats(
+      tokens=self._tokens,
+      decode_iterations=self.engine.decode_iterations,
+      live_samples=self.engine.live_samples,
+      shards=self.engine.shards,
+    )
+
+  def close(self) -> None:
+    pass

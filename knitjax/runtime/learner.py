@@ -1,0 +1,123 @@
+"""The Learner: the trainer's state, policy version, staleness accounting and checkpoints.
+
+Both loops (colocated and disaggregated) hand it prepared mini-batches in (step, index) order;
+``consume`` applies one optimizer update each and advances the policy version. What a checkpoint
+records besides the device state is a :class:`RunState` (host metadata, JSON through
+`knitjax.records`), so a loop differs from the other only in where its mini-batches come from
+and in the rollout-side fields of its run state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from knitjax import records
+from knitjax.tasks.prompts import Prompt
+from knitjax.train.checkpoint import Checkpointer
+from knitjax.train.step import TrainState, host_metrics
+from knitjax.transfer.admission import MiniBatch
+from knitjax.transfer.feed import Prepared
+from knitjax.transfer.staleness import StalenessTracker
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunState:
+  """Host side of a checkpoint: counters, prompt streams, admission, and the rollout's queue.
+
+  Attributes:
+    mode: the runtime mode that wrote it ("" in checkpoints from before it was recorded).
+    version: policy version (optimizer updates applied); the train step is derived from it.
+    next_group_id: first group id not handed out yet.
+    prompts: state of the per-class prompt streams.
+    admission: the admission index's state (pending groups and counters).
+    staleness: the staleness tracker's state.
+    consumed: groups consumed so far (disaggregated).
+    queued: released mini-batches not consumed yet (disaggregated).
+    payloads: the payloads of pending and queued groups (`knitjax.transfer.snapshot`).
+    generating: prompts of groups still generating; a resumed run regenerates them first.
+    restarts: how often the run was resumed (disaggregated: seeds the rollout's draws).
+  """
+
+  mode: str = ""
+  version: int = 0
+  next_group_id: int = 0
+  prompts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  admission: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  staleness: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  consumed: int = 0
+  queued: tuple[MiniBatch, ...] = ()
+  payloads: Mapping[str, Any] | None = None
+  generating: tuple[Prompt, ...] = ()
+  restarts: int = 0
+
+
+class Learner:
+  """Applies prepared mini-batches to the train state, one optimizer update each.
+
+  Args:
+    state: the sharded train state (restored in place by :meth:`restore`).
+    train_step: the compiled step, ``(state, batch[, ref_params]) -> (state, metrics)``.
+    ref_params: the frozen reference policy when the loss has a KL term, else None.
+    checkpointer: where checkpoints go.
+    every_steps: checkpoint cadence in train steps (the last step is always saved).
+    mode: the runtime mode, recorded in checkpoints and checked on resume.
+  """
+
+  def __init__(
+    self,
+    state: TrainState,
+    train_step: Callable,
+    *,
+    ref_params=None,
+    checkpointer: Checkpointer,
+    every_steps: int,
+    mode: str,
+  ):
+    self.state = state
+    self._update = train_step if ref_params is None else lambda s, b: train_step(s, b, ref_params)
+    self._ckpt, self._every, self._mode = checkpointer, every_steps, mode
+    self.version = 0
+    self.tracker = StalenessTracker()
+
+  def restore(self) -> RunState | None:
+    """Restores the newest checkpoint, if any; returns its run state (None: a fresh run).
+
+    Raises:
+      ValueError: the checkpoint was written by the other runtime mode.
+    """
+    if self._ckpt.latest_step() is None:
+      return None
+    state, meta = self._ckpt.restore(self.state)
+    run = records.from_json(RunState, meta)
+    if run.mode and run.mode != self._mode:
+      raise ValueError(
+        f"the workdir's checkpoints come from a {run.mode} run, but config.runtime.mode="
+        f"{self._mode!r}; resume with runtime.mode={run.mode!r} or start in a new workdir "
+        "(switching would drop its queued groups)."
+      )
+    self.state, self.version = state, run.version
+    self.tracker.load_state_dict(run.staleness)
+    return run
+
+  def consume(self, prepared: Prepared) -> dict[str, float]:
+    """One optimizer update from a prepared mini-batch; returns its metrics (host floats)."""
+    self.state, metrics = self._update(self.state, prepared.batch)
+    metrics = host_metrics(metrics)  # waits for the update
+    self.tracker.record(prepared.minibatch, consume_version=self.version)
+    self.version += 1
+    return metrics
+
+  def maybe_save(self, done: int, total: int, run_state: Callable[[], RunState]) -> bool:
+    """Checkpoints after train step ``done`` if the cadence (or the last step) says so."""
+    if done % self._every and done != total:
+      return False
+    run = dataclasses.replace(
+      run_state(), mode=self._mode, version=self.version, staleness=self.tracker.state_dict()
+    )
+    self._ckpt.save(done, self.state, records.to_json(run))
+    return True
+
+  def close(self) -> None:
+    self._ckpt.close()

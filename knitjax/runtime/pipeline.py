@@ -1,0 +1,299 @@
+"""The disaggregated pipeline around the trainer: the rollout side and each update's bookkeeping.
+
+:class:`Pipeline` owns what runs beside the trainer thread in a disaggregated run: the rollout
+thread and its released queue, the version clock (pipeline depth) and weight sync, the
+``consumed.jsonl`` / ``offered.jsonl`` logs, and the flow counters behind the step metrics. Its
+``consume`` is one trainer update with everything around it (order check, Learner, release,
+publish); its ``snapshot`` is the rollout side of a checkpoint, taken under the rollout lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from knitjax import sharding
+from knitjax.runtime.learner import Learner, RunState
+from knitjax.runtime.released import ReleasedQueue
+from knitjax.runtime.rollout_thread import RolloutThread
+from knitjax.runtime.versions import VersionClock
+from knitjax.runtime.weight_sync import WeightSync
+from knitjax.transfer.feed import Prepared, exposed_transfer
+from knitjax.transfer.snapshot import snapshot_groups
+from knitjax.transfer.storage import release_groups
+
+
+class _JsonlLog:
+  """An append-only JSON-lines record, cut back on resume to the rows the checkpoint covers."""
+
+  def __init__(self, path: str, keep: Callable[[dict], bool]):
+    self.path = path
+    rows = []
+    if os.path.exists(path):
+      with open(path) as f:
+        rows = [line for line in f if line.strip() and keep(json.loads(line))]
+    with open(path, "w") as f:
+      f.writelines(rows)
+    self._file = open(path, "a")  # noqa: SIM115 (closed in close())
+
+  def write(self, row: dict) -> None:
+    self._file.write(json.dumps(row) + "\n")
+
+  def flush(self) -> None:
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def _consumed_row(mb, version: int) -> dict:
+  return {
+    "step": mb.step,
+    "index": mb.index,
+    "consume_version": version,
+    "group_ids": [g.group_id for g in mb.groups],
+    "classes": [g.cls for g in mb.groups],
+    "gen_versions": [g.gen_version for g in mb.groups],
+  }
+
+
+class Pipeline:
+  """The rollout side of the run and the trainer's bookkeeping around each update.
+
+  Holds the rollout thread, the released queue, the version clock and weight sync, the
+  ``consumed.jsonl`` / ``offered.jsonl`` logs and the flow counters; ``snapshot`` is the
+  rollout side of a checkpoint, consistent because it is taken under the rollout lock.
+  """
+
+  def __init__(self, config, workdir, learner: Learner, rollout, admission, prompts, mesh, resumed):
+    resumed = resumed or RunState()
+    self.config, self.learner, self.rollout = config, learner, rollout
+    self.admission, self.prompts = admission, prompts
+    self.consumed, self.restarts = resumed.consumed, resumed.restarts + (resumed.mode != "")
+    self.queue = ReleasedQueue(resumed.queued)
+    self.lock = threading.Lock()
+    stats0 = admission.stats()
+    start_step = learner.version // config.admission.minibatches
+    self.clock = VersionClock(
+      learner.version,
+      groups_per_step=config.admission.groups_per_step,
+      minibatches=config.admission.minibatches,
+      max_lag_steps=config.runtime.max_lag_steps,
+    )
+    self.weights = WeightSync(sharding.state_shardings(learner.state.params, mesh))
+    self.weights.publish(learner.state.params, learner.version)
+    # consumed.jsonl: one row per consumed mini-batch; offered.jsonl: one row per offered group.
+    self.log = _JsonlLog(os.path.join(workdir, "consumed.jsonl"), lambda r: r["step"] < start_step)
+    self.offered = _JsonlLog(
+      os.path.join(workdir, "offered.jsonl"), lambda r: r["seq"] <= stats0["offered"]
+    )
+    self._seq = stats0["offered"]
+    self.thread = RolloutThread(
+      rollout=rollout,
+      prompts=prompts,
+      admission=admission,
+      queue=self.queue,
+      clock=self.clock,
+      weights=self.weights,
+      lock=self.lock,
+      next_group_id=resumed.next_group_id,
+      accepted_started=stats0["offered"] - stats0["rejected"],
+      restart=list(resumed.generating),
+      rng=jax.random.fold_in(jax.random.key(config.seed), 1_000_003 * self.restarts + 1),
+      on_offer=self._on_offer,
+    )
+    self.busy_s, self.idle_s, self.mb_seconds = 0.0, 0.0, []
+    self.t_start = time.time()
+    self._prev = _rollout_counters(self.thread, time.time())
+
+  def _on_offer(self, meta, prompt, rejected: bool) -> None:
+    self._seq += 1
+    self.offered.write(
+      {
+        "seq": self._seq,
+        "group_id": meta.group_id,
+        "prompt_id": prompt.prompt_id,
+        "cls": meta.cls,
+        "gen_version": meta.gen_version,
+        "rejected": bool(rejected),
+      }
+    )
+
+  def start(self) -> None:
+    self.thread.start()
+
+  def take(self, timeout: float):
+    """The feed's source: the next released mini-batch, or an error if rollout is gone."""
+    return _take_from(self.queue, self.thread)(timeout)
+
+  def step_begins(self) -> None:
+    self._t0, self._busy0, self._idle0 = time.time(), self.busy_s, self.idle_s
+
+  def consume(self, feed, step: int, j: int) -> dict:
+    """Takes mini-batch ``j`` of ``step`` from the feed, applies it, publishes, releases."""
+    t_wait = time.perf_counter()
+    p: Prepared = next(feed)
+    t_got = time.perf_counter()
+    self.idle_s += t_got - t_wait
+    mb = p.minibatch
+    if (mb.step, mb.index) != (step, j):
+      raise RuntimeError(f"released mini-batch {(mb.step, mb.index)} came before {(step, j)}.")
+    row = self.learner.consume(p)
+    version = self.learner.version
+    released_at = self.queue.ack(mb)  # consumed: no longer part of a checkpoint's queue
+    self.log.write(_consumed_row(mb, version - 1))
+    self.consumed += len(mb.groups)
+    release_groups(self.rollout.storage, mb.groups)
+    if self.config.runtime.weight_sync == "minibatch" or j == self.config.admission.minibatches - 1:
+      self.weights.publish(self.learner.state.params, version)
+    self.clock.advance(version)
+    self.mb_seconds.append((time.time(), time.perf_counter() - t_got))
+    self.busy_s += self.mb_seconds[-1][1]
+    return {
+      **row,
+      **p.info,
+      **exposed_transfer(p, t_wait, t_got),
+      "release_to_compute_s": max(0.0, t_got - released_at),
+    }
+
+  def step_metrics(self) -> dict:
+    now = time.time()
+    cur = _rollout_counters(self.thread, now)
+    step_s = now - self._t0
+    out = {
+      "rollout_version": self.rollout.version,
+      **_flow_metrics(
+        self._prev, cur, step_s, self.busy_s - self._busy0, self.idle_s - self._idle0
+      ),
+      **_queue_metrics(
+        self.admission, self.queue, self.thread, self.rollout, self.consumed, self.lock
+      ),
+      "step_s": step_s,
+      "wall_s": now - self.t_start,
+    }
+    self._prev = cur
+    return out
+
+  def snapshot(self) -> RunState:
+    """The rollout side of a checkpoint (the Learner adds version and staleness)."""
+    self.log.flush()  # the logs hold at least what the checkpoint covers
+    with self.lock:
+      self.offered.flush()
+      queued = tuple(self.queue.items())
+      held = list(self.admission.pending()) + [g for mb in queued for g in mb.groups]
+      return RunState(
+        next_group_id=self.thread.next_group_id,
+        prompts=self.prompts.state_dict(),
+        admission=self.admission.state_dict(),
+        consumed=self.consumed,
+        queued=queued,
+        payloads=snapshot_groups(self.rollout.storage, held),
+        generating=tuple(self.thread.inflight_prompts()),
+        restarts=self.restarts,
+      )
+
+  def stop(self) -> None:
+    self.clock.stop()
+    self.thread.join(timeout=60)
+
+  def close(self) -> None:
+    self.stop()
+    self.rollout.close()
+    self.log.close()
+    self.offered.close()
+
+  def write_timings(self, workdir: str) -> None:
+    """``timings.json``: measured service times (the simulator's calibration) and lengths.
+
+    ``calls``: per rollout call ``(end time, seconds, decode iterations, groups started, live
+    samples)``; ``trainer_minibatch_s``: per mini-batch ``(end time, seconds)``, from taking it
+    off the queue to publishing; times are ``time.time()``, ``t_start`` the trainer loop's start
+    (``wall_s`` of metrics.jsonl counts from it).
+    """
+    calls = np.asarray(self.thread.calls, np.float64).reshape(-1, 5)
+    r = self.config.rollout
+    out = {
+      "t_start": self.t_start,
+      "slots": r.slots,
+      "shards": self.rollout.stats().shards,
+      "decode_steps": r.decode_steps,
+      "calls": calls.tolist(),
+      "trainer_minibatch_s": self.mb_seconds,
+      "weight_publish_s_mean": self.weights.publish_s / max(self.weights.published, 1),
+      "lengths": self.thread.lengths,
+      "restarts": self.restarts,
+    }
+    with open(os.path.join(workdir, "timings.json"), "w") as f:
+      json.dump(out, f)
+
+
+def _take_from(queue: ReleasedQueue, rollout: RolloutThread):
+  """The feed's source: the next released mini-batch, or an error if rollout is gone."""
+
+  def take(timeout: float):
+    mb = queue.get(timeout=timeout)
+    if mb is not None:
+      return mb
+    if rollout.error is not None:
+      raise RuntimeError(f"the rollout thread failed: {rollout.error!r}") from rollout.error
+    if not rollout.is_alive():
+      raise RuntimeError("the rollout thread stopped before the trainer had its mini-batches.")
+    return None
+
+  return take
+
+
+def _rollout_counters(rollout: RolloutThread, now: float) -> dict:
+  return {
+    "t": now,
+    "busy_s": rollout.busy_s,
+    "idle_s": rollout.idle_s,
+    "tokens": rollout.rollout.stats().tokens,
+    "iterations": rollout.rollout.stats().decode_iterations,
+    "groups_started": rollout.groups_started,
+  }
+
+
+def _flow_metrics(prev: dict, cur: dict, step_s: float, t_busy: float, t_idle: float) -> dict:
+  """Busy/idle fractions of both sides and throughput over one train step."""
+  d = {k: cur[k] - prev[k] for k in cur}
+  span = max(d["t"], 1e-9)
+  slots_iters = d["iterations"] * 1.0
+  return {
+    "rollout_busy_fraction": min(1.0, d["busy_s"] / span),
+    "rollout_idle_fraction": max(0.0, 1.0 - d["busy_s"] / span),
+    "trainer_busy_fraction": min(1.0, t_busy / max(step_s, 1e-9)),
+    "trainer_idle_fraction": min(1.0, t_idle / max(step_s, 1e-9)),
+    "tokens_per_s": d["tokens"] / span,
+    "decode_iterations": slots_iters,
+    "groups_started": float(d["groups_started"]),
+  }
+
+
+def _queue_metrics(admission, queue, thread, rollout, consumed: int, lock) -> dict:
+  with lock:
+    s = admission.stats()
+    queued = sum(len(mb.groups) for mb in queue.items())
+  pending = s["pending"] + queued
+  units = [u.stats() for u in rollout.storage.values()]
+  return {
+    "groups_offered": float(s["offered"]),
+    "groups_consumed": float(consumed),
+    "groups_rejected": float(s["rejected"]),
+    "groups_pending": float(pending),
+    "groups_lost": float(s["offered"] - consumed - s["rejected"] - pending),
+    "queue_pending_groups": float(s["pending"]),
+    "queue_waiting_groups": float(s["waiting"]),
+    "queue_released_minibatches": float(len(queue)),
+    "queue_generating_groups": float(thread.inflight_groups),
+    "queue_storage_groups": float(sum(u["groups"] for u in units)),
+    "queue_storage_bytes": float(sum(u["bytes"] for u in units)),
+    "quota_violations": float(s["violations"]),
+    "stalls": float(s["stalls"]),
+  }

@@ -1,0 +1,68 @@
+"""Batch preparation: a released mini-batch -> this consumer's device-ready train batch.
+
+:class:`MiniBatchPreparer` is the ``prepare`` of the on-demand feed (`knitjax.transfer.feed`):
+it plans the consumers (`knitjax.transfer.consumer`), fetches exactly this consumer's groups from
+their storage units and lays them out (`knitjax.transfer.access`), splits the rows into the
+train step's micro-batches and places them on the train mesh. Text batches become global
+``[K, rows / K, ...]`` arrays assembled from every consumer's part; multimodal batches
+(`knitjax.train.mm_step`) also carry the mini-batch's unique images, padded to a static count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+
+from knitjax.train import mm_step
+from knitjax.train.batch import split_micro_batches
+from knitjax.train.step import batch_shardings
+from knitjax.transfer.access import BatchLayout, consumer_batch, to_global
+from knitjax.transfer.admission import MiniBatch
+from knitjax.transfer.storage import StorageUnit
+
+
+class MiniBatchPreparer:
+  """``prepare(minibatch) -> (device batch, info)`` for one consumer.
+
+  Args:
+    storage: every storage unit by id (a consumer reads only those holding its groups).
+    layout: advantage estimator and the padded row layout.
+    mesh: the train mesh.
+    micro_batches: ``K``, micro-batches per mini-batch.
+    consumer: this consumer's index (default: ``jax.process_index()``).
+    num_consumers: consumers sharing a mini-batch (default: ``jax.process_count()``).
+    locality_slack: how far token balance may give way to local fetches (consumer plan).
+  """
+
+  def __init__(
+    self,
+    storage: Mapping[int, StorageUnit],
+    *,
+    layout: BatchLayout,
+    mesh: jax.sharding.Mesh,
+    micro_batches: int,
+    consumer: int | None = None,
+    num_consumers: int | None = None,
+    locality_slack: float = 0.5,
+  ):
+    self._storage, self._layout, self._mesh = storage, layout, mesh
+    self._k = micro_batches
+    self._consumer = jax.process_index() if consumer is None else consumer
+    self._consumers = jax.process_count() if num_consumers is None else num_consumers
+    self._slack = locality_slack
+    self._shardings = batch_shardings(mesh)
+
+  def __call__(self, minibatch: MiniBatch) -> tuple[dict[str, jax.Array], dict[str, float]]:
+    local, info = consumer_batch(
+      minibatch,
+      self._storage,
+      layout=self._layout,
+      consumer=self._consumer,
+      num_consumers=self._consumers,
+      locality_slack=self._slack,
+    )
+    if "images" in local:  # unique images padded to a static count per mini-batch
+      n = sum(len(g.image_hashes) for g in minibatch.groups)
+      return mm_step.device_batch(local, self._k, self._mesh, num_images=n), info
+    return to_global(split_micro_batches(local, self._k), self._shardings), info
