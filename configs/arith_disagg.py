@@ -54,7 +54,7 @@ def get_config(arg=None):
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=8)
   c.checkpoint = dict(every_steps=50, keep=2)
   if arg in (None, ""):
-    return c
+    return common.complete(c)
   if arg == "quick":
     c.admission.quotas = {"arith": 4, "think": 4}
     c.admission.minibatches = 2
@@ -64,8 +64,8 @@ def get_config(arg=None):
     c.runtime.steps = 3
     c.runtime.log_every = 1
     c.checkpoint.every_steps = 1
-    return c
+    return common.complete(c)
   if arg == "colocated":
     c.runtime.mode = "colocated"
-    return c
+    return common.complete(c)
   raise ValueError(f"unknown variant {arg!r} of configs/arith_disagg.py; choose: quick, colocated.")

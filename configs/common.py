@@ -1,9 +1,14 @@
-"""Defaults the training configs share: the tiny decoder and the GRPO train settings.
+"""Defaults the training configs share: the tiny decoder, the GRPO train settings, and
+:func:`complete`, which gives a config every field the typed views know.
 
 Configs import it as ``from configs import common`` (like big_vision's ``configs/common.py``),
 so run from the repository root, as every usage line says. Each function returns a fresh dict;
 keyword arguments replace or add fields.
 """
+
+import dataclasses
+
+import ml_collections
 
 
 def tiny_decoder(*, vocab_size: int, **changes) -> dict:
@@ -35,3 +40,22 @@ def grpo_train(**changes) -> dict:
     entropy_coef=0.01,
   )
   return train | changes
+
+
+def complete(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Adds every field of every section at its default (`knitjax.config`), so that any documented
+  field can be set from the command line on a shipped config (``--config.runtime.storage=ray``,
+  ``--config.init_from=DIR``); fields the config sets keep their values."""
+  from knitjax import config as typed
+
+  for name, cls in typed.SECTIONS.items():
+    given = c[name].to_dict() if name in c else {}
+    defaults = {
+      f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+      for f in dataclasses.fields(cls)
+      if f.init
+    }
+    c[name] = {**defaults, **given}
+  if "init_from" not in c:
+    c.init_from = ""
+  return c

@@ -44,4 +44,4 @@ def get_config(arg=None):
     c.checkpoint.every_steps = 1
   elif arg not in (None, ""):
     raise ValueError(f"unknown variant {arg!r} of configs/count_vlm_tiny.py; choose: quick.")
-  return c
+  return common.complete(c)

@@ -247,7 +247,7 @@ class Config:
   init_from: str = ""
 
 
-_SECTIONS = {
+SECTIONS = {
   "task": TaskConfig,
   "rollout": RolloutConfig,
   "train": TrainConfig,
@@ -313,13 +313,13 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     ValueError: one sentence naming the bad field and what is accepted.
   """
   config = _to_plain(config)
-  known = {"seed", "model", "vision", "init_from", *_SECTIONS}
+  known = {"seed", "model", "vision", "init_from", *SECTIONS}
   for key in config:
     if key not in known:
       raise ValueError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}.")
   sections = {
     name: build_section(cls, config.get(name, {}), f"config.{name}")
-    for name, cls in _SECTIONS.items()
+    for name, cls in SECTIONS.items()
   }
   init_from = config.get("init_from") or ""
   if not isinstance(init_from, str):

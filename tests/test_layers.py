@@ -1,4 +1,4 @@
-"""The import graph of knitjax has layers, and imports only point down (docs/DESIGN.md).
+"""The import graph of knitjax has layers, and imports only point down (docs/architecture.md).
 
 Every module under knitjax/ is parsed with `ast`; each `import` anywhere in the file (inside
 functions too, except under `if TYPE_CHECKING:`) is an edge of the graph of knitjax-internal

@@ -66,3 +66,29 @@ def test_main_exits_with_one_line(tmp_path, args, expected):
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("error:") and expected in last, proc.stderr[-1500:]
   assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["arith_tiny", "arith_disagg", "count_vlm_tiny"])
+def test_every_config_field_can_be_set_on_the_shipped_configs(name):
+  """`--config.runtime.storage=ray`, `--config.rollout.engine=...`, `--config.init_from=...`: a
+  flag override needs the field in the ConfigDict, so every shipped config carries them all."""
+  import dataclasses
+  import importlib
+
+  from knitjax.config import SECTIONS
+
+  c = importlib.import_module(f"configs.{name}").get_config()
+  missing = [
+    f"{section}.{f.name}"
+    for section, cls in SECTIONS.items()
+    for f in dataclasses.fields(cls)
+    if f.name not in c[section]
+  ]
+  assert missing == [] and "init_from" in c
+  c.runtime.storage, c.runtime.rollout_workers, c.rollout.engine = "ray", 2, "batched"
+  cfg = from_config_dict(c)
+  assert (cfg.runtime.storage, cfg.runtime.rollout_workers, cfg.rollout.engine) == (
+    "ray",
+    2,
+    "batched",
+  )

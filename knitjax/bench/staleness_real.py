@@ -9,7 +9,7 @@ classes, short and long answers) for real:
   response-length mix, stays what it is at initialisation (a long tail for ``think``): every
   point sees the same workload, as the simulator assumes.
 * **prediction**: the discrete-event simulator (`knitjax.sim`), with its cost model calibrated
-  from each run's measured service times (`knitjax.bench.real_calibration`), predicts every
+  from each run's measured service times (`knitjax.sim.calibration`), predicts every
   point; the relative differences are reported, and also those of one calibration shared by all
   disaggregated points.
 * **learning**: colocated, disaggregated + ``train_batch`` and disaggregated + ``minibatch`` at
@@ -31,11 +31,12 @@ import ml_collections as mc
 import numpy as np
 from matplotlib.figure import Figure  # drawn without pyplot: the caller's backend is untouched
 
-from knitjax.bench import learning, real_calibration
+from knitjax.bench import learning
 from knitjax.bench.real_runs import launch, measured_point, read_run
 from knitjax.bench.report import format_table, write_json
 from knitjax.config import from_config_dict
 from knitjax.runtime import builder
+from knitjax.sim import calibration as real_calibration
 from knitjax.sim.frontier import compare
 
 POLICIES = ("train_batch", "minibatch")

@@ -23,6 +23,7 @@ from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train.batch import left_pad
 from knitjax.transfer.group import GroupMeta
+from knitjax.transfer.payload import GroupPayload
 from knitjax.transfer.storage import StorageUnit, image_hash
 
 
@@ -31,7 +32,7 @@ class Group:
   """A complete group: metadata for admission, payload for the storage unit."""
 
   meta: GroupMeta
-  payload: dict[str, np.ndarray]
+  payload: GroupPayload
   images: tuple[np.ndarray, ...] = ()  # image prompts: the group's images (payload image_index)
 
 
@@ -58,7 +59,6 @@ class RolloutWorker:
     self._budgets = dict(class_max_new_tokens or {})
     self._tokenizer = tokenizer
     self._reward_fn = reward_fn
-    self._group_size = group_size
     self.group_size = group_size
     self.max_new_tokens = sampler.sampling.max_new_tokens
     self._prompt_len = prompt_len
@@ -74,7 +74,7 @@ class RolloutWorker:
     group_ids: Sequence[int],
   ) -> list[Group]:
     """Samples one group per prompt at policy ``version``; ``group_ids``: one id per prompt."""
-    g = self._group_size
+    g = self.group_size
     rows = [p.tokens for p in prompts for _ in range(g)]
     tokens_bp, lens_b = left_pad(rows, self._prompt_len, self._tokenizer.pad_id)
     samples = self._sampler(
@@ -118,7 +118,7 @@ class RolloutWorker:
         slots[h] = len(images)
         images.append(p.image)
       index.append(slots[h])
-    index_b = np.repeat(np.asarray(index, np.int32), self._group_size)
+    index_b = np.repeat(np.asarray(index, np.int32), self.group_size)
     return self._prompt_embedder(params, tokens_bp, np.stack(images), index_b)
 
 
@@ -172,18 +172,22 @@ def assemble_group(
     completion_time=completion_time,
     gen_version_newest=None if version_newest in (None, version) else version_newest,
   )
-  payload = {
-    "prompt_tokens": np.stack([prompt.tokens] * g).astype(np.int32),
-    "response_tokens": resp,
-    "response_lengths": lengths,
-    "logprobs": logprobs,
-    "rewards": rewards,
-  }
-  if prompt.image is None:
-    return Group(meta=meta, payload=payload)
-  payload["image_index"] = np.zeros(g, np.int32)
-  meta = dataclasses.replace(meta, image_hashes=(image_hash(prompt.image),))
-  return Group(meta=meta, payload=payload, images=(prompt.image,))
+  image_index = None
+  if prompt.image is not None:
+    image_index = np.zeros(g, np.int32)
+    meta = dataclasses.replace(meta, image_hashes=(image_hash(prompt.image),))
+  payload = GroupPayload(  # validated where it enters storage
+    prompt_tokens=np.tile(prompt.tokens.astype(np.int32), (g, 1)),
+    prompt_lengths=np.full(g, len(prompt.tokens), np.int32),
+    response_tokens=resp,
+    response_mask=keep,
+    response_lengths=lengths,
+    logprobs=logprobs,
+    rewards=rewards,
+    image_index=image_index,
+  )
+  images = () if prompt.image is None else (prompt.image,)
+  return Group(meta=meta, payload=payload, images=images)
 
 
 class BatchedRollout:

@@ -294,16 +294,13 @@ def build_storage(config: Config, prompts: ClassStreams, *, unit_id: int = 0) ->
 
 
 def build_storage_limits(config: Config, prompts: ClassStreams) -> StorageLimits:
-  r = config.rollout
-  seq = prompts.prompt_len + r.max_new_tokens
-  step_bytes = config.admission.groups_per_step * r.group_size * seq * 16
-  if config.vision is not None:  # images, once per group at most
-    v = config.vision
-    step_bytes += config.admission.groups_per_step * v.image_size**2 * v.channels * 4
-  return StorageLimits(
+  r, v = config.rollout, config.vision
+  return StorageLimits.for_steps(
     vocab_size=config.model.vocab_size,
-    max_seq_len=seq,
-    max_bytes=int(max(8 * step_bytes, 1 << 24)),
+    max_seq_len=prompts.prompt_len + r.max_new_tokens,
+    groups_per_step=config.admission.groups_per_step,
+    group_size=r.group_size,
+    image_bytes=0 if v is None else v.image_size**2 * v.channels * 4,
   )
 
 

@@ -72,10 +72,11 @@ class Pipeline:
   """
 
   def __init__(self, config, workdir, learner: Learner, rollout, admission, prompts, mesh, resumed):
+    restarts = 0 if resumed is None else resumed.restarts + 1
     resumed = resumed or RunState()
     self.config, self.learner, self.rollout = config, learner, rollout
     self.admission, self.prompts = admission, prompts
-    self.consumed, self.restarts = resumed.consumed, resumed.restarts + (resumed.mode != "")
+    self.consumed, self.restarts = resumed.consumed, restarts
     self.queue = ReleasedQueue(resumed.queued)
     self.lock = threading.Lock()
     stats0 = admission.stats()

@@ -26,9 +26,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from knitjax.transfer.payload import (
+from knitjax.transfer.payload import GroupPayload
+from knitjax.transfer.validation import (
   REJECT_REASONS,
-  GroupPayload,
   PayloadError,
   validate_image,
   validate_payload,
@@ -74,6 +74,29 @@ class StorageLimits:
       raise ValueError(f"StorageLimits.on_full is {self.on_full!r}; accepted: 'block' or 'raise'.")
     if not (isinstance(self.timeout_s, int | float) and 0 <= self.timeout_s < float("inf")):
       raise ValueError(f"StorageLimits.timeout_s is {self.timeout_s!r}; accepted: finite and >= 0.")
+
+  @classmethod
+  def for_steps(
+    cls,
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    groups_per_step: int,
+    group_size: int,
+    image_bytes: int = 0,
+    steps: int = 8,
+  ) -> "StorageLimits":
+    """Room for ``steps`` train steps of payload (at least 16 MiB).
+
+    A token costs at most 16 bytes across the stored arrays (tokens, mask, log-probs, reference
+    log-probs); ``image_bytes`` is one group's images, counted once per group (no dedup credit).
+    """
+    step_bytes = groups_per_step * (group_size * max_seq_len * 16 + image_bytes)
+    return cls(
+      vocab_size=vocab_size,
+      max_seq_len=max_seq_len,
+      max_bytes=int(max(steps * step_bytes, 1 << 24)),
+    )
 
 
 class StorageFull(RuntimeError):

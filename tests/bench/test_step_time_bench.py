@@ -8,7 +8,7 @@ import pytest
 from configs.bench import step_time as step_time_config
 from knitjax.bench import step_time
 
-# Stands in for benchmarks/external/tunix_step_time.py: same CLI (--out PATH), same JSON key.
+# Stands in for knitjax/bench/external/tunix_step_time.py: same CLI (--out PATH), same JSON key.
 _FAKE_BASELINE = """
 import argparse, json
 p = argparse.ArgumentParser()

@@ -11,10 +11,9 @@ from knitjax.transfer.payload import (
   INPUT_FIELDS,
   REQUIRED_FIELDS,
   GroupPayload,
-  PayloadError,
   stack_rows,
-  validate_payload,
 )
+from knitjax.transfer.validation import PayloadError, validate_payload
 
 VOCAB, MAX_LEN = 50, 32
 CHECK = dict(vocab_size=VOCAB, max_seq_len=MAX_LEN)

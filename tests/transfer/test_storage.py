@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitjax.transfer.payload import FIELD_DTYPES, REJECT_REASONS
+from knitjax.transfer.payload import FIELD_DTYPES
 from knitjax.transfer.storage import (
   GroupPayload,
   InProcessStorageUnit,
@@ -21,6 +21,7 @@ from knitjax.transfer.storage import (
   StorageLimits,
   image_hash,
 )
+from knitjax.transfer.validation import REJECT_REASONS
 
 VOCAB, MAX_LEN = 100, 32
 LIMITS = StorageLimits(

@@ -1,7 +1,7 @@
 """Times full Tunix GRPO steps on the tiny Qwen3 shape of configs/bench/step_time.py.
 
 Standalone: run it with the python of a throwaway venv that has `google-tunix==0.1.7`
-(see benchmarks/external/README.md). knitjax never imports this file and does not
+(see knitjax/bench/external/README.md). knitjax never imports this file and does not
 depend on Tunix.
 
 One timed step is one iteration of Tunix's own `GRPOLearner.train` loop (one global
