@@ -214,6 +214,14 @@ def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> Conti
   )
 
 
+def _groups_per_call(config: Config) -> int | None:
+  """Groups one batched call generates: a colocated step starts all; disaggregated waves fill
+  the slots."""
+  if config.runtime.mode == "colocated":
+    return None
+  return max(1, config.rollout.slots // config.rollout.group_size)
+
+
 def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: StorageUnit):
   """The in-process rollout of ``rollout.engine`` on ``mesh``, writing into ``unit``."""
   r = config.rollout
@@ -226,9 +234,8 @@ def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: 
       group_size=r.group_size,
       budgets=r.class_max_new_tokens,
     )
-  # Colocated steps generate all their groups in one call; disaggregated waves fill the slots.
-  per_call = None if config.runtime.mode == "colocated" else max(1, r.slots // r.group_size)
-  return BatchedRollout(build_worker(config, graphdef, mesh, prompts), unit, max_groups=per_call)
+  worker = build_worker(config, graphdef, mesh, prompts)
+  return BatchedRollout(worker, unit, max_groups=_groups_per_call(config))
 
 
 def hosted_rollout(config: Config, storage: StorageUnit):
@@ -258,13 +265,11 @@ def build_rollout(config: Config, graphdef, mesh, prompts: ClassStreams) -> Roll
   _ensure_ray(config)
   from knitjax.rollout.ray_worker import RayRollout
 
-  r = config.rollout
-  per_call = None if config.runtime.mode == "colocated" else max(1, r.slots // r.group_size)
   return RayRollout(
     functools.partial(hosted_rollout, config),
     build_storage_limits(config, prompts),
     n,
-    groups_per_call=per_call,
+    groups_per_call=_groups_per_call(config),
   )
 
 

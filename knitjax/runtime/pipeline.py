@@ -131,7 +131,14 @@ class Pipeline:
 
   def take(self, timeout: float):
     """The feed's source: the next released mini-batch, or an error if rollout is gone."""
-    return _take_from(self.queue, self.thread)(timeout)
+    mb = self.queue.get(timeout=timeout)
+    if mb is not None:
+      return mb
+    if self.thread.error is not None:
+      raise RuntimeError(f"the rollout thread failed: {self.thread.error!r}") from self.thread.error
+    if not self.thread.is_alive():
+      raise RuntimeError("the rollout thread stopped before the trainer had its mini-batches.")
+    return None
 
   def step_begins(self) -> None:
     self._t0, self._busy0, self._idle0 = time.time(), self.busy_s, self.idle_s
@@ -234,29 +241,14 @@ class Pipeline:
       json.dump(out, f)
 
 
-def _take_from(queue: ReleasedQueue, rollout: RolloutThread):
-  """The feed's source: the next released mini-batch, or an error if rollout is gone."""
-
-  def take(timeout: float):
-    mb = queue.get(timeout=timeout)
-    if mb is not None:
-      return mb
-    if rollout.error is not None:
-      raise RuntimeError(f"the rollout thread failed: {rollout.error!r}") from rollout.error
-    if not rollout.is_alive():
-      raise RuntimeError("the rollout thread stopped before the trainer had its mini-batches.")
-    return None
-
-  return take
-
-
 def _rollout_counters(rollout: RolloutThread, now: float) -> dict:
+  stats = rollout.rollout.stats()
   return {
     "t": now,
     "busy_s": rollout.busy_s,
     "idle_s": rollout.idle_s,
-    "tokens": rollout.rollout.stats().tokens,
-    "iterations": rollout.rollout.stats().decode_iterations,
+    "tokens": stats.tokens,
+    "iterations": stats.decode_iterations,
     "groups_started": rollout.groups_started,
   }
 
