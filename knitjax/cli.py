@@ -1,7 +1,9 @@
 """Command-line error handling shared by ``knitjax.main`` and ``knitjax.bench``."""
 
 import logging as std_logging
+import os
 import sys
+import traceback
 
 from absl import flags, logging
 
@@ -29,9 +31,52 @@ def one_line(e: Exception) -> str:
   return " ".join(lines)
 
 
+def _config_file_error(e: BaseException, argv: list[str]) -> str | None:
+  """``file:line: message`` when ``e`` was raised while running a config file's own code."""
+  if isinstance(e, SyntaxError) and e.filename:
+    return f"{e.filename}:{e.lineno}: {type(e).__name__}: {e.msg}"
+  configs = {
+    os.path.abspath(a.split("=", 1)[1].split(":", 1)[0])
+    for a in argv
+    if a.startswith(("--config=", "-config="))
+  }
+  frames = [
+    f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) in configs
+  ]
+  if not frames:
+    return None
+  f = frames[-1]
+  return f"{f.filename}:{f.lineno}: {type(e).__name__}: {one_line(e)}"
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """Parses flags; a bad config file or override ends in one line, not a traceback."""
+  """Parses flags; a bad config file or override ends in one line, not a traceback.
+
+  An error raised by the config file's own code (a syntax error, a NameError, a failed import)
+  is reported as ``file:line: error``; a bad override names the field.
+  """
+  argv = [argv[0], *_joined(argv[1:])]
   try:
     return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
-    sys.exit(f"error: bad --config or flag: {one_line(e)}")
+  except SystemExit:
+    raise
+  except Exception as e:  # the command-line boundary: whatever a config file raises
+    where = _config_file_error(e, argv)
+    if where is not None:
+      sys.exit(f"error: in the config file: {where}")
+    if isinstance(e, flags.Error | AttributeError | KeyError | OSError | TypeError | ValueError):
+      sys.exit(f"error: bad --config or flag: {one_line(e)}")
+    raise
+
+
+def _joined(args: list[str]) -> list[str]:
+  """``--config FILE`` as ``--config=FILE``, so the config file's path is found in one place."""
+  out, i = [], 0
+  while i < len(args):
+    if args[i] in ("--config", "-config") and i + 1 < len(args):
+      out.append(f"--config={args[i + 1]}")
+      i += 2
+    else:
+      out.append(args[i])
+      i += 1
+  return out

@@ -9,6 +9,7 @@ these dataclasses, never the ConfigDict.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -183,6 +184,8 @@ class RuntimeConfig:
   # Generate in this many Ray actors (each writing to a Ray storage unit on its own node)
   # instead of in process; 0: in process.
   rollout_workers: int = 0
+  # Ray actor deaths (rollout actors, storage units) a run survives; one more ends it.
+  actor_restarts: int = 3
 
   def __post_init__(self):
     _one_of("config.runtime.mode", self.mode, MODES)
@@ -190,6 +193,7 @@ class RuntimeConfig:
     _one_of("config.runtime.adoption", self.adoption, ADOPTION)
     _one_of("config.runtime.storage", self.storage, STORAGE)
     _positive("config.runtime.rollout_workers", self.rollout_workers, allow_zero=True)
+    _positive("config.runtime.actor_restarts", self.actor_restarts, allow_zero=True)
     _positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
     if self.param_slots < 1 + (self.adoption == "new_groups"):
       raise ValueError(
@@ -282,8 +286,18 @@ def _type_ok(value: Any, annotation: Any) -> bool:
   if origin is tuple:
     return isinstance(value, tuple | list)
   if origin is Mapping or annotation is Mapping:
-    return isinstance(value, Mapping)
+    if not isinstance(value, Mapping):
+      return False
+    args = typing.get_args(annotation)
+    return not args or all(_type_ok(k, args[0]) and _type_ok(v, args[1]) for k, v in value.items())
   return True
+
+
+def _type_name(annotation: Any) -> str:
+  if typing.get_origin(annotation) is Mapping:
+    k, v = (_type_name(a) for a in typing.get_args(annotation))
+    return f"a mapping of {k} to {v}"
+  return getattr(annotation, "__name__", str(annotation))
 
 
 def build_section(cls: type, values: Mapping[str, Any], path: str) -> Any:
@@ -298,8 +312,11 @@ def build_section(cls: type, values: Mapping[str, Any], path: str) -> Any:
       )
     value = _to_plain(value)
     if not _type_ok(value, hints[key]):
-      want = getattr(hints[key], "__name__", str(hints[key]))
-      raise ValueError(f"{path}.{key}={value!r} has the wrong type; expected {want}.")
+      raise ValueError(
+        f"{path}.{key}={value!r} has the wrong type; expected {_type_name(hints[key])}."
+      )
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f"{path}.{key}={value!r} is not accepted; it must be a finite number.")
     if isinstance(value, list):
       value = tuple(value)
     kwargs[key] = value
@@ -340,6 +357,7 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     )
   sections["rollout"] = _resolve_engine(sections, vision)
   _check_class_budgets(sections)
+  _check_micro_batches(sections)
   return Config(seed=seed, model=model, vision=vision, init_from=init_from, **sections)
 
 
@@ -374,16 +392,44 @@ def _check_class_budgets(sections: dict) -> None:
     )
 
 
+def _check_micro_batches(sections: dict) -> None:
+  a, r, t = sections["admission"], sections["rollout"], sections["train"]
+  rows = a.groups_per_step // a.minibatches * r.group_size
+  if rows % t.micro_batches:
+    raise ValueError(
+      f"config.train.micro_batches={t.micro_batches} does not divide a mini-batch of {rows} "
+      f"sequences (config.admission.quotas / minibatches x config.rollout.group_size)."
+    )
+
+
 def _model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerConfig:
-  """The decoder shape of a Hugging Face checkpoint; config.model may only choose the dtype."""
+  """The decoder shape of a Hugging Face checkpoint; config.model may only choose the dtype.
+
+  Shape fields a config file sets (the shipped configs set a tiny decoder) are replaced by the
+  checkpoint's, with one warning naming each field that differs; unknown fields are an error.
+  """
+  from absl import logging
+
   from knitjax.models import hf
 
-  extra = sorted(set(model) - {"dtype"})
-  if extra:
-    raise ValueError(
-      f"config.model.{extra[0]} cannot be set with config.init_from={path!r}: the shape comes from "
-      "the checkpoint's config.json; accepted: config.model.dtype only."
-    )
   if not os.path.isdir(path):
     raise ValueError(f"config.init_from={path!r} is not a folder (a Hugging Face checkpoint).")
-  return hf.config_from_hf(path, dtype=model.get("dtype", "float32"))
+  known = {f.name for f in dataclasses.fields(TransformerConfig)}
+  unknown = sorted(set(model) - known)
+  if unknown:
+    raise ValueError(
+      f"config.model.{unknown[0]} is not a known field; known fields: {', '.join(sorted(known))}."
+    )
+  loaded = hf.config_from_hf(path, dtype=model.get("dtype", "float32"))
+  replaced = [
+    f"{k}={v!r}->{getattr(loaded, k)!r}"
+    for k, v in sorted(model.items())
+    if k != "dtype" and _to_plain(v) != getattr(loaded, k)
+  ]
+  if replaced:
+    logging.warning(
+      "config.init_from=%s sets the model shape; config.model fields replaced: %s",
+      path,
+      ", ".join(replaced),
+    )
+  return loaded

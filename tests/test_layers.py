@@ -17,7 +17,8 @@ PACKAGE = "knitjax"
 # higher. Same-layer imports are allowed as long as they form no cycle. Each entry is a module
 # name or a package prefix ending in ".*" (the package's __init__ and everything below it).
 #   0  the package itself, the mesh / logical-axis rules everything else shards by, and the
-#      codec of host records (checkpoints and Ray): foundations that import no other layer.
+#      codec of host records (checkpoints and Ray), fault points: foundations that import no
+#      other layer.
 #   1  the parts that know nothing of RL: models, and tasks (prompts, rewards).
 #   2  RL training: losses, advantages, train step, optimizer, checkpoints.
 #   3  trajectory transfer: storage, admission, consumer plans, on-demand access.
@@ -25,16 +26,16 @@ PACKAGE = "knitjax"
 #   5  config: typed views of the ConfigDict. Validation names the registries of the parts
 #      below, and only runtime and entry points receive a Config.
 #   6  the loops (runtime) and the simulator (sim), side by side; see FORBIDDEN.
-#   7  entry points: benchmarks, main, cli.
+#   7  entry points: benchmarks, the fault suite, main, cli.
 LAYERS = (
-  ("knitjax", "knitjax.sharding", "knitjax.records"),
+  ("knitjax", "knitjax.sharding", "knitjax.records", "knitjax.faultpoints"),
   ("knitjax.models.*", "knitjax.tasks.*"),
   ("knitjax.train.*",),
   ("knitjax.transfer.*",),
   ("knitjax.rollout.*",),
   ("knitjax.config",),
   ("knitjax.runtime.*", "knitjax.sim.*"),
-  ("knitjax.bench.*", "knitjax.main", "knitjax.cli"),
+  ("knitjax.bench.*", "knitjax.faults.*", "knitjax.main", "knitjax.cli"),
 )
 
 # Same-layer imports that are still forbidden, (importer prefix, imported prefix): the simulator

@@ -37,6 +37,8 @@ class RolloutStats:
   decode_iterations: int = 0  # decode iterations run (per shard, summed over calls)
   live_samples: int = 0  # samples generating now
   shards: int = 1  # independent decode shards (data-parallel rollout devices)
+  actor_restarts: int = 0  # rollout actors replaced after dying (Ray rollouts)
+  groups_regenerated: int = 0  # groups generated again because their actor died
 
 
 @runtime_checkable

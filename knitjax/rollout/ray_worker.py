@@ -12,12 +12,21 @@ per version (one ``ray.put``; every actor reads the same object) and queues the 
 actor without waiting: an actor runs its calls in submission order, so generation started after
 ``adopt`` uses the new version, while generation already running finishes on the old one.
 
+Failures: an actor that dies (its process killed, ``RayActorError``) while generating is replaced
+by a new actor attached to the same storage unit and given the current weights; whatever the dead
+actor had already stored of its share is discarded and the whole share is generated again under
+the same group ids, so every group id reaches the driver exactly once. After ``max_restarts``
+deaths in all, ``step`` raises one sentence. Storage units get the same ``max_restarts`` (they
+are restarted by Ray and replay their spill folder, see `knitjax.transfer.ray_storage`).
+``stats()`` counts ``actor_restarts`` and ``groups_regenerated``.
+
 Ray is optional (``pip install -e '.[ray]'``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -82,6 +91,9 @@ class _RolloutActor:
   def node_id(self) -> str:
     return ray.get_runtime_context().get_node_id()
 
+  def pid(self) -> int:
+    return os.getpid()
+
 
 def publish(params: nnx.State) -> ray.ObjectRef:
   """Host copy of the trainer's params in Ray's object store, read by every actor."""
@@ -102,6 +114,8 @@ class RayRollout:
     groups_per_call: groups one actor generates per call (None: no bound).
     node_ids: Ray node per actor (None: Ray chooses); each unit goes on its actor's node.
     num_cpus: CPUs Ray reserves per actor.
+    max_restarts: actor deaths survived in all (rollout actors replaced, storage units restarted
+      by Ray); one more ends the run with one sentence.
   """
 
   def __init__(
@@ -113,27 +127,57 @@ class RayRollout:
     groups_per_call: int | None = None,
     node_ids: Sequence[str] | None = None,
     num_cpus: float = 1,
+    max_restarts: int = 0,
   ):
     if not ray.is_initialized():
       raise RuntimeError("RayRollout needs a running Ray: call ray.init() first.")
     if workers < 1:
       raise ValueError(f"a Ray rollout needs at least one worker, got {workers}.")
-    self._actors, self._units = [], {}
+    self._factory, self._node_ids, self._num_cpus = factory, node_ids, num_cpus
+    self._max_restarts = max_restarts
+    self._actors, self._units, self._pids = [], {}, {}
     for i in range(workers):
-      options: dict = {"num_cpus": num_cpus}
-      if node_ids is not None:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_ids[i], soft=False)
-      actor = ray.remote(_RolloutActor).options(**options).remote(factory)
+      actor = self._spawn(i)
       node = ray.get(actor.node_id.remote())
-      unit = RayStorageUnit(limits, i, node_id=node)  # payloads are written where they are made
+      # payloads are written where they are made
+      unit = RayStorageUnit(limits, i, node_id=node, max_restarts=max_restarts)
       ray.get(actor.attach.remote(unit))
       self._actors.append(actor)
       self._units[i] = unit
     self._per_call = groups_per_call
     self._version: int | None = None
+    self._published = None  # the current version's weights in the object store
     self._pending: list[tuple[Prompt, int]] = []
-    self._running: dict[ray.ObjectRef, tuple[int, int]] = {}  # call -> (actor, groups)
+    # call -> (actor, the share it generates)
+    self._running: dict[ray.ObjectRef, tuple[int, list[tuple[Prompt, int]]]] = {}
     self._stats = RolloutStats(shards=workers)
+
+  def _spawn(self, i: int):
+    options: dict = {"num_cpus": self._num_cpus}
+    if self._node_ids is not None:
+      options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._node_ids[i], soft=False)
+    actor = ray.remote(_RolloutActor).options(**options).remote(self._factory)
+    self._pids[i] = ray.get(actor.pid.remote())  # asked now: later calls queue behind generate
+    return actor
+
+  def _replace(self, i: int, share: list[tuple[Prompt, int]], error: Exception) -> None:
+    """Replaces dead actor ``i``; its share goes back to the front of the queue."""
+    self._stats.actor_restarts += 1
+    if self._stats.actor_restarts > self._max_restarts:
+      earlier = self._stats.actor_restarts - 1
+      raise RuntimeError(
+        f"Ray rollout actor {i} died ({type(error).__name__}) after {earlier} earlier actor "
+        f"deaths; config.runtime.actor_restarts={self._max_restarts} are survived."
+      ) from error
+    ray.kill(self._actors[i], no_restart=True)
+    actor = self._spawn(i)
+    ray.get(actor.attach.remote(self._units[i]))  # the unit outlives its actor (or is restarted)
+    self._units[i].discard([gid for _, gid in share])  # stored before the death: remade below
+    if self._published is not None:
+      actor.adopt.remote(*self._published)
+    self._actors[i] = actor
+    self._pending[:0] = share
+    self._stats.groups_regenerated += len(share)
 
   @property
   def storage(self) -> Mapping[int, StorageUnit]:
@@ -145,7 +189,7 @@ class RayRollout:
 
   @property
   def inflight(self) -> int:
-    return len(self._pending) + sum(n for _, n in self._running.values())
+    return len(self._pending) + sum(len(share) for _, share in self._running.values())
 
   def adopt(self, params, version: int) -> None:
     if version == self._version:
@@ -153,7 +197,7 @@ class RayRollout:
     ref = publish(params)
     for a in self._actors:
       a.adopt.remote(version, ref)
-    self._version = version
+    self._version, self._published = version, (version, ref)
 
   def _idle(self) -> list[int]:
     busy = {a for a, _ in self._running.values()}
@@ -178,7 +222,7 @@ class RayRollout:
         share = self._pending[bounds[i] : bounds[i + 1]]
         if share:
           key = np.asarray(jax.random.key_data(jax.random.fold_in(rng, i)))
-          self._running[self._actors[actor].generate.remote(share, key)] = (actor, len(share))
+          self._running[self._actors[actor].generate.remote(share, key)] = (actor, share)
       self._pending = []
     if not self._running:
       return []
@@ -187,16 +231,26 @@ class RayRollout:
       ready, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=0)
     metas = []
     for ref in sorted(ready, key=lambda r: self._running[r][0]):
-      del self._running[ref]
-      metas += ray.get(ref)
+      actor, share = self._running.pop(ref)
+      try:
+        metas += ray.get(ref)
+      except ray.exceptions.RayActorError as e:
+        self._replace(actor, share, e)
     self._stats.tokens += sum(sum(m.response_tokens) for m in metas)
     return metas
 
   def stats(self) -> RolloutStats:
     return dataclasses.replace(self._stats)
 
+  def pids(self) -> dict[str, list[int]]:
+    """Process ids of the rollout actors and the storage units (fault tests kill them)."""
+    return {
+      "rollout": [self._pids[i] for i in range(len(self._actors))],
+      "storage": [u.pid() for u in self._units.values()],
+    }
+
   def close(self) -> None:
     for a in self._actors:
-      ray.kill(a)
+      ray.kill(a, no_restart=True)
     for u in self._units.values():
       u.close()

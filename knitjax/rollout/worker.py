@@ -239,12 +239,15 @@ class BatchedRollout:
       self._params, prompts, version=self._version, rng=rng, group_ids=ids
     )
     self._queued = []
+    metas = []
     for g in groups:
       self._unit.put(g.meta.group_id, g.payload, images=g.images)
       self._stats.tokens += sum(g.meta.response_tokens)
+      # the unit written is the one a consumer fetches from (one per Ray actor)
+      metas.append(dataclasses.replace(g.meta, storage_unit=self._unit.unit_id))
     self._stats.decode_iterations += self._worker.max_new_tokens
     self._stats.live_samples = 0
-    return [g.meta for g in groups]
+    return metas
 
   def stats(self) -> RolloutStats:
     return dataclasses.replace(self._stats)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import os
 
 import jax
 from flax import nnx
@@ -57,6 +58,8 @@ def build_prompts(config: Config) -> ClassStreams:
     kwargs = {"cls": cls}
     if config.task.path:
       kwargs["path"] = config.task.path
+      if config.task.prompt_len:  # file-backed prompts longer than the budget are refused
+        kwargs["max_prompt_tokens"] = config.task.prompt_len
     if config.vision is not None:  # one placeholder token per image patch
       kwargs["image_tokens"] = config.vision.num_patches
     source, tokenizer = make_prompt_source(config.task.name, seed=config.seed + 1000 * i, **kwargs)
@@ -270,6 +273,7 @@ def build_rollout(config: Config, graphdef, mesh, prompts: ClassStreams) -> Roll
     build_storage_limits(config, prompts),
     n,
     groups_per_call=_groups_per_call(config),
+    max_restarts=config.runtime.actor_restarts,
   )
 
 
@@ -294,7 +298,7 @@ def build_storage(config: Config, prompts: ClassStreams, *, unit_id: int = 0) ->
     _ensure_ray(config)
     from knitjax.transfer.ray_storage import RayStorageUnit
 
-    return RayStorageUnit(limits, unit_id=unit_id)
+    return RayStorageUnit(limits, unit_id=unit_id, max_restarts=config.runtime.actor_restarts)
   return InProcessStorageUnit(limits, unit_id=unit_id)
 
 
@@ -310,7 +314,12 @@ def build_storage_limits(config: Config, prompts: ClassStreams) -> StorageLimits
 
 
 def _ensure_ray(config: Config) -> None:
-  """Joins ``runtime.ray_address``, or starts a local Ray listening on loopback only."""
+  """Joins ``runtime.ray_address``, or starts a local Ray that only accepts authenticated calls.
+
+  Ray's gRPC servers listen on every interface whatever node address ``ray.init`` is given (Ray
+  2.60 maps a loopback address to the node's own); what keeps a local cluster closed is Ray's
+  token authentication, so a local Ray is refused when ``RAY_AUTH_MODE=disabled``.
+  """
   try:
     import ray
   except ImportError:
@@ -321,8 +330,13 @@ def _ensure_ray(config: Config) -> None:
     return
   if config.runtime.ray_address:
     ray.init(address=config.runtime.ray_address, include_dashboard=False)
-  else:  # an unauthenticated local cluster must not listen on every interface
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+    return
+  if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+    raise ValueError(
+      "RAY_AUTH_MODE=disabled would start a local Ray that accepts unauthenticated calls on every "
+      "interface; unset it, or start Ray yourself and pass config.runtime.ray_address."
+    )
+  ray.init(include_dashboard=False)
 
 
 def rng_for(seed: int, step: int) -> jax.Array:

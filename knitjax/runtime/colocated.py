@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 from absl import logging
 
+from knitjax import faultpoints
 from knitjax.config import Config
 from knitjax.rollout import contract
 from knitjax.runtime import builder
@@ -128,9 +129,11 @@ def _generate_step(config: Config, rollout, admission, prompts, learner, step: i
     )
     chunk += 1
     group_id += len(metas)
+    faultpoints.point("rollout")
     for meta in metas:
       gen_tokens += sum(meta.response_tokens)
       released += admission.offer(meta)
+      faultpoints.point("admission")
   return released, gen_tokens, group_id
 
 

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from knitjax import records
+from knitjax import faultpoints, records
 from knitjax.tasks.prompts import Prompt
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import TrainState, host_metrics
@@ -53,6 +53,17 @@ class RunState:
   restarts: int = 0
 
 
+# Run-state fields a checkpoint must hold to resume: both modes need these, a disaggregated run
+# every field but `mode` (which checkpoints written before it was recorded lack).
+_COMMON_FIELDS = ("version", "next_group_id", "prompts", "admission", "staleness")
+
+
+def _needed_fields(mode: str) -> tuple[str, ...]:
+  if mode == "colocated":
+    return _COMMON_FIELDS
+  return tuple(f.name for f in dataclasses.fields(RunState) if f.name != "mode")
+
+
 class Learner:
   """Applies prepared mini-batches to the train state, one optimizer update each.
 
@@ -82,21 +93,36 @@ class Learner:
     self.tracker = StalenessTracker()
 
   def restore(self) -> RunState | None:
-    """Restores the newest checkpoint, if any; returns its run state (None: a fresh run).
+    """Restores the newest intact checkpoint, if any; returns its run state (None: a fresh run).
 
     Raises:
-      ValueError: the checkpoint was written by the other runtime mode.
+      ValueError: the checkpoint was written by the other runtime mode, or its run state
+        lacks a field this mode resumes from or is not a run state.
     """
     if self._ckpt.latest_step() is None:
       return None
     state, meta = self._ckpt.restore(self.state)
-    run = records.from_json(RunState, meta)
-    if run.mode and run.mode != self._mode:
+    folder = self._ckpt.path(self._ckpt.restored_step)
+    mode = meta.get("mode")
+    if mode and mode != self._mode:
       raise ValueError(
-        f"the workdir's checkpoints come from a {run.mode} run, but config.runtime.mode="
-        f"{self._mode!r}; resume with runtime.mode={run.mode!r} or start in a new workdir "
+        f"the workdir's checkpoints come from a {mode} run, but config.runtime.mode="
+        f"{self._mode!r}; resume with runtime.mode={mode!r} or start in a new workdir "
         "(switching would drop its queued groups)."
       )
+    if missing := [k for k in _needed_fields(self._mode) if k not in meta]:
+      raise ValueError(
+        f"checkpoint {folder} has no {', '.join(map(repr, missing))} in its run state (meta), "
+        f"which a {self._mode} run resumes from; it was written by an older knitjax or by "
+        "another runtime mode, so resume it with the mode that wrote it or start in a new "
+        "workdir."
+      )
+    try:
+      run = records.from_json(RunState, meta)
+    except (ValueError, TypeError, KeyError) as e:
+      raise ValueError(
+        f"checkpoint {folder} has a run state (meta) that cannot be read: {e}"
+      ) from e
     self.state, self.version = state, run.version
     self.tracker.load_state_dict(run.staleness)
     return run
@@ -107,6 +133,7 @@ class Learner:
     metrics = host_metrics(metrics)  # waits for the update
     self.tracker.record(prepared.minibatch, consume_version=self.version)
     self.version += 1
+    faultpoints.point("update")
     return metrics
 
   def maybe_save(self, done: int, total: int, run_state: Callable[[], RunState]) -> bool:
@@ -117,6 +144,7 @@ class Learner:
       run_state(), mode=self._mode, version=self.version, staleness=self.tracker.state_dict()
     )
     self._ckpt.save(done, self.state, records.to_json(run))
+    faultpoints.point("checkpoint")
     return True
 
   def close(self) -> None:

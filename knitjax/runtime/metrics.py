@@ -63,10 +63,9 @@ class MetricsWriter:
   def _truncate_after(self, step: int) -> None:
     if not os.path.exists(self.path):
       return
-    with open(self.path) as f:
-      rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [json.dumps(row) + "\n" for row in _read_rows(self.path) if row.get("step", 0) <= step]
     with open(self.path, "w") as f:
-      f.writelines(rows)
+      f.writelines(kept)
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     """Records the metrics of train step ``step`` (1-based: steps completed)."""
@@ -109,9 +108,38 @@ def mean_rows(rows: list[Mapping[str, float]]) -> dict[str, float]:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """Reads ``workdir/metrics.jsonl``."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """Reads ``workdir/metrics.jsonl``, dropping a torn last line (see :func:`_read_rows`)."""
+  return _read_rows(os.path.join(workdir, "metrics.jsonl"))
+
+
+def _read_rows(path: str) -> list[dict]:
+  """The rows of a ``metrics.jsonl`` less a torn last line (a crash mid-write), with a warning.
+
+  A resumed run appends after the rows it keeps, so a torn line can only be the last one.
+
+  Raises:
+    ValueError: a line before the last is not a JSON object.
+  """
+  with open(path) as f:
+    lines = f.read().split("\n")
+  numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+  rows = []
+  for n, (i, line) in enumerate(numbered):
+    try:
+      row = json.loads(line)
+      if not isinstance(row, dict):
+        raise ValueError(f"a JSON {type(row).__name__}, not an object")
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+      why = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+      if n == len(numbered) - 1:
+        logging.warning("dropping the torn last line %d of %s (%s).", i, path, why)
+        break
+      raise ValueError(
+        f"{path} line {i} is not a JSON object ({why}); only a torn last line (a crash "
+        "mid-write) is dropped, so repair or delete that line."
+      ) from None
+    rows.append(row)
+  return rows
 
 
 def plot_reward(workdir: str, *, window: int = 10) -> str:

@@ -275,7 +275,11 @@ def _queue_metrics(admission, queue, thread, rollout, consumed: int, lock) -> di
     queued = sum(len(mb.groups) for mb in queue.items())
   pending = s["pending"] + queued
   units = [u.stats() for u in rollout.storage.values()]
+  rstats = rollout.stats()
   return {
+    # cumulative: rollout actors replaced plus storage units restarted; groups generated again
+    "actor_restarts": float(rstats.actor_restarts + sum(u.get("restarts", 0) for u in units)),
+    "groups_regenerated": float(rstats.groups_regenerated),
     "groups_offered": float(s["offered"]),
     "groups_consumed": float(consumed),
     "groups_rejected": float(s["rejected"]),

@@ -21,6 +21,7 @@ import time
 
 import jax
 
+from knitjax import faultpoints
 from knitjax.rollout.contract import Rollout
 from knitjax.rollout.scheduling import PlainScheduler
 from knitjax.runtime.released import ReleasedQueue
@@ -141,6 +142,8 @@ class RolloutThread:
         jax.random.fold_in(self._rng, call), want_room=self.accepted_started < limit
       )
       call += 1
+      if metas:
+        faultpoints.point("rollout")
       for meta in metas:
         self._offer(meta)
       dt = time.perf_counter() - t0
@@ -171,5 +174,6 @@ class RolloutThread:
         self.queue.put(mb)
       if self._on_offer is not None:
         self._on_offer(meta, prompt, rejected)
+      faultpoints.point("admission")
     self.groups_completed += 1
     self.accepted_started -= rejected

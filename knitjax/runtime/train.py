@@ -10,7 +10,14 @@ from knitjax.config import Config
 def train(
   config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None
 ) -> dict:
-  """Runs (or resumes) training as ``config.runtime.mode`` says; returns the last step's metrics."""
+  """Runs (or resumes) training as ``config.runtime.mode`` says; returns the last step's metrics.
+
+  Raises:
+    ValueError: the work directory cannot hold this run (see :mod:`knitjax.runtime.preflight`).
+  """
+  from knitjax.runtime.preflight import check_workdir
+
+  check_workdir(config, workdir)
   if config.runtime.mode == "colocated":
     from knitjax.runtime import colocated
 

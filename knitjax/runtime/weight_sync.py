@@ -13,6 +13,8 @@ import time
 
 import jax
 
+from knitjax import faultpoints
+
 
 class WeightSync:
   """The hand-off point between the trainer (publishes) and the rollout (takes)."""
@@ -30,6 +32,7 @@ class WeightSync:
     t0 = time.perf_counter()
     moved = jax.device_put(params, self._shardings)
     jax.block_until_ready(moved)
+    faultpoints.point("weight_sync")
     seconds = time.perf_counter() - t0
     with self._lock:
       self._latest = (version, moved)

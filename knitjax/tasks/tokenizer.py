@@ -2,6 +2,10 @@
 
 Ids: ``pad=0``, ``bos=1``, ``eos=2``, then one id per character of the alphabet in order. A tiny
 vocabulary lets a randomly initialised policy learn a task by RL alone on a CPU (NOTES.md).
+
+The model's vocabulary may be larger than the tokenizer's (``config.model.vocab_size`` or an
+``init_from`` checkpoint's), so the policy can sample ids the tokenizer has no character for;
+`CharTokenizer.decode` turns each into `UNKNOWN_CHAR` rather than failing a reward.
 """
 
 from collections.abc import Iterable
@@ -12,6 +16,9 @@ PAD_ID = 0
 BOS_ID = 1
 EOS_ID = 2
 _NUM_SPECIAL = 3
+# U+FFFD, the Unicode replacement character: not in any alphabet, not a digit. Dropping unknown ids
+# instead would join their neighbours ("1", <unknown>, "2" -> "12"), which a reward could match.
+UNKNOWN_CHAR = "\ufffd"
 
 
 class CharTokenizer:
@@ -42,11 +49,20 @@ class CharTokenizer:
       ids.append(tok)
     return ids
 
+  def num_tokens(self, text: str, *, bos: bool = True) -> int:
+    """Returns ``len(encode(text, bos=bos))`` without encoding: one token per character."""
+    return len(text) + int(bos)
+
   def decode(self, ids: Iterable[int] | np.ndarray, *, stop_at_eos: bool = True) -> str:
     """Returns the text of ``ids``; BOS and PAD are dropped, EOS ends the text when ``stop_at_eos``.
 
-    With ``stop_at_eos=False`` an EOS is kept visible as ``"<eos>"`` so callers can tell that it
-    was produced.
+    Any id a model can sample decodes: an id at or above ``vocab_size`` (a model vocabulary larger
+    than the tokenizer's) becomes one `UNKNOWN_CHAR` (U+FFFD), which no reward reads as part of a
+    number or an answer. With ``stop_at_eos=False`` an EOS is kept visible as ``"<eos>"`` so
+    callers can tell that it was produced.
+
+    Raises:
+      ValueError: for a negative id, which no model samples.
     """
     out = []
     for tok in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
@@ -58,8 +74,10 @@ class CharTokenizer:
         continue
       elif _NUM_SPECIAL <= tok < self.vocab_size:
         out.append(self.alphabet[tok - _NUM_SPECIAL])
+      elif tok >= self.vocab_size:
+        out.append(UNKNOWN_CHAR)
       else:
-        raise ValueError(f"token id {tok} is outside the vocabulary [0, {self.vocab_size}).")
+        raise ValueError(f"token id {tok} is negative; token ids are >= 0.")
     return "".join(out)
 
   def __repr__(self) -> str:

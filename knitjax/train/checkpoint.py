@@ -4,10 +4,18 @@ The host metadata holds the one counter that is the truth for progress, the
 policy ``version`` (optimizer updates applied); the train step is derived from
 it. It also holds the RNG seed data, the prompt iterator state, and whatever
 the runtime adds (admission index, staleness counters).
+
+Restoring tries the newest checkpoint first and falls back to older ones that
+``keep`` retained when a checkpoint is damaged (a torn file, a missing item,
+unparseable metadata); the damaged folders are moved to
+``workdir/checkpoints_damaged`` so that later saves and ``keep`` see only intact
+ones. A checkpoint written by a different model is refused up front, naming the
+first array that differs, before orbax tries to restore onto this run's shapes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -16,46 +24,132 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+# Orbax's per-step metadata file; it writes it before the step folder is committed.
+_STEP_METADATA = "_CHECKPOINT_METADATA"
+
 
 class Checkpointer:
-  """Saves and restores ``(state, meta)`` in ``workdir/checkpoints/<train step>``."""
+  """Saves and restores ``(state, meta)`` in ``workdir/checkpoints/<train step>``.
+
+  Attributes:
+    directory: the absolute path of ``workdir/checkpoints``.
+    restored_step: the step the last :meth:`restore` loaded (None before one).
+  """
 
   def __init__(self, workdir: str, *, keep: int = 2):
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    self.damaged_directory = os.path.abspath(os.path.join(workdir, "checkpoints_damaged"))
+    self.restored_step: int | None = None
     self._manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-      item_names=("state", "meta"),
+      # Registered up front so a fresh process can read a step's tree metadata before restoring.
+      item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
     )
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def path(self, step: int) -> str:
+    """The folder of the checkpoint of train step ``step``."""
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
     """Saves asynchronously; a crash mid-save leaves the previous checkpoint intact."""
-    self._manager.save(
+    saved = self._manager.save(
       step,
       args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
     )
+    if not saved:  # orbax skips a step at or before its newest one without a word
+      logging.warning(
+        "checkpoint of step %d was not saved: %s already holds step %s.",
+        step,
+        self.directory,
+        self.latest_step(),
+      )
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
     """Restores onto the shardings of ``abstract_state`` (a pytree of arrays or shape structs).
 
+    Without ``step``, tries the newest checkpoint and then older ones: each damaged one is
+    reported with a warning and, once an older one restored, moved to ``damaged_directory``.
+
     Raises:
-      FileNotFoundError: no checkpoint exists in the directory.
+      FileNotFoundError: no checkpoint exists in the directory (or not ``step``).
+      ValueError: no checkpoint tried is intact, or one was written by a different model.
     """
-    step = self.latest_step() if step is None else step
     if step is None:
-      raise FileNotFoundError(f"no checkpoint found in {self.directory}.")
+      steps = sorted(self._manager.all_steps(), reverse=True)
+      if not steps:
+        raise FileNotFoundError(f"no checkpoint found in {self.directory}.")
+    elif step not in self._manager.all_steps():
+      raise FileNotFoundError(f"no checkpoint of step {step} found in {self.directory}.")
+    else:
+      steps = [step]
     target = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), abstract_state
     )
-    restored = self._manager.restore(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+    damaged: list[tuple[int, str]] = []
+    for i, s in enumerate(steps):
+      restored, reason = self._try_restore(s, target)
+      if restored is None:
+        damaged.append((s, reason))
+        then = "trying an older one" if i + 1 < len(steps) else "no older one is left"
+        logging.warning("checkpoint %s is damaged (%s); %s.", self.path(s), reason, then)
+        continue
+      for bad, _ in damaged:
+        self._set_aside(bad)
+      if damaged:
+        self._manager.reload()
+      logging.info("restored checkpoint %s", self.path(s))
+      self.restored_step = s
+      return restored
+    listing = "; ".join(f"{self.path(s)} ({reason})" for s, reason in damaged)
+    raise ValueError(
+      f"no intact checkpoint to resume from in {self.directory}: {listing}; restore those "
+      "folders from a copy, or move them away to start afresh."
     )
-    logging.info("restored checkpoint %s/%d", self.directory, step)
-    return restored["state"], dict(restored["meta"])
+
+  def _try_restore(self, step: int, target: Any) -> tuple[tuple[Any, dict] | None, str]:
+    """``((state, meta), "")``, or ``(None, why)`` when the checkpoint is damaged.
+
+    Raises:
+      ValueError: the checkpoint was written by a different model.
+    """
+    folder = self.path(step)
+    # Orbax raises whatever its layers raise on a damaged folder (KeyError for a missing item,
+    # JSONDecodeError, OSError, tensorstore's ValueError...): everything here counts as damage.
+    try:
+      _check_step_metadata(folder)
+      stored = self._manager.item_metadata(step)["state"].tree
+    except Exception as e:  # noqa: BLE001 (see above)
+      return None, _reason(e)
+    _check_same_model(folder, stored, target)  # a ValueError that is not damage
+    try:
+      restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+        ),
+      )
+    except Exception as e:  # noqa: BLE001 (see above)
+      return None, _reason(e)
+    if not isinstance(restored["meta"], Mapping):
+      return None, f"meta is a {type(restored['meta']).__name__}, not a JSON object"
+    return (restored["state"], dict(restored["meta"])), ""
+
+  def _set_aside(self, step: int) -> None:
+    """Moves a damaged step folder out of orbax's sight, keeping it for inspection."""
+    folder = self.path(step)
+    if jax.process_index() == 0:
+      os.makedirs(self.damaged_directory, exist_ok=True)
+      dest, n = os.path.join(self.damaged_directory, str(step)), 0
+      while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(self.damaged_directory, f"{step}.{n}")
+      os.rename(folder, dest)
+      logging.warning("moved damaged checkpoint %s to %s.", folder, dest)
+    ocp.multihost.sync_global_processes(f"knitjax_set_aside_{step}")
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
@@ -63,3 +157,70 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _reason(e: Exception, limit: int = 200) -> str:
+  """A short one-line reason for a warning: the exception type and its first line."""
+  text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  reason = f"{type(e).__name__}: {text}" if text else type(e).__name__
+  return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+def _check_step_metadata(folder: str) -> None:
+  """Orbax restores despite a torn step metadata file; a torn file means the folder is suspect."""
+  path = os.path.join(folder, _STEP_METADATA)
+  if os.path.exists(path):
+    with open(path) as f:
+      json.load(f)
+
+
+def _path_name(path) -> str:
+  """``params/blocks/0/attn/q_kernel/value`` for a key path (dict keys, attributes, indices)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...] | None]:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {
+    _path_name(p): tuple(leaf.shape) if getattr(leaf, "shape", None) is not None else None
+    for p, leaf in leaves
+  }
+
+
+def _more(names: list[str]) -> str:
+  return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+
+
+def _check_same_model(folder: str, stored_tree, target) -> None:
+  """Raises a one-sentence ValueError naming what differs between checkpoint and target."""
+  stored, wanted = _shapes(stored_tree), _shapes(target)
+  differences = []
+  shapes = [k for k in wanted if k in stored and stored[k] != wanted[k]]
+  if shapes:
+    k = shapes[0]
+    extra = f" ({len(shapes) - 1} more arrays differ)" if len(shapes) > 1 else ""
+    differences.append(f"{k} has shape {stored[k]}, this run's model has {wanted[k]}{extra}")
+  if missing := [k for k in wanted if k not in stored]:
+    differences.append(f"it lacks {_more(missing)}, which this run's model has")
+  # Orbax lists the stored tree with sorted keys; name extras in this run's top-level order.
+  order: dict[str, int] = {}
+  for k in wanted:
+    order.setdefault(k.split("/")[0], len(order))
+  unknown = sorted(
+    (k for k in stored if k not in wanted), key=lambda k: order.get(k.split("/")[0], len(order))
+  )
+  if unknown:
+    differences.append(f"it has {_more(unknown)}, which this run's model lacks")
+  if differences:
+    raise ValueError(
+      f"checkpoint {folder} was written by a different model: {'; '.join(differences)}; "
+      "resume with the model config that wrote it or start in a new workdir."
+    )

@@ -149,6 +149,8 @@ def synthetic_payload(
     "response_tokens": rng.integers(3, vocab_size, (group_size, response_len)).astype(np.int32),
     "response_mask": mask,
     "response_lengths": lens,
-    "logprobs": np.where(mask, rng.normal(-3, 0.5, mask.shape), 0).astype(np.float32),
+    "logprobs": np.where(mask, np.minimum(rng.normal(-3, 0.5, mask.shape), 0), 0).astype(
+      np.float32
+    ),
     "rewards": rng.integers(0, 2, group_size).astype(np.float32),
   }

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import jax
 
+from knitjax import faultpoints
 from knitjax.train import mm_step
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import batch_shardings
@@ -62,6 +63,7 @@ class MiniBatchPreparer:
       num_consumers=self._consumers,
       locality_slack=self._slack,
     )
+    faultpoints.point("fetch")
     if "images" in local:  # unique images padded to a static count per mini-batch
       n = sum(len(g.image_hashes) for g in minibatch.groups)
       return mm_step.device_batch(local, self._k, self._mesh, num_images=n), info

@@ -7,6 +7,13 @@ no controller relays payloads. The actor is threaded (``max_concurrency``), so a
 by the byte budget (``on_full="block"``) waits inside the actor while ``release`` calls from the
 trainer still run, exactly as in process.
 
+A unit survives the death of its actor process when built with ``max_restarts > 0``: each stored
+group is also written to a node-local spill folder (``<tmp>/knitjax-storage/<token>``, removed on
+release and on ``close``), Ray restarts the actor, the new actor replays the folder into memory,
+and the calls that were in flight are retried (``max_task_retries``), so a ``put``, ``get`` or
+``release`` that met the dead actor completes on the restarted one. ``stats()["restarts"]``
+counts restarts. Losing the whole node loses its units' payloads (not survived).
+
 Payloads travel as ``GroupPayload`` dataclasses (pickled by Ray, arrays out of band). Errors raised
 in the actor (``PayloadError``, ``StorageFull``, ``KeyError``, ``ValueError``) reach the caller as
 the same exception types, so the runtime handles both implementations alike.
@@ -17,6 +24,11 @@ sentence saying so.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -34,13 +46,49 @@ except ImportError as e:  # pragma: no cover - exercised only without ray instal
 
 
 class _StorageActor:
-  """The actor body: an in-process unit plus the node it runs on."""
+  """The actor body: an in-process unit, the node it runs on, and the optional spill folder."""
 
-  def __init__(self, limits: StorageLimits, unit_id: int):
+  def __init__(self, limits: StorageLimits, unit_id: int, spill_token: str | None = None):
     self._unit = InProcessStorageUnit(limits, unit_id=unit_id)
+    self._dir, self._restarts, self._replayed = None, 0, set()
+    if spill_token is not None:
+      self._dir = os.path.join(tempfile.gettempdir(), "knitjax-storage", spill_token)
+      marker = os.path.join(self._dir, "restarts")
+      if os.path.exists(marker):  # a restart of this unit: replay what the old actor held
+        with open(marker) as f:
+          self._restarts = int(f.read() or 0) + 1
+      os.makedirs(self._dir, exist_ok=True)
+      _write_atomic(marker, str(self._restarts).encode())
+      self._replay()
+
+  def _file(self, group_id: int) -> str:
+    return os.path.join(self._dir, f"{group_id}.npz")
+
+  def _replay(self) -> None:
+    for name in sorted(os.listdir(self._dir)):
+      if not name.endswith(".npz") or not name[:-4].isdigit():
+        continue  # the marker, or a spill file torn by the crash (written under a temp name)
+      with np.load(os.path.join(self._dir, name)) as z:
+        arrays = {k: z[k] for k in z.files}
+      count = sum(k.startswith("image_") for k in arrays)
+      images = [arrays.pop(f"image_{k}") for k in range(count)]
+      gid = int(name[:-4])
+      self._unit.put(gid, GroupPayload.from_arrays(arrays), images)
+      self._replayed.add(gid)
 
   def put(self, group_id, payload, images):
-    return self._unit.put(group_id, payload, images)
+    if group_id in self._replayed:  # a put retried after a restart: the replayed copy gives way
+      self._unit.release([group_id])
+      self._replayed.discard(group_id)
+    n = self._unit.put(group_id, payload, images)
+    if self._dir is not None:
+      (stored,) = self._unit.get([group_id])
+      arrays = {**stored.to_arrays(), **{f"image_{k}": im for k, im in enumerate(images)}}
+      path = self._file(group_id)
+      with open(path + ".tmp", "wb") as f:
+        np.savez(f, **arrays)
+      os.replace(path + ".tmp", path)
+    return n
 
   def get(self, group_ids):
     return self._unit.get(group_ids)
@@ -50,12 +98,48 @@ class _StorageActor:
 
   def release(self, group_ids):
     self._unit.release(group_ids)
+    self._unspill(group_ids)
+
+  def discard(self, group_ids):
+    """Releases whichever of ``group_ids`` are held (payloads of groups that will be remade)."""
+    held = [g for g in dict.fromkeys(group_ids) if self._holds(g)]
+    if held:
+      self._unit.release(held)
+    self._unspill(held)
+    return held
+
+  def _holds(self, group_id: int) -> bool:
+    try:
+      self._unit.get([group_id])
+    except KeyError:
+      return False
+    return True
+
+  def _unspill(self, group_ids) -> None:
+    self._replayed.difference_update(group_ids)
+    if self._dir is not None:
+      for g in group_ids:
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(self._file(g))
 
   def stats(self):
-    return self._unit.stats()
+    return {**self._unit.stats(), "restarts": self._restarts}
+
+  def destroy(self) -> None:
+    if self._dir is not None:
+      shutil.rmtree(self._dir, ignore_errors=True)
+
+  def pid(self) -> int:
+    return os.getpid()
 
   def node_id(self) -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+  with open(path + ".tmp", "wb") as f:
+    f.write(data)
+  os.replace(path + ".tmp", path)
 
 
 def _result(ref):
@@ -77,6 +161,8 @@ class RayStorageUnit(StorageUnit):
     unit_id: the unit's id (``GroupMeta.storage_unit``).
     node_id: Ray node to place the actor on (the rollout host); None lets Ray choose.
     max_concurrency: actor threads, so blocked puts do not block releases and gets.
+    max_restarts: times Ray restarts a dead actor (0: a death loses the unit); > 0 also spills
+      each stored group to node-local disk so the restarted actor holds the same groups.
   """
 
   def __init__(
@@ -86,6 +172,7 @@ class RayStorageUnit(StorageUnit):
     *,
     node_id: str | None = None,
     max_concurrency: int = 8,
+    max_restarts: int = 0,
   ):
     if not ray.is_initialized():
       raise RuntimeError(
@@ -96,7 +183,11 @@ class RayStorageUnit(StorageUnit):
     options: dict = {"num_cpus": 0, "max_concurrency": max_concurrency}
     if node_id is not None:
       options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    self._actor = ray.remote(_StorageActor).options(**options).remote(limits, unit_id)
+    token = None
+    if max_restarts > 0:
+      options.update(max_restarts=max_restarts, max_task_retries=max_restarts)
+      token = f"{uuid.uuid4().hex}-unit-{unit_id}"
+    self._actor = ray.remote(_StorageActor).options(**options).remote(limits, unit_id, token)
 
   @property
   def node_id(self) -> str:
@@ -122,9 +213,19 @@ class RayStorageUnit(StorageUnit):
   def release(self, group_ids: Sequence[int]) -> None:
     _result(self._actor.release.remote(list(group_ids)))
 
+  def discard(self, group_ids: Sequence[int]) -> list[int]:
+    """Releases whichever of ``group_ids`` the unit holds; returns those it released."""
+    return _result(self._actor.discard.remote(list(group_ids)))
+
+  def pid(self) -> int:
+    """The actor's process id (fault tests kill it)."""
+    return _result(self._actor.pid.remote())
+
   def stats(self) -> dict:
     return _result(self._actor.stats.remote())
 
   def close(self) -> None:
-    """Ends the actor (its payloads are dropped)."""
-    ray.kill(self._actor)
+    """Ends the actor (its payloads and spill folder are dropped)."""
+    with contextlib.suppress(ray.exceptions.RayActorError):  # dead: nothing to clean
+      _result(self._actor.destroy.remote())
+    ray.kill(self._actor, no_restart=True)

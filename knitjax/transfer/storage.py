@@ -164,12 +164,18 @@ class StorageUnit(abc.ABC):
 
   @abc.abstractmethod
   def release(self, group_ids: Sequence[int]) -> None:
-    """Drops the groups (all or none; KeyError if one is not held) and wakes blocked writers."""
+    """Drops the groups held and wakes blocked writers.
+
+    Ids not held (never put, already released, lost with a crashed rollout actor) are skipped
+    and counted in ``stats()["release_misses"]``: releasing is idempotent, so a caller that
+    cannot know whether a group reached the unit may release it anyway.
+    """
 
   @abc.abstractmethod
   def stats(self) -> dict:
     """Gauges and counters: groups, bytes, images, image_refs, rejected (per reason), puts, gets,
-    releases, full (StorageFull raised), waiting, blocked_puts, blocked_s, ..."""
+    releases, release_misses (ids released but not held), full (StorageFull raised), waiting,
+    blocked_puts, blocked_s, ..."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,24 +311,23 @@ class InProcessStorageUnit(StorageUnit):
 
   def release(self, group_ids: Sequence[int]) -> None:
     with self._cond:
-      missing = [g for g in group_ids if g not in self._groups]
-      if missing:
-        raise KeyError(
-          f"groups {missing} are not held by storage unit {self.unit_id} (never put, or already "
-          "released); nothing was released."
-        )
-      if len(set(group_ids)) != len(group_ids):
-        raise KeyError(f"group ids {list(group_ids)} repeat; nothing was released.")
+      dropped = misses = 0
       for g in group_ids:
-        group = self._groups.pop(g)
+        group = self._groups.pop(g, None)
+        if group is None:
+          misses += 1
+          continue
+        dropped += 1
         self._bytes -= group.nbytes
         for h in group.image_hashes:
           self._refs[h] -= 1
           if self._refs[h] == 0:
             del self._refs[h]
             self._bytes -= self._images.pop(h).nbytes
-      self._counts["releases"] += len(group_ids)
-      self._cond.notify_all()
+      self._counts["releases"] += dropped
+      self._counts["release_misses"] += misses
+      if dropped:
+        self._cond.notify_all()
 
   def stats(self) -> dict:
     with self._cond:
@@ -339,6 +344,7 @@ class InProcessStorageUnit(StorageUnit):
         "puts": self._counts["puts"],
         "gets": self._counts["gets"],
         "releases": self._counts["releases"],
+        "release_misses": self._counts["release_misses"],
         "full": self._counts["full"],
         "waiting": len(self._queue),
         "blocked_puts": self._counts["blocked_puts"],

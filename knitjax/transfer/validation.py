@@ -11,9 +11,10 @@ samples, ``N`` the padded response width):
   stay in the sequence but carry no loss.
 - ``response_lengths``: int32 ``[G]``, ``0 <= length <= N``. At least one of mask and lengths is
   given; the other is derived (lengths: last masked position + 1; mask: a prefix of the length).
-- ``logprobs`` (required): float32 ``[G, N]``, behavior log-probs; finite where the mask is on.
+- ``logprobs`` (required): float32 ``[G, N]``, behavior log-probs; finite and ``<= 0`` where the
+  mask is on.
 - ``rewards`` (required): float32 ``[G]``, finite.
-- ``ref_logprobs``: float32 ``[G, N]``, finite where the mask is on.
+- ``ref_logprobs``: float32 ``[G, N]``, finite and ``<= 0`` where the mask is on.
 - ``image_index``: int32 ``[G]``, index into the group's ``K`` images, ``0 <= index < K``.
 
 Every token id (prompt, and response including its padding, since consumers embed whole padded
@@ -46,6 +47,7 @@ REJECT_REASONS = (
   "shape",
   "non_finite",
   "token_range",
+  "value_range",
   "too_long",
   "too_large",
   "duplicate",
@@ -142,6 +144,21 @@ def _check_finite_on_mask(gid, name: str, x: np.ndarray, mask: np.ndarray) -> No
       name,
       "non_finite",
       f"is {x[i, t]} at sample {i} position {t} inside response_mask; accepted: finite values.",
+    )
+
+
+def _check_logprobs_on_mask(gid, name: str, x: np.ndarray, mask: np.ndarray) -> None:
+  # No tolerance: log_softmax shifts by the max logit, so the largest entry is 0 - log(s) with
+  # s >= 1 exactly in floating point, and every log-prob a sampler computes that way is <= 0. A
+  # positive value is a probability, a logit or a sign error, which would skew the IS ratios.
+  bad = (x > 0) & mask
+  if bad.any():
+    i, t = np.argwhere(bad)[0]
+    raise PayloadError(
+      gid,
+      name,
+      "value_range",
+      f"is {x[i, t]} at sample {i} position {t} inside response_mask; accepted: log-probs <= 0.",
     )
 
 
@@ -285,6 +302,7 @@ def validate_payload(
     if name in payload:
       lp = _check_array(group_id, name, payload[name], np.float32, (g, n))
       _check_finite_on_mask(group_id, name, lp, mask)
+      _check_logprobs_on_mask(group_id, name, lp, mask)
       out[name] = np.where(mask, lp, np.float32(0.0))
   rewards = _check_array(group_id, "rewards", payload["rewards"], np.float32, (g,))
   if not np.isfinite(rewards).all():

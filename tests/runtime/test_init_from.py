@@ -42,9 +42,19 @@ def test_policy_starts_from_the_checkpoint_and_trains(checkpoint, tmp_path):
   assert out["step"] == config.runtime.steps
 
 
+def test_init_from_replaces_the_shape_a_shipped_config_sets(checkpoint):
+  """`--config.init_from=DIR` on a shipped config: its tiny model fields give way to config.json."""
+  path, _ = checkpoint
+  c = arith_tiny.get_config("quick")
+  c.init_from = path
+  c.model.d_model = 8  # differs from the checkpoint: replaced, with a warning
+  config = from_config_dict(c)
+  assert config.model == from_config_dict(arith_tiny.get_config("quick")).model
+
+
 def test_bad_init_from_is_one_clear_error(checkpoint, tmp_path):
   path, _ = checkpoint
-  with pytest.raises(ValueError, match=r"config.model.d_model cannot be set with config.init_from"):
-    from_config_dict(_config(path, d_model=32))
+  with pytest.raises(ValueError, match=r"config.model.widht is not a known field"):
+    from_config_dict(_config(path, widht=32))
   with pytest.raises(ValueError, match="is not a folder"):
     from_config_dict(_config(str(tmp_path / "missing")))

@@ -1,6 +1,10 @@
 """MetricsWriter: one row per step across resumes; only the primary process writes."""
 
+import json
+import logging
 import os
+
+import pytest
 
 from knitjax.runtime.metrics import MetricsWriter, read_metrics
 
@@ -23,3 +27,59 @@ def test_non_primary_process_writes_nothing(tmp_path):
   w.write(1, {"reward_mean": 1.0})
   w.close()
   assert not os.path.exists(tmp_path / "run")
+
+
+def _write_rows(path, rows, tail=""):
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+    f.write(tail)
+
+
+def _warnings(caplog):
+  return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_resume_drops_a_torn_last_line_with_a_warning(tmp_path, caplog):
+  path = tmp_path / "metrics.jsonl"
+  _write_rows(path, [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}], tail='{"step": 3, "lo')
+  with caplog.at_level(logging.WARNING):
+    w = MetricsWriter(str(tmp_path), total_steps=4, start_step=2, primary=True)
+  w.write(3, {"loss": 0.125})
+  w.close()
+  assert read_metrics(str(tmp_path)) == [
+    {"step": 1, "loss": 0.5},
+    {"step": 2, "loss": 0.25},
+    {"step": 3, "loss": 0.125},
+  ]
+  assert any(f"dropping the torn last line 3 of {path}" in m for m in _warnings(caplog))
+
+
+def test_resume_keeps_a_complete_last_row_that_lost_its_newline(tmp_path):
+  _write_rows(tmp_path / "metrics.jsonl", [{"step": 1}], tail='{"step": 2}')
+  w = MetricsWriter(str(tmp_path), total_steps=3, start_step=2, primary=True)
+  w.write(3, {"loss": 1.0})
+  w.close()
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
+
+
+def test_read_metrics_drops_a_torn_last_line(tmp_path, caplog):
+  _write_rows(tmp_path / "metrics.jsonl", [{"step": 1}, {"step": 2}], tail='{"step": 3, "re')
+  with caplog.at_level(logging.WARNING):
+    assert read_metrics(str(tmp_path)) == [{"step": 1}, {"step": 2}]
+  assert any("torn last line 3" in m for m in _warnings(caplog))
+
+
+def test_a_torn_line_before_the_last_is_one_sentence(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  with open(path, "w") as f:
+    f.write('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+  message = (
+    f"{path} line 2 is not a JSON object (Unterminated string starting at); only a torn last "
+    "line (a crash mid-write) is dropped, so repair or delete that line."
+  )
+  with pytest.raises(ValueError) as e:
+    read_metrics(str(tmp_path))
+  assert str(e.value) == message
+  with pytest.raises(ValueError) as e:
+    MetricsWriter(str(tmp_path), total_steps=4, start_step=3, primary=True)
+  assert str(e.value) == message

@@ -6,6 +6,7 @@ import itertools
 import json
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -545,8 +546,209 @@ def test_errors_name_the_problem():
   with pytest.raises(ValueError, match="class 'z'"):
     idx.offer(group(0, "z"))
   idx.offer(group(1, "a"))
-  with pytest.raises(ValueError, match="group 1 was offered again"):
+  with pytest.raises(
+    ValueError, match=r"group 1 was already offered to this index \(still pending\)"
+  ):
     idx.offer(group(1, "a"))
   other = AdmissionIndex(spec, "greedy")
   with pytest.raises(ValueError, match="policy='minibatch'"):
     other.load_state_dict(idx.state_dict())
+
+
+# ---- hostile input: re-offers and damaged checkpoints -------------------------------------------
+
+
+def snapshot(idx):
+  return json.dumps(idx.state_dict(), sort_keys=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_group_id_is_accepted_once_pending_released_or_rejected(policy):
+  spec = QuotaSpec({"a": 2, "b": 2}, 2, max_per_minibatch={"b": 1})
+  rejected = []
+  idx = AdmissionIndex(spec, policy, dynamic_sampling=True, on_reject=rejected.append)
+  released = []
+  for i, c in enumerate("aabb"):  # minibatch/greedy: releases (a0 a1); b3 waits behind b2
+    released += idx.offer(group(i, c))
+  released += idx.offer(group(9, "a", std=0.0))  # rejected by dynamic sampling
+  assert [g.group_id for g in rejected] == [9]
+  pending = {g.group_id for g in idx.pending()}
+  done = {g.group_id for mb in released for g in mb.groups}
+  assert pending | done == {0, 1, 2, 3}
+  for gid in sorted(pending | done | {9}):
+    where = "still pending" if gid in pending else "released or rejected"
+    before = snapshot(idx)
+    with pytest.raises(ValueError, match=rf"group {gid} was already offered .*\({where}\)"):
+      idx.offer(group(gid, "b" if gid in (2, 3) else "a"))
+    assert snapshot(idx) == before  # refused before anything was counted or placed
+  # The ids seen survive a checkpoint: a resumed index refuses them too.
+  again = AdmissionIndex(spec, policy, dynamic_sampling=True)
+  again.load_state_dict(json.loads(json.dumps(idx.state_dict())))
+  for gid in (0, 3, 9):
+    with pytest.raises(ValueError, match=f"group {gid} was already offered"):
+      again.offer(group(gid, "a"))
+  again.offer(group(np.int64(4), "a"))  # a new id is fine, a NumPy int too
+  assert json.loads(json.dumps(again.state_dict()))["seen"] == [[0, 5], [9, 10]]
+
+
+@PROPS
+@given(workloads(), st.sampled_from(POLICIES), st.data())
+def test_re_offers_change_nothing(workload, policy, data):
+  """Re-offering any earlier id, anywhere in the stream, is refused and leaves no trace."""
+  spec, _, groups = workload
+  ref = AdmissionIndex(spec, policy)
+  want = [ref.offer(g) for g in groups]
+  idx = AdmissionIndex(spec, policy)
+  got = []
+  for i, g in enumerate(groups):
+    got.append(idx.offer(g))
+    for j in data.draw(st.lists(st.integers(0, i), max_size=2)):
+      with pytest.raises(ValueError, match=f"group {groups[j].group_id} was already offered"):
+        idx.offer(groups[j])
+  assert got == want
+  assert idx.stats() == ref.stats()
+
+
+# Spec of the damaged-state cases: S = 3, at least one `a` and at most one `b` per mini-batch.
+STATE_SPEC = QuotaSpec({"a": 3, "b": 3, "c": 3}, 3, {"a": 1}, {"b": 1})
+
+
+def base_state(policy="minibatch"):
+  """A JSON state at mini-batch 1 holding b3 c5 open and b4 waiting (minibatch policy)."""
+  idx = AdmissionIndex(STATE_SPEC, policy)
+  for i, c in enumerate("abcbbc"):
+    idx.offer(group(i, c))
+  state = json.loads(json.dumps(idx.state_dict()))
+  if policy == "minibatch":
+    assert [g["group_id"] for g in state["open"]] == [3, 5]
+    assert [[s, g["group_id"]] for s, g in state["waiting"]] == [[4, 4]]
+    assert (state["index"], state["placed"], state["seen"]) == (
+      1,
+      {"a": 1, "b": 2, "c": 2},
+      [[0, 6]],
+    )
+  return state
+
+
+def g_(i, c):
+  return group(i, c).to_dict()
+
+
+def _with(**changes):
+  return lambda s: {**s, **changes}
+
+
+# name -> (change to the base state, message)
+BAD_STATES = {
+  "open_group_twice": (
+    lambda s: {**s, "open": [s["open"][0], s["open"][0]]},
+    "admission state: group 3 appears twice in the open groups.",
+  ),
+  "waiting_group_twice": (
+    lambda s: {**s, "waiting": [[2, s["waiting"][0][1]], s["waiting"][0]]},
+    "admission state: group 4 appears twice in the waiting groups.",
+  ),
+  "open_and_waiting": (
+    lambda s: {**s, "waiting": [[4, s["open"][0]]]},
+    "admission state: group 3 appears in both the open and the waiting groups.",
+  ),
+  "open_unknown_class": (
+    lambda s: {**s, "open": [s["open"][0], g_(5, "z")]},
+    "admission state: open group 5 has class 'z', which the quota spec does not name",
+  ),
+  "waiting_unknown_class": (
+    lambda s: {**s, "waiting": [[4, g_(4, "z")]]},
+    "admission state: waiting group 4 has class 'z'",
+  ),
+  "bad_group_record": (
+    lambda s: {**s, "waiting": [[4, {**g_(4, "b"), "reward_std": -1.0}]]},
+    r"admission state: an entry of the waiting groups is not a group record \(GroupMeta.reward_std",
+  ),
+  "over_quota": (
+    _with(index=2, placed={"a": 4, "b": 1, "c": 2}, open=[g_(3, "a")], waiting=[]),
+    "admission state: class 'a' has 4 groups placed in step 0, over its quota of 3.",
+  ),
+  "open_over_max": (
+    _with(placed={"a": 1, "b": 3, "c": 1}, open=[g_(3, "b"), g_(4, "b")], waiting=[]),
+    "admission state: the open mini-batch holds 2 groups of class 'b', over its max_per_minibatch",
+  ),
+  "released_over_max": (
+    _with(placed={"a": 1, "b": 2, "c": 0}, open=[], waiting=[]),
+    "admission state: class 'b' has 2 groups in the 1 released mini-batches of step 0, over 1 x",
+  ),
+  "released_under_min": (
+    _with(placed={"a": 0, "b": 1, "c": 2}, open=[], waiting=[]),
+    "admission state: class 'a' has 0 groups in the 1 released mini-batches of step 0, under 1 x",
+  ),
+  "cannot_complete": (  # two c's open: the last slot cannot take both the a and the b it needs
+    _with(index=0, placed={"a": 0, "b": 0, "c": 2}, open=[g_(3, "c"), g_(5, "c")]),
+    r"admission state: step 0 cannot be completed .*still missing \{'a': 3, 'b': 3, 'c': 1\}",
+  ),
+  "placed_off_total": (
+    _with(placed={"a": 2, "b": 2, "c": 2}),
+    "admission state: placed counts 6 groups in step 0, but 1 released mini-batches of 3 and 2",
+  ),
+  "open_full": (
+    lambda s: {**s, "open": [*s["open"], g_(7, "a")], "seen": [[0, 8]]},
+    "admission state: the open mini-batch holds 3 groups; accepted: fewer than 3",
+  ),
+  "placed_unknown_class": (
+    _with(placed={"a": 1, "b": 2, "z": 2}),
+    "admission state: placed=.*; accepted: each class of",
+  ),
+  "index_out_of_range": (_with(index=3), r"admission state: index=3; accepted: an int in \[0, 3\)"),
+  "arrivals_out_of_order": (
+    lambda s: {**s, "waiting": [[4, g_(4, "b")], [1, g_(6, "b")]], "seen": [[0, 7]]},
+    "admission state: waiting group 6 has arrival number 1; accepted: numbers increasing",
+  ),
+  "pending_not_seen": (
+    _with(seen=[[0, 4]]),
+    "admission state: pending group 5 is missing from the seen group ids.",
+  ),
+  "seen_not_sorted": (
+    _with(seen=[[4, 6], [0, 2]]),
+    r"admission state: seen: group id range \[0, 2\] overlaps, touches or precedes \[4, 6\]",
+  ),
+  "counter_missing": (
+    lambda s: {**s, "counters": {k: v for k, v in s["counters"].items() if k != "stalls"}},
+    "admission state: counters=.*; accepted: each of",
+  ),
+  "key_missing": (
+    lambda s: {k: v for k, v in s.items() if k != "seen"},
+    r"admission state: keys \['seen'\] are missing",
+  ),
+  "old_version": (_with(version=1), "admission state version 1 is not 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STATES))
+def test_damaged_state_is_refused_and_changes_nothing(case):
+  change, message = BAD_STATES[case]
+  bad = change(base_state())
+  target = AdmissionIndex(STATE_SPEC)
+  for i, c in enumerate("aab"):  # some other state, so a half-done load would show
+    target.offer(group(100 + i, c))
+  before = snapshot(target)
+  with pytest.raises(ValueError, match=message):
+    target.load_state_dict(bad)
+  assert snapshot(target) == before
+  target.load_state_dict(base_state())  # the undamaged state loads
+  assert [g.group_id for g in target.pending()] == [3, 5, 4]
+
+
+def test_damaged_state_checks_depend_on_the_policy():
+  # train_batch places nothing before a whole step is there; greedy may pass quotas (counted).
+  state = base_state("train_batch")
+  bad = {**state, "placed": {"a": 1, "b": 0, "c": 0}, "index": 0, "open": [g_(0, "a")]}
+  bad["waiting"] = [w for w in state["waiting"] if w[1]["group_id"] != 0]
+  idx = AdmissionIndex(STATE_SPEC, "train_batch")
+  with pytest.raises(ValueError, match="a train_batch index places no group before"):
+    idx.load_state_dict(bad)
+  greedy = AdmissionIndex(STATE_SPEC, "greedy")
+  state = base_state("greedy")
+  over = {**state, "index": 2, "placed": {"a": 4, "b": 1, "c": 2}, "open": [g_(3, "a")]}
+  over["waiting"] = []
+  greedy.load_state_dict(over)  # greedy can reach this; minibatch cannot
+  assert greedy.stats()["pending"] == 1
+  with pytest.raises(ValueError, match="over its quota of 3"):
+    AdmissionIndex(STATE_SPEC).load_state_dict({**over, "policy": "minibatch"})

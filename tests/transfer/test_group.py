@@ -1,9 +1,13 @@
 """GroupMeta validation and round trip."""
 
+import json
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from knitjax.transfer.group import GroupMeta
+from knitjax.transfer.group import GroupIdSet, GroupMeta
 
 BASE = dict(
   group_id=7,
@@ -34,12 +38,58 @@ def test_fields_and_round_trip():
     ({"prompt_tokens": (4,)}, "prompt_tokens has 1 entries but num_samples=2"),
     ({"response_tokens": (1, -1)}, "response_tokens=.* must hold ints >= 0"),
     ({"reward_std": -0.1}, "reward_std=-0.1"),
-    ({"reward_mean": float("nan")}, "reward_mean=nan must be finite"),
+    ({"reward_mean": float("nan")}, "reward_mean=nan must be a finite number"),
     ({"storage_unit": -2}, "storage_unit=-2"),
     ({"image_hashes": ("",)}, "image_hashes"),
     ({"group_id": "7"}, "group_id='7'"),
+    ({"reward_mean": "0.5"}, "reward_mean='0.5' must be a finite number"),
+    ({"reward_std": None}, "reward_std=None must be a finite number"),
+    ({"completion_time": float("inf")}, "completion_time=inf must be a finite number"),
+    ({"response_tokens": 12}, "response_tokens=12 must be a sequence"),
+    ({"image_hashes": "ab"}, "image_hashes='ab' must be a sequence"),
   ],
 )
 def test_bad_fields_are_named(change, message):
   with pytest.raises(ValueError, match=message):
     GroupMeta(**{**BASE, **change})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-5, 40), max_size=60))
+def test_id_set_is_a_set_of_few_ranges(ids):
+  seen, want = GroupIdSet(), set()
+  for i in ids:
+    assert (i in seen) == (i in want)
+    assert seen.add(i) == (i not in want)  # False, and no change, for an id already there
+    want.add(i)
+  assert all(i in seen for i in want) and not any(i in seen for i in range(-7, 43) if i not in want)
+  assert len(seen) == len(want)
+  ranges = seen.ranges()
+  assert sorted({i for s, e in ranges for i in range(s, e)}) == sorted(want)
+  # Normal form: sorted, non-empty, neither overlapping nor touching; JSON round trip.
+  assert all(s < e for s, e in ranges)
+  assert all(e < s for (_, e), (s, _) in zip(ranges, ranges[1:], strict=False))
+  assert GroupIdSet.from_ranges(json.loads(json.dumps(ranges))) == seen
+
+
+def test_id_set_stays_small_for_ids_offered_out_of_order():
+  seen = GroupIdSet()
+  rng = np.random.default_rng(0)
+  for block in range(100):  # 64 ids at a time, completing in random order
+    for i in rng.permutation(64):
+      seen.add(block * 64 + int(i))
+  assert seen.ranges() == [[0, 6400]]
+
+
+@pytest.mark.parametrize(
+  "ranges, message",
+  [
+    ([[3, 3]], r"range \[3, 3\] is not a \[start, end\] pair of ints with start < end"),
+    ([[0, 2.5]], "is not a"),
+    ([[0, 4], [4, 6]], r"range \[4, 6\] overlaps, touches or precedes \[0, 4\]"),
+    ("0-4", "must be a list of"),
+  ],
+)
+def test_id_set_refuses_bad_ranges(ranges, message):
+  with pytest.raises(ValueError, match=message):
+    GroupIdSet.from_ranges(ranges)

@@ -82,6 +82,10 @@ def test_a_built_payload_is_checked_like_a_mapping():
     ),
     "rewards": (dataclasses.replace(good, rewards=np.array([0, np.inf], np.float32)), "non_finite"),
     "image_index": (dataclasses.replace(good, image_index=np.array([0, 0], np.int32)), "shape"),
+    "logprobs": (
+      dataclasses.replace(good, logprobs=np.array([[-1, 0.5], [-1, 0]], np.float32)),
+      "value_range",
+    ),
   }
   for field, (bad, reason) in cases.items():
     with pytest.raises(PayloadError) as err:

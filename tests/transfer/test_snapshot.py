@@ -41,8 +41,8 @@ def _fill(units, rng):
     "response_tokens": rng.integers(1, 64, (2, 5)).astype(np.int32),
     "response_mask": np.array([[1, 0, 0, 1, 0], [1, 1, 1, 1, 1]], bool),
     "response_lengths": np.array([5, 5], np.int32),  # row 0 ends on an unmasked tool token
-    "logprobs": rng.normal(-2, 1, (2, 5)).astype(np.float32),
-    "ref_logprobs": rng.normal(-2, 1, (2, 5)).astype(np.float32),
+    "logprobs": -np.abs(rng.normal(2, 1, (2, 5))).astype(np.float32),
+    "ref_logprobs": -np.abs(rng.normal(2, 1, (2, 5))).astype(np.float32),
     "rewards": np.array([1, 0], np.float32),
     "image_index": np.array([1, 0], np.int32),
   }
@@ -51,7 +51,7 @@ def _fill(units, rng):
     "prompt_tokens": rng.integers(1, 64, (3, 2)).astype(np.int32),
     "response_tokens": rng.integers(1, 64, (3, 4)).astype(np.int32),
     "response_lengths": np.array([4, 1, 0], np.int32),
-    "logprobs": rng.normal(-2, 1, (3, 4)).astype(np.float32),
+    "logprobs": -np.abs(rng.normal(2, 1, (3, 4))).astype(np.float32),
     "rewards": np.array([0, 0, 1], np.float32),
   }
   shared = {**plain, "image_index": np.zeros(3, np.int32)}

@@ -216,6 +216,32 @@ BAD_CASES = {
     "non_finite",
   ),
   "rewards_nan": (_poke("rewards", 1, np.nan), "rewards", "non_finite"),
+  "logprobs_positive_on_mask": (
+    lambda p, rng: _poke("logprobs", (1, 2), 1e-6)(
+      {**p, "response_lengths": np.full(3, 6, np.int32), "response_mask": np.ones((3, 6), bool)},
+      rng,
+    ),
+    "logprobs",
+    "value_range",
+  ),
+  "logprobs_inf_on_mask": (
+    lambda p, rng: _poke("logprobs", (2, 0), np.inf)(
+      {**p, "response_lengths": np.full(3, 6, np.int32), "response_mask": np.ones((3, 6), bool)},
+      rng,
+    ),
+    "logprobs",
+    "non_finite",
+  ),
+  "ref_logprobs_positive_on_mask": (
+    lambda p, rng: {
+      **p,
+      "response_lengths": np.full(3, 6, np.int32),
+      "response_mask": np.ones((3, 6), bool),
+      "ref_logprobs": np.full((3, 6), 0.25, np.float32),
+    },
+    "ref_logprobs",
+    "value_range",
+  ),
   "response_token_vocab": (
     _poke("response_tokens", (2, 5), VOCAB),
     "response_tokens",
@@ -506,22 +532,35 @@ def test_writer_timing_out_at_the_head_lets_the_next_one_in():
   assert (s["groups"], s["full"], s["waiting"]) == (2, 1, 0)
 
 
-def test_get_and_release_errors_change_nothing():
+def test_get_errors_change_nothing_and_release_is_idempotent():
   unit = InProcessStorageUnit(LIMITS)
-  p = make_payload(np.random.default_rng(9))
+  rng = np.random.default_rng(9)
+  p = make_payload(rng)
   unit.put(0, p)
   assert unit.get([0])[0].ref_logprobs is None  # put without the optional field
   with pytest.raises(KeyError, match=r"groups \[3\] are not held by storage unit 0"):
     unit.get([0, 3])
   assert unit.stats()["gets"] == 1  # the failed get counts nothing
-  with pytest.raises(KeyError, match="nothing was released"):
-    unit.release([0, 3])
-  with pytest.raises(KeyError, match="repeat"):
-    unit.release([0, 0])
-  assert unit.stats()["groups"] == 1
-  unit.release([0])
-  with pytest.raises(KeyError, match="already released"):
-    unit.release([0])
+  # Releasing ids that are not held (never put, already released, lost with a crashed rollout
+  # actor) skips them; the held ones in the same call are still released.
+  q = make_payload(rng)
+  unit.put(1, q, [np.ones((2, 2), np.uint8)])
+  unit.release([3])
+  assert (unit.stats()["groups"], unit.stats()["releases"], unit.stats()["release_misses"]) == (
+    2,
+    0,
+    1,
+  )
+  unit.release([0, 3, 0])
+  s = unit.stats()
+  assert (s["groups"], s["releases"], s["release_misses"]) == (1, 1, 3)
+  assert s["bytes"] == payload_bytes(q) + 4  # group 1 and its image remain
+  unit.release([1, 1])
+  s = unit.stats()
+  assert (s["groups"], s["bytes"], s["images"], s["image_refs"]) == (0, 0, 0, 0)
+  assert (s["releases"], s["release_misses"]) == (2, 4)
+  unit.put(3, p)  # an id released before it was put is stored normally
+  assert_got(unit, 3, stored_form(p))
 
 
 @pytest.mark.parametrize(
