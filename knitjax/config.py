@@ -53,12 +53,16 @@ class TaskConfig:
   prompt_len: int = 0  # 0: the task's own maximum prompt length
 
   def __post_init__(self):
-    from knitjax.tasks.registry import TASKS
+    from knitjax.tasks.registry import FILE_TASKS, TASKS
     from knitjax.tasks.rewards import REWARDS
 
     _one_of("config.task.name", self.name, tuple(TASKS))
     _one_of("config.task.reward", self.reward, tuple(REWARDS))
     _positive("config.task.prompt_len", self.prompt_len, allow_zero=True)
+    if self.name in FILE_TASKS and not self.path:
+      raise ValueError(
+        f"config.task.path is empty; task {self.name!r} reads its prompts from a JSONL file."
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,13 +89,13 @@ class RolloutConfig:
     _positive("config.rollout.decode_steps", self.decode_steps)
     _positive("config.rollout.refill_groups", self.refill_groups)
     _one_of("config.rollout.engine", self.engine, ENGINES)
+    _positive("config.rollout.max_new_tokens", self.max_new_tokens)
     for cls, n in self.class_max_new_tokens.items():
       if not isinstance(n, int) or not 1 <= n <= self.max_new_tokens:
         raise ValueError(
           f"config.rollout.class_max_new_tokens[{cls!r}]={n!r} is not accepted; it must be an "
           f"int in [1, max_new_tokens={self.max_new_tokens}]."
         )
-    _positive("config.rollout.max_new_tokens", self.max_new_tokens)
     _positive("config.rollout.temperature", self.temperature)
     _positive("config.rollout.top_k", self.top_k, allow_zero=True)
     if not 0.0 < self.top_p <= 1.0:
@@ -128,6 +132,14 @@ class TrainConfig:
     _positive("config.train.grad_clip", self.grad_clip, allow_zero=True)
     _positive("config.train.tis_cap", self.tis_cap, allow_zero=True)
     _positive("config.train.kl_coef", self.kl_coef, allow_zero=True)
+    _positive("config.train.weight_decay", self.weight_decay, allow_zero=True)
+    _positive("config.train.eps_low", self.eps_low, allow_zero=True)
+    _positive("config.train.eps_high", self.eps_high, allow_zero=True)
+    for name in ("b1", "b2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(
+          f"config.train.{name}={getattr(self, name)!r} is not accepted; it must be in [0, 1)."
+        )
     _one_of("config.train.advantage", self.advantage, ADVANTAGES)
     _one_of("config.train.aggregation", self.aggregation, AGGREGATIONS)
 
@@ -148,12 +160,27 @@ class AdmissionConfig:
     if not self.quotas:
       raise ValueError("config.admission.quotas is empty; give groups per train step per class.")
     _positive("config.admission.minibatches", self.minibatches)
+    for cls, q in self.quotas.items():
+      _positive(f"config.admission.quotas[{cls!r}]", q)
     total = sum(self.quotas.values())
     if total % self.minibatches:
       raise ValueError(
         f"config.admission.quotas sum to {total} groups per step, which is not divisible by "
         f"config.admission.minibatches={self.minibatches}."
       )
+    from knitjax.transfer.quota import QuotaSpec
+
+    try:  # the per-mini-batch bounds: known classes, min <= max, satisfiable by the quotas
+      QuotaSpec(
+        class_quotas=dict(self.quotas),
+        minibatches=self.minibatches,
+        min_per_minibatch=dict(self.min_per_minibatch),
+        max_per_minibatch=dict(self.max_per_minibatch),
+      )
+    except ValueError as e:
+      msg = str(e).replace("QuotaSpec.", "config.admission.").replace("QuotaSpec:", "")
+      msg = msg.replace("class_quotas", "config.admission.quotas").strip()
+      raise ValueError(msg if msg.startswith("config.") else f"config.admission: {msg}") from None
 
   @property
   def groups_per_step(self) -> int:
@@ -218,6 +245,14 @@ class MeshConfig:
     if len(self.shape) != 3:
       raise ValueError(
         f"config.mesh.shape={self.shape!r} must have 3 entries (data, fsdp, tensor)."
+      )
+    sizes_ok = all(
+      isinstance(n, int) and not isinstance(n, bool) and (n >= 1 or n == -1) for n in self.shape
+    )
+    if not sizes_ok or list(self.shape).count(-1) > 1:
+      raise ValueError(
+        f"config.mesh.shape={self.shape!r} is not accepted; give 3 ints >= 1, at most one of "
+        "them -1 (inferred from the device count)."
       )
     _positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True)
 
@@ -304,6 +339,21 @@ def build_section(cls: type, values: Mapping[str, Any], path: str) -> Any:
   """Builds a frozen dataclass from a mapping, naming unknown keys and wrong types."""
   hints = typing.get_type_hints(cls)
   fields = {f.name for f in dataclasses.fields(cls) if f.init}
+  values = _to_plain(values)
+  if not isinstance(values, Mapping):
+    raise ValueError(
+      f"{path}={values!r:.80} is not accepted; it must be a mapping of field names to values."
+    )
+  required = [
+    f.name
+    for f in dataclasses.fields(cls)
+    if f.init
+    and f.default is dataclasses.MISSING
+    and f.default_factory is dataclasses.MISSING
+    and f.name not in values
+  ]
+  if required:
+    raise ValueError(f"{path}.{required[0]} is missing; it has no default.")
   kwargs = {}
   for key, value in values.items():
     if key not in fields:
@@ -330,6 +380,8 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     ValueError: one sentence naming the bad field and what is accepted.
   """
   config = _to_plain(config)
+  if not isinstance(config, Mapping):
+    raise ValueError(f"the config must be a mapping of sections, got {type(config).__name__}.")
   known = {"seed", "model", "vision", "init_from", *SECTIONS}
   for key in config:
     if key not in known:
@@ -342,11 +394,11 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   if not isinstance(init_from, str):
     raise ValueError(f"config.init_from={init_from!r} has the wrong type; expected a folder path.")
   if init_from:
-    model = _model_from_checkpoint(init_from, config.get("model") or {})
+    model = _model_from_checkpoint(init_from, _to_plain(config.get("model") or {}))
   else:
     model = build_section(TransformerConfig, config.get("model", {}), "config.model")
   seed = config.get("seed", 0)
-  if not isinstance(seed, int):
+  if not isinstance(seed, int) or isinstance(seed, bool):
     raise ValueError(f"config.seed={seed!r} has the wrong type; expected int.")
   vision = None
   if config.get("vision"):
@@ -414,6 +466,8 @@ def _model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerCo
 
   if not os.path.isdir(path):
     raise ValueError(f"config.init_from={path!r} is not a folder (a Hugging Face checkpoint).")
+  if not isinstance(model, Mapping):
+    raise ValueError(f"config.model={model!r:.80} is not accepted; it must be a mapping of fields.")
   known = {f.name for f in dataclasses.fields(TransformerConfig)}
   unknown = sorted(set(model) - known)
   if unknown:

@@ -42,18 +42,41 @@ def from_json(cls: type, data: Any) -> Any:
   """Inverse of :func:`to_json` for a record of type ``cls``.
 
   Raises:
-    ValueError: ``data`` lacks a field of ``cls`` or has one it does not know.
+    ValueError: ``data`` lacks a field of ``cls``, has one it does not know, or holds a value
+      that does not decode (one sentence naming the field).
   """
   if not isinstance(data, Mapping):
     raise ValueError(f"a {cls.__name__} record must be a mapping, got {type(data).__name__}.")
   hints = _hints(cls)
-  names = {f.name for f in dataclasses.fields(cls) if f.init}
+  fields = [f for f in dataclasses.fields(cls) if f.init]
+  names = {f.name for f in fields}
   unknown = sorted(set(data) - names)
   if unknown:
     raise ValueError(
       f"a {cls.__name__} record has unknown fields {unknown}; known: {sorted(names)}."
     )
-  return cls(**{k: _decode(hints[k], v) for k, v in data.items()})
+  required = dataclasses.MISSING
+  missing = [
+    f.name
+    for f in fields
+    if f.name not in data and f.default is required and f.default_factory is required
+  ]
+  if missing:
+    raise ValueError(f"a {cls.__name__} record lacks the fields {missing}.")
+  values = {}
+  for k, v in data.items():
+    try:
+      values[k] = _decode(hints[k], v)
+    except ValueError:
+      raise
+    except (TypeError, KeyError, AttributeError, IndexError) as e:
+      raise ValueError(
+        f"a {cls.__name__} record's field {k!r}={v!r:.80} does not decode ({e})."
+      ) from None
+  try:
+    return cls(**values)
+  except TypeError as e:  # a value of the wrong kind met the record's own checks
+    raise ValueError(f"a {cls.__name__} record does not build: {e}.") from None
 
 
 @functools.cache

@@ -137,3 +137,35 @@ def test_steps_below_the_checkpoint_is_refused(tmp_path):
     check_workdir(config, str(tmp_path))
   proc = _main(tmp_path)
   assert proc.returncode != 0 and "past config.runtime.steps=2" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+  "corrupt, expected",
+  [
+    (lambda d: d.__setitem__("train", None), "config.train=None is not accepted; it must be a"),
+    (lambda d: d["model"].pop("vocab_size"), "config.model.vocab_size is missing"),
+    (lambda d: d["admission"].update(quotas={"arith": 0}), "quotas['arith']=0 is not accepted"),
+    (
+      lambda d: d["admission"].update(min_per_minibatch={"nope": 1}),
+      "config.admission.min_per_minibatch names class 'nope'",
+    ),
+    (
+      lambda d: d["admission"].update(max_per_minibatch={"arith": -1}),
+      "config.admission.max_per_minibatch['arith']=-1 must be an int >= 0",
+    ),
+    (lambda d: d["mesh"].update(shape=(-1, -1, 1)), "config.mesh.shape=(-1, -1, 1) is not"),
+    (lambda d: d["mesh"].update(shape=(0, 1, 1)), "config.mesh.shape=(0, 1, 1) is not"),
+    (lambda d: d.__setitem__("seed", True), "config.seed=True has the wrong type"),
+    (lambda d: d["train"].update(b2=-1.0), "config.train.b2=-1.0 is not accepted"),
+    (lambda d: d["train"].update(eps_low=-1.0), "config.train.eps_low=-1.0 is not accepted"),
+    (lambda d: d["task"].update(name="gsm8k"), "config.task.path is empty; task 'gsm8k'"),
+    # the field itself is named, not the per-class budgets checked against it
+    (lambda d: d["rollout"].update(max_new_tokens=0), "config.rollout.max_new_tokens=0 is not"),
+  ],
+)
+def test_bad_config_found_by_the_fault_suite_is_one_sentence(corrupt, expected):
+  """Bad inputs `knitjax.faults.bad_inputs` generated that were accepted or raised a traceback."""
+  d = arith_tiny.get_config().to_dict()
+  corrupt(d)
+  with pytest.raises(ValueError, match=re.escape(expected)):
+    from_config_dict(d)

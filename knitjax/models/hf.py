@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping
 
 import jax
@@ -46,20 +47,47 @@ _REQUIRED = (
   "num_attention_heads",
 )
 _TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_MAX = sys.float_info.max
 
 
 def _read_json(path: str) -> dict:
+  """The JSON object in ``path``; a missing, unreadable or malformed file is one ValueError."""
   try:
-    with open(path) as f:
-      return json.load(f)
+    with open(path, "rb") as f:
+      value = json.loads(f.read().decode("utf-8"))
   except FileNotFoundError:
     raise ValueError(
       f"{path} does not exist; a Hugging Face checkpoint folder is needed."
     ) from None
+  except OSError as e:
+    raise ValueError(f"{path} cannot be read ({e.strerror or type(e).__name__}).") from None
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ValueError(f"{path} is not UTF-8 JSON ({reason}); accepted: a JSON object.") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} holds {json.dumps(value):.60}; accepted: a JSON object.")
+  return value
 
 
-def _rope_type(spec) -> str:
-  return "default" if not spec else str(spec.get("rope_type", spec.get("type", "default")))
+def _positive_int(value, key: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is an int too
+    raise ValueError(f"config.json {key} must be a positive integer, got {value!r}.")
+  return value
+
+
+def _positive_real(value, key: str) -> float:
+  # The upper bound keeps out inf, and ints too big for a float; nan fails every comparison.
+  if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= _MAX:
+    raise ValueError(f"config.json {key} must be a finite number > 0, got {value!r}.")
+  return float(value)
+
+
+def _flag(hf: Mapping, key: str) -> bool:
+  """A boolean field; missing or null is false, as in Hugging Face's configs of these families."""
+  value = hf.get(key)
+  if value is not None and not isinstance(value, bool):
+    raise ValueError(f"config.json {key} must be true or false, got {value!r}.")
+  return bool(value)
 
 
 def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "float32"):
@@ -70,8 +98,9 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
     dtype: knitjax's compute dtype ("float32" | "bfloat16"); params are always float32.
 
   Raises:
-    ValueError: for a model type, RoPE scaling, sliding window or other option knitjax's decoder
-      does not implement, naming the field and what is accepted.
+    ValueError: one sentence naming config.json and the field, for an unreadable file, a field
+      of the wrong type or range, or a model type, RoPE scaling, sliding window or other option
+      knitjax's decoder does not implement.
   """
   if isinstance(path_or_dict, Mapping):
     hf = dict(path_or_dict)
@@ -79,51 +108,78 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
     path = os.fspath(path_or_dict)
     hf = _read_json(os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path)
   family = hf.get("model_type")
-  if family not in _ARCHITECTURES:
+  if not isinstance(family, str) or family not in _ARCHITECTURES:
     raise ValueError(
       f"config.json model_type={family!r} is not supported; accepted: {sorted(_ARCHITECTURES)}."
     )
   for key in _REQUIRED:
     if key not in hf:
       raise ValueError(f"config.json of model_type {family!r} lacks the required field {key!r}.")
-    if not isinstance(hf[key], int) or hf[key] < 1:
-      raise ValueError(f"config.json {key} must be a positive integer, got {hf[key]!r}.")
+    _positive_int(hf[key], key)
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"config.json hidden_act={hf['hidden_act']!r} is not supported; only 'silu'.")
+  specs = {}
   for spec_key in ("rope_scaling", "rope_parameters"):
-    rope_type = _rope_type(hf.get(spec_key))
+    specs[spec_key] = spec = {} if hf.get(spec_key) is None else hf[spec_key]
+    if not isinstance(spec, dict):
+      raise ValueError(f"config.json {spec_key} must be an object or null, got {spec!r}.")
+    rope_type = spec.get("rope_type", spec.get("type", "default"))
     if rope_type != "default":
       why = " (Llama-3.1+ frequency scaling is not implemented)" if rope_type == "llama3" else ""
       raise ValueError(
         f"config.json {spec_key} has rope type {rope_type!r}{why}; accepted: null or 'default'."
       )
-  if hf.get("partial_rotary_factor", 1.0) != 1.0:
-    raise ValueError("config.json partial_rotary_factor must be 1.0 (RoPE on the whole head).")
-  if hf.get("use_sliding_window", False):
+  rotary = hf.get("partial_rotary_factor", 1.0)
+  if isinstance(rotary, bool) or rotary != 1.0:
+    raise ValueError(
+      f"config.json partial_rotary_factor must be 1.0 (RoPE on the whole head), got {rotary!r}."
+    )
+  if _flag(hf, "use_sliding_window"):
     raise ValueError("config.json use_sliding_window=true is not supported; accepted: false.")
-  if any(t != "full_attention" for t in hf.get("layer_types") or ()):
+  layer_types = hf.get("layer_types")
+  if layer_types is not None and (
+    not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)
+  ):
     raise ValueError("config.json layer_types must all be 'full_attention' (no sliding window).")
-  if family != "qwen2" and hf.get("attention_bias", False):
+  if family != "qwen2" and _flag(hf, "attention_bias"):
     raise ValueError(f"config.json attention_bias=true ({family}) is not supported; only false.")
-  if hf.get("mlp_bias", False):
+  if _flag(hf, "mlp_bias"):
     raise ValueError("config.json mlp_bias=true is not supported; accepted: false.")
 
   heads = hf["num_attention_heads"]
+  kv_heads = hf.get("num_key_value_heads")  # only a missing or null value means "as many as heads"
+  kv_heads = heads if kv_heads is None else _positive_int(kv_heads, "num_key_value_heads")
+  if heads % kv_heads:
+    raise ValueError(
+      f"config.json num_key_value_heads={kv_heads} must divide num_attention_heads={heads}."
+    )
   head_dim = hf.get("head_dim")
   if head_dim is None:  # Hugging Face's own defaults: Qwen3Config says 128, the others derive it
     head_dim = 128 if family == "qwen3" else hf["hidden_size"] // heads
-  rope_theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10_000.0))
+    derived = " (hidden_size // num_attention_heads)"
+  else:
+    head_dim, derived = _positive_int(head_dim, "head_dim"), ""
+  if head_dim < 2 or head_dim % 2:
+    raise ValueError(
+      f"config.json head_dim must be an even integer >= 2 (RoPE), got {head_dim}{derived}."
+    )
+  if "rope_theta" in hf or "rope_theta" not in specs["rope_parameters"]:
+    rope_theta = _positive_real(hf.get("rope_theta", 10_000.0), "rope_theta")
+  else:  # transformers v5 keeps it inside rope_parameters
+    rope_theta = _positive_real(
+      specs["rope_parameters"]["rope_theta"], "rope_parameters.rope_theta"
+    )
   return TransformerConfig(
     vocab_size=hf["vocab_size"],
     num_layers=hf["num_hidden_layers"],
     d_model=hf["hidden_size"],
     num_heads=heads,
-    num_kv_heads=hf.get("num_key_value_heads") or heads,
+    num_kv_heads=kv_heads,
     head_dim=head_dim,
     ffn_dim=hf["intermediate_size"],
-    rope_theta=float(rope_theta),
-    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    rope_theta=rope_theta,
+    norm_eps=_positive_real(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+    tie_embeddings=_flag(hf, "tie_word_embeddings"),
     qk_norm=family == "qwen3",
     qkv_bias=family == "qwen2",
     dtype=dtype,
@@ -168,7 +224,15 @@ def _checkpoint_entries(path: str) -> dict[str, Entry]:
   """Every tensor of a checkpoint folder (single file or index.json shards), by name."""
   index = os.path.join(path, INDEX_FILE)
   if os.path.isfile(index):
-    weight_map = _read_json(index).get("weight_map", {})
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      got = "no weight_map" if weight_map is None else f"weight_map {json.dumps(weight_map):.60}"
+      raise ValueError(f"{index} has {got}; accepted: an object of tensor name -> shard file.")
+    for name, shard in weight_map.items():
+      if not isinstance(shard, str) or not shard or os.path.basename(shard) != shard:
+        raise ValueError(
+          f"{index} maps tensor {name!r} to {shard!r:.60}; accepted: a file name in {path}."
+        )
     entries: dict[str, Entry] = {}
     for shard in sorted(set(weight_map.values())):
       for name, entry in read_header(os.path.join(path, shard)).items():

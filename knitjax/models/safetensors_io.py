@@ -35,31 +35,93 @@ class Entry:
   nbytes: int
 
 
-def read_header(file: str) -> dict[str, Entry]:
-  """Every tensor's dtype, shape and byte range in ``file``, checked against the file size."""
-  size = os.path.getsize(file)
-  with open(file, "rb") as f:
-    prefix = f.read(8)
-    n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-    if not 0 < n <= size - 8:
-      raise ValueError(f"{file} is not a safetensors file (bad header length).")
-    header = json.loads(f.read(n))
-  entries = {}
-  for name, spec in header.items():
-    if name == "__metadata__":
-      continue
-    if spec["dtype"] not in DTYPES:
-      raise ValueError(
-        f"tensor {name!r} in {file} has dtype {spec['dtype']}; accepted: {sorted(DTYPES)}."
-      )
-    dtype, shape = DTYPES[spec["dtype"]], tuple(spec["shape"])
-    begin, end = spec["data_offsets"]
-    if end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
-      raise ValueError(f"tensor {name!r} in {file} has data offsets that do not match its shape.")
-    entries[name] = Entry(
-      file=file, dtype=dtype, shape=shape, start=8 + n + begin, nbytes=end - begin
+_MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
+_FIELDS = ("dtype", "shape", "data_offsets")
+# Header values are shown as `{value!r:.60}`: a junk header must not flood an error message.
+
+
+def _is_count(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry(file: str, name: str, spec, data_start: int, data_size: int) -> Entry:
+  """One header entry, checked; every problem is one ValueError naming the file and tensor."""
+  where = f"tensor {name!r} in {file}"
+  missing = [key for key in _FIELDS if key not in spec] if isinstance(spec, dict) else _FIELDS
+  if missing:
+    what = f"lacks {missing[0]}" if isinstance(spec, dict) else f"is {spec!r:.60}"
+    raise ValueError(f"{where} {what}; accepted: an object with dtype, shape and data_offsets.")
+  dtype, shape, offsets = (spec[key] for key in _FIELDS)
+  if not isinstance(dtype, str) or dtype not in DTYPES:
+    raise ValueError(f"{where} has dtype {dtype!r:.60}; accepted: {sorted(DTYPES)}.")
+  if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    raise ValueError(f"{where} has shape {shape!r:.60}; accepted: a list of integers >= 0.")
+  if (
+    not isinstance(offsets, list)
+    or len(offsets) != 2
+    or not all(_is_count(o) for o in offsets)
+    or offsets[0] > offsets[1]
+  ):
+    raise ValueError(
+      f"{where} has data_offsets {offsets!r:.60}; accepted: [begin, end] with 0 <= begin <= end."
     )
-  return entries
+  (begin, end), nbytes = offsets, math.prod(shape) * DTYPES[dtype].itemsize
+  if end - begin != nbytes:
+    raise ValueError(
+      f"{where} has data_offsets {offsets} ({end - begin} bytes) but {dtype}{shape} needs {nbytes}."
+    )
+  if end > data_size:
+    raise ValueError(
+      f"{where} has data_offsets {offsets} but the file holds only {data_size} bytes of data "
+      "(truncated?)."
+    )
+  return Entry(
+    file=file, dtype=DTYPES[dtype], shape=tuple(shape), start=data_start + begin, nbytes=nbytes
+  )
+
+
+def read_header(file: str) -> dict[str, Entry]:
+  """Every tensor's dtype, shape and byte range in ``file``, checked against the file size.
+
+  Raises:
+    ValueError: one sentence naming the file (and the tensor) for a missing or unreadable file, a
+      bad header length, a header that is not a JSON object, or an entry whose dtype, shape or
+      data offsets are malformed, disagree, or point past the end of the file.
+  """
+  try:
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+      prefix = f.read(8)
+      if len(prefix) < 8:
+        raise ValueError(f"{file} has {size} bytes, too few to be a safetensors file.")
+      n, limit = struct.unpack("<Q", prefix)[0], min(size - 8, _MAX_HEADER_BYTES)
+      if not 0 < n <= limit:
+        raise ValueError(
+          f"{file} is not a safetensors file: its header length is {n}; accepted: 1 to {limit} "
+          f"for a file of {size} bytes."
+        )
+      raw = f.read(n)
+  except FileNotFoundError:
+    raise ValueError(f"{file} does not exist.") from None
+  except OSError as e:
+    raise ValueError(f"{file} cannot be read ({e.strerror or type(e).__name__}).") from None
+  try:
+    header = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ValueError(
+      f"{file} is not a safetensors file: its header is not UTF-8 JSON ({reason})."
+    ) from None
+  if not isinstance(header, dict):
+    raise ValueError(
+      f"{file} is not a safetensors file: its header is {json.dumps(header):.60}, not an object."
+    )
+  data_start = 8 + n
+  return {
+    name: _entry(file, name, spec, data_start, size - data_start)
+    for name, spec in header.items()
+    if name != "__metadata__"
+  }
 
 
 def read_tensor(entry: Entry) -> np.ndarray:

@@ -20,7 +20,7 @@ from knitjax.config import Config
 from knitjax.rollout import contract
 from knitjax.runtime import builder
 from knitjax.runtime.learner import RunState
-from knitjax.runtime.metrics import MetricsWriter, mean_rows, plot_reward
+from knitjax.runtime.metrics import MetricsWriter, fault_counters, mean_rows, plot_reward
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.feed import OnDemandFeed, exposed_transfer
 from knitjax.transfer.storage import release_groups
@@ -87,6 +87,7 @@ def run(
         "rollout_s": t_train - t0,
         "train_s": now - t_train,
         "wall_s": now - t_start,  # from this process's first step; host work between steps too
+        **fault_counters(rollout),
         **learner.tracker.step_metrics(step),
       }
       writer.write(step + 1, metrics)

@@ -169,3 +169,18 @@ def plot_reward(workdir: str, *, window: int = 10) -> str:
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
+
+
+def fault_counters(rollout, units: list[dict] | None = None) -> dict[str, float]:
+  """Cumulative ``actor_restarts`` (rollout actors replaced plus storage units restarted) and
+  ``groups_regenerated`` (groups generated again because their actor died) of a rollout.
+
+  ``units``: the storage units' ``stats()`` if the caller already has them.
+  """
+  s = rollout.stats()
+  if units is None:
+    units = [u.stats() for u in rollout.storage.values()]
+  return {
+    "actor_restarts": float(s.actor_restarts + sum(u.get("restarts", 0) for u in units)),
+    "groups_regenerated": float(s.groups_regenerated),
+  }

@@ -20,6 +20,7 @@ import numpy as np
 
 from knitjax import sharding
 from knitjax.runtime.learner import Learner, RunState
+from knitjax.runtime.metrics import fault_counters
 from knitjax.runtime.released import ReleasedQueue
 from knitjax.runtime.rollout_thread import RolloutThread
 from knitjax.runtime.versions import VersionClock
@@ -275,11 +276,8 @@ def _queue_metrics(admission, queue, thread, rollout, consumed: int, lock) -> di
     queued = sum(len(mb.groups) for mb in queue.items())
   pending = s["pending"] + queued
   units = [u.stats() for u in rollout.storage.values()]
-  rstats = rollout.stats()
   return {
-    # cumulative: rollout actors replaced plus storage units restarted; groups generated again
-    "actor_restarts": float(rstats.actor_restarts + sum(u.get("restarts", 0) for u in units)),
-    "groups_regenerated": float(rstats.groups_regenerated),
+    **fault_counters(rollout, units),
     "groups_offered": float(s["offered"]),
     "groups_consumed": float(consumed),
     "groups_rejected": float(s["rejected"]),

@@ -9,6 +9,8 @@ from knitjax.tasks.prompts import PromptSource
 from knitjax.tasks.tokenizer import CharTokenizer
 
 TASKS = ("arith", "gsm8k", "longtail", "count_images")
+# Tasks that read their prompts from a file (config.task.path).
+FILE_TASKS = ("gsm8k",)
 
 
 def make_prompt_source(

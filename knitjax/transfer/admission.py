@@ -18,30 +18,15 @@ groups are kept per class, and only a release triggers a FIFO rescan of the clas
 import collections
 import dataclasses
 import heapq
-import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 
-from knitjax.transfer.feasibility import FeasibilityTracker, balanced_split, completion_feasible
+from knitjax.transfer.admission_state import STATE_VERSION, check_state
+from knitjax.transfer.feasibility import FeasibilityTracker, balanced_split
 from knitjax.transfer.group import GroupIdSet, GroupMeta
 from knitjax.transfer.quota import QuotaSpec
 
 POLICIES = ("train_batch", "minibatch", "greedy")
 
-_STATE_VERSION = 2  # 2: "seen" (every group id offered), so a re-offer is refused after resume
-_STATE_KEYS = (
-  "version",
-  "policy",
-  "spec",
-  "step",
-  "index",
-  "seq",
-  "placed",
-  "open",
-  "waiting",
-  "stalled",
-  "counters",
-  "seen",
-)
 _COUNTERS = (
   "offered",
   "admitted",
@@ -208,7 +193,7 @@ class AdmissionIndex:
     """Plain-Python checkpoint of the whole index, pending groups and seen group ids included."""
     waiting = sorted(e for q in self._waiting for e in q)
     return {
-      "version": _STATE_VERSION,
+      "version": STATE_VERSION,
       "policy": self.policy,
       "spec": self.spec.to_dict(),
       "dynamic_sampling": self.dynamic_sampling,
@@ -229,182 +214,24 @@ class AdmissionIndex:
     The whole state is checked before anything changes: a `ValueError` names the first problem
     and leaves the index as it was.
     """
-    step, index, seq, placed, open_groups, waiting, seen = self._checked_state(state)
-    self._reset(step=step, index=index, seq=seq)
-    self._placed = placed
-    self._open = open_groups
+    checked = check_state(state, spec=self.spec, policy=self.policy, counter_names=_COUNTERS)
+    self._reset(step=checked.step, index=checked.index, seq=checked.seq)
+    self._placed = checked.placed
+    self._open = checked.open_groups
     counts = [0] * len(self._quotas)
-    for g in open_groups:
+    for g in checked.open_groups:
       counts[self._class_index[g.cls]] += 1
       self._pending_ids.add(g.group_id)
-    for s, g in waiting:
+    for s, g in checked.waiting:
       self._waiting[self._class_index[g.cls]].append((s, g))
       self._pending_ids.add(g.group_id)
-    remaining = [q - p for q, p in zip(self._quotas, placed, strict=True)]
-    self._tracker.set_state(counts, remaining, self.spec.minibatches - 1 - index)
+    remaining = [q - p for q, p in zip(self._quotas, checked.placed, strict=True)]
+    self._tracker.set_state(counts, remaining, self.spec.minibatches - 1 - checked.index)
     self._open_counts = counts
     self._short = sum(self._is_short(c) for c in range(len(self._quotas)))
-    self._stalled = state["stalled"]
-    self._counters = {k: int(state["counters"][k]) for k in _COUNTERS}
-    self._seen = seen
-
-  # ---- checkpoint checks ------------------------------------------------------------------------
-
-  def _checked_state(self, state) -> tuple:
-    """The parts of a `state_dict`, checked as a whole against this index; changes nothing.
-
-    Returns ``(step, index, seq, placed, open groups, waiting (seq, group) pairs, seen ids)``.
-    """
-    if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-      version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
-      raise ValueError(
-        f"admission state version {version!r} is not {_STATE_VERSION}; "
-        "it was written by an incompatible knitjax."
-      )
-    missing = [k for k in _STATE_KEYS if k not in state]
-    if missing:
-      raise _bad(f"keys {missing} are missing; accepted: a dict from AdmissionIndex.state_dict().")
-    try:
-      spec = QuotaSpec(**state["spec"])
-    except (TypeError, ValueError) as e:
-      raise _bad(f"spec {state['spec']!r} is not a quota spec ({e})") from None
-    if state["policy"] != self.policy or spec != self.spec:
-      raise ValueError(
-        f"admission state was saved with policy={state['policy']!r} and spec {state['spec']}; "
-        f"this index has policy={self.policy!r} and spec {self.spec.to_dict()}."
-      )
-    m = self.spec.minibatches
-    step, index, seq = state["step"], state["index"], state["seq"]
-    for name, value in (("step", step), ("seq", seq)):
-      if not _is_int(value) or value < 0:
-        raise _bad(f"{name}={value!r}; accepted: an int >= 0.")
-    if not _is_int(index) or not 0 <= index < m:
-      raise _bad(f"index={index!r}; accepted: an int in [0, {m}).")
-    if not isinstance(state["stalled"], bool):
-      raise _bad(f"stalled={state['stalled']!r}; accepted: True or False.")
-    counters = state["counters"]
-    if not isinstance(counters, Mapping) or any(
-      not _is_int(counters.get(k)) or counters[k] < 0 for k in _COUNTERS
-    ):
-      raise _bad(f"counters={counters!r}; accepted: each of {list(_COUNTERS)} as an int >= 0.")
-    placed = state["placed"]
-    classes = self.spec.classes
-    if (
-      not isinstance(placed, Mapping)
-      or set(placed) != set(classes)
-      or any(not _is_int(v) or v < 0 for v in placed.values())
-    ):
-      raise _bad(f"placed={placed!r}; accepted: each class of {list(classes)} as an int >= 0.")
-    placed = [int(placed[c]) for c in classes]  # by name: the saved order may differ
-    try:
-      seen = GroupIdSet.from_ranges(state["seen"])
-    except ValueError as e:
-      raise _bad(f"seen: {e}") from None
-    open_groups, waiting = self._checked_groups(state["open"], state["waiting"], seq, seen)
-    self._check_placements(step, index, placed, open_groups)
-    return step, index, seq, placed, open_groups, waiting, seen
-
-  def _checked_groups(self, open_raw, waiting_raw, seq: int, seen: GroupIdSet) -> tuple:
-    """Open groups and waiting ``(arrival, group)`` pairs: valid, known classes, ids unique."""
-    for name, raw in (("open", open_raw), ("waiting", waiting_raw)):
-      if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
-        raise _bad(f"{name}={raw!r}; accepted: a list as state_dict() writes it.")
-    open_groups = [self._state_group(d, "open") for d in open_raw]
-    waiting, last = [], -1
-    for entry in waiting_raw:
-      if not isinstance(entry, Sequence) or len(entry) != 2 or not _is_int(entry[0]):
-        raise _bad(f"waiting entry {entry!r} is not an [arrival number, group] pair.")
-      g = self._state_group(entry[1], "waiting")
-      if not last < entry[0] < seq:
-        raise _bad(
-          f"waiting group {g.group_id} has arrival number {entry[0]}; accepted: numbers "
-          f"increasing along the list and below seq={seq}."
-        )
-      last = entry[0]
-      waiting.append((int(entry[0]), g))
-    where_of: dict[int, str] = {}
-    for where, g in [("open", g) for g in open_groups] + [("waiting", g) for _, g in waiting]:
-      if g.group_id in where_of:
-        if where_of[g.group_id] == where:
-          raise _bad(f"group {g.group_id} appears twice in the {where} groups.")
-        raise _bad(f"group {g.group_id} appears in both the open and the waiting groups.")
-      where_of[g.group_id] = where
-      if g.group_id not in seen:
-        raise _bad(f"pending group {g.group_id} is missing from the seen group ids.")
-    return open_groups, waiting
-
-  def _state_group(self, d, where: str) -> GroupMeta:
-    try:
-      g = GroupMeta.from_dict(d)
-    except (TypeError, ValueError) as e:
-      raise _bad(f"an entry of the {where} groups is not a group record ({e})") from None
-    if g.cls not in self._class_index:
-      raise _bad(
-        f"{where} group {g.group_id} has class {g.cls!r}, which the quota spec does not name "
-        f"(classes: {list(self.spec.classes)})."
-      )
-    return g
-
-  def _check_placements(self, step: int, index: int, placed: list, open_groups: list) -> None:
-    """Placements that this policy could have made in step `step` up to mini-batch `index`."""
-    size, n = self._size, len(self._quotas)
-    counts = [0] * n
-    for g in open_groups:
-      counts[self._class_index[g.cls]] += 1
-    if len(open_groups) >= size:
-      raise _bad(
-        f"the open mini-batch holds {len(open_groups)} groups; accepted: fewer than {size} "
-        "(a full one is released)."
-      )
-    if self.policy == "train_batch" and (open_groups or index or any(placed)):
-      raise _bad(
-        "a train_batch index places no group before it releases a whole step; accepted: "
-        "open=[], index=0 and placed all 0."
-      )
-    if sum(placed) != index * size + len(open_groups):
-      raise _bad(
-        f"placed counts {sum(placed)} groups in step {step}, but {index} released mini-batches "
-        f"of {size} and {len(open_groups)} open groups make {index * size + len(open_groups)}."
-      )
-    for c, name in enumerate(self.spec.classes):
-      lo, hi, q = self._lows[c], self._highs[c], self._quotas[c]
-      done = placed[c] - counts[c]  # in the released mini-batches of this step
-      if done < 0:
-        raise _bad(
-          f"the open mini-batch holds {counts[c]} groups of class {name!r}, more than "
-          f"placed[{name!r}]={placed[c]}."
-        )
-      if counts[c] > hi:
-        raise _bad(
-          f"the open mini-batch holds {counts[c]} groups of class {name!r}, over its "
-          f"max_per_minibatch of {hi}."
-        )
-      if done > index * hi:
-        raise _bad(
-          f"class {name!r} has {done} groups in the {index} released mini-batches of step "
-          f"{step}, over {index} x its max_per_minibatch of {hi}."
-        )
-      if self.policy == "greedy":
-        continue  # greedy ignores quotas and minimum bounds (counted as violations)
-      if placed[c] > q:
-        raise _bad(
-          f"class {name!r} has {placed[c]} groups placed in step {step}, over its quota of {q}."
-        )
-      if done < index * lo:
-        raise _bad(
-          f"class {name!r} has {done} groups in the {index} released mini-batches of step "
-          f"{step}, under {index} x its min_per_minibatch of {lo}."
-        )
-    remaining = [q - p for q, p in zip(self._quotas, placed, strict=True)]
-    empty = self.spec.minibatches - 1 - index
-    if self.policy == "minibatch" and not completion_feasible(
-      self._lows, self._highs, size, counts, remaining, empty
-    ):
-      raise _bad(
-        f"step {step} cannot be completed within the per-mini-batch bounds from its placements "
-        f"(open mini-batch {dict(zip(self.spec.classes, counts, strict=True))}, still missing "
-        f"{dict(zip(self.spec.classes, remaining, strict=True))})."
-      )
+    self._stalled = checked.stalled
+    self._counters = checked.counters
+    self._seen = checked.seen
 
   # ---- internals --------------------------------------------------------------------------------
 
@@ -532,11 +359,3 @@ class AdmissionIndex:
       return
     self._stalled = True
     self._counters["stalls"] += 1
-
-
-def _bad(problem: str) -> ValueError:
-  return ValueError(f"admission state: {problem}")
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)

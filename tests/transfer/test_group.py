@@ -1,6 +1,7 @@
 """GroupMeta validation and round trip."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -93,3 +94,24 @@ def test_id_set_stays_small_for_ids_offered_out_of_order():
 def test_id_set_refuses_bad_ranges(ranges, message):
   with pytest.raises(ValueError, match=message):
     GroupIdSet.from_ranges(ranges)
+
+
+@pytest.mark.parametrize(
+  "corrupt, expected",
+  [
+    (lambda d: d.pop("group_id"), "lacks the fields ['group_id']"),
+    (lambda d: d.update(prompt_tokens=5), "field 'prompt_tokens'=5 does not decode"),
+  ],
+)
+def test_a_malformed_group_record_is_one_sentence(corrupt, expected):
+  d = GroupMeta(
+    group_id=1,
+    cls="a",
+    gen_version=0,
+    num_samples=2,
+    prompt_tokens=(3, 3),
+    response_tokens=(2, 2),
+  ).to_dict()
+  corrupt(d)
+  with pytest.raises(ValueError, match=re.escape(expected)):
+    GroupMeta.from_dict(d)

@@ -1,0 +1,162 @@
+"""The bad-input driver: what a bad input is, how its outcome is counted, how examples are drawn.
+
+`allocate` splits the examples over the kinds, `generate` a kind's over its cases, and
+`generate_case` has hypothesis draw each case's inputs; `Tally` records what each input did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import hypothesis
+from hypothesis import HealthCheck, Phase
+from hypothesis import strategies as st
+
+KIND_WEIGHTS = {
+  "configs": 4000,
+  "payloads": 3000,
+  "group_meta": 1000,
+  "prompt_files": 1500,
+  "hf_checkpoints": 400,
+  "checkpoints": 100,
+}
+COUNTERS = ("examples", "rejected", "tracebacks", "silent_accepts", "not_one_sentence", "not_named")
+MAX_FAILURES = 40  # failures listed: the first of each (kind, case, outcome, exception type)
+
+Draw = Callable[[st.SearchStrategy], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class BadInput:
+  """One generated bad input.
+
+  Attributes:
+    description: what was corrupted, for the failure list.
+    names: the rejection must contain one of these (the field, file or array corrupted).
+    call: feeds the input to the function that must reject it.
+    file_errors: a ``FileNotFoundError`` counts as a rejection too.
+  """
+
+  description: str
+  names: tuple[str, ...]
+  call: Callable[[], Any]
+  file_errors: bool = False
+
+
+Case = tuple[str, Callable[[Draw, dict], BadInput]]
+
+
+def classify(bad: BadInput) -> tuple[tuple[str, ...], Exception | None]:
+  """Feeds one bad input; returns the counters it adds to and the exception it raised."""
+  accepted = (ValueError, FileNotFoundError) if bad.file_errors else (ValueError,)
+  try:
+    bad.call()
+  except accepted as e:
+    message = str(e)
+    outcome = ["rejected"]
+    if "\n" in message or "Traceback" in message or not message.strip():
+      outcome.append("not_one_sentence")
+    if not any(n in message for n in bad.names):
+      outcome.append("not_named")
+    return tuple(outcome), e
+  except Exception as e:  # noqa: BLE001 - any other exception is what is being counted
+    return ("tracebacks",), e
+  return ("silent_accepts",), None
+
+
+class Tally:
+  """Counters by kind and by case, and the first failure of each signature."""
+
+  def __init__(self):
+    self.by_kind: dict[str, dict[str, int]] = {}
+    self.by_case: dict[str, dict[str, int]] = {}
+    self.failures: list[dict] = []
+    self._seen: set[tuple] = set()
+
+  def add(self, kind: str, case: str, bad: BadInput) -> None:
+    outcome, err = classify(bad)
+    for table, key in ((self.by_kind, kind), (self.by_case, f"{kind}/{case}")):
+      counts = table.setdefault(key, dict.fromkeys(COUNTERS, 0))
+      counts["examples"] += 1
+      for name in outcome:
+        counts[name] += 1
+    failed = tuple(o for o in outcome if o != "rejected")
+    signature = (kind, case, failed, type(err).__name__)
+    if failed and signature not in self._seen and len(self.failures) < MAX_FAILURES:
+      self._seen.add(signature)
+      self.failures.append(
+        {
+          "kind": kind,
+          "case": case,
+          "outcome": ",".join(failed),
+          "input": bad.description[:300],
+          "error": None if err is None else type(err).__name__,
+          "message": None if err is None else str(err)[:500],
+        }
+      )
+
+
+def generate(kind: str, n: int, seed: int, cases: list[Case], ctx: dict, tally: Tally) -> None:
+  """Runs ``n`` examples of ``kind``, split evenly over its cases."""
+  for i, (name, make) in enumerate(cases):
+    want = n // len(cases) + (i < n % len(cases))
+    generate_case(
+      want, seed, lambda draw, name=name, make=make: tally.add(kind, name, make(draw, ctx))
+    )
+
+
+def generate_case(n: int, seed: int, example: Callable[[Draw], None]) -> None:
+  """Calls ``example`` ``n`` times, each with hypothesis' ``draw``."""
+  done = 0
+  # Hypothesis stops early once it has drawn every input a small case can make; run it again.
+  for attempt in range(n):
+    if done >= n:
+      return
+
+    @hypothesis.seed(seed * 1009 + attempt)
+    @hypothesis.settings(
+      max_examples=n - done,
+      database=None,
+      deadline=None,
+      derandomize=False,
+      phases=[Phase.generate],
+      suppress_health_check=list(HealthCheck),
+      print_blob=False,
+    )
+    @hypothesis.given(st.data())
+    def one(data):
+      nonlocal done
+      if done < n:
+        example(data.draw)
+        done += 1
+
+    one()
+
+
+def allocate(examples: int, minimum: Mapping[str, int]) -> dict[str, int]:
+  """Examples per kind: ``examples`` split by `KIND_WEIGHTS`, at least ``minimum[kind]``."""
+  total = sum(KIND_WEIGHTS.values())
+  return {k: max(minimum[k], round(examples * w / total)) for k, w in KIND_WEIGHTS.items()}
+
+
+def baseline(what: str, call: Callable[[], Any]) -> None:
+  """A pristine input must be accepted, or the corruptions of it prove nothing."""
+  try:
+    call()
+  except Exception as e:
+    raise RuntimeError(f"the pristine {what} is rejected ({type(e).__name__}: {e}).") from e
+
+
+def fresh_copy(ctx: dict, source: str = "pristine") -> str:
+  """A fresh copy of ``ctx[source]``, at a new path (no cache may know it); the last is removed."""
+  if ctx["last"]:
+    shutil.rmtree(ctx["last"], ignore_errors=True)
+  ctx["n"] += 1
+  ctx["last"] = dest = os.path.join(ctx["folder"], f"example_{ctx['n']}")
+  shutil.rmtree(dest, ignore_errors=True)  # left by an earlier run in this workdir
+  shutil.copytree(ctx[source], dest)
+  return dest

@@ -1,0 +1,187 @@
+"""SIGKILL a run at a named fault point, resume it, and check what the resumed run ends with.
+
+Colocated runs are deterministic: the resumed run must end with exactly the parameters of an
+uninterrupted run. Disaggregated runs are not (two threads race), so the check is conservation:
+offered = consumed + rejected + pending as sets of group ids, no group consumed twice, every
+train step logged once, quotas exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from knitjax import faultpoints
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Small runs that checkpoint every step, so that a kill anywhere has something to resume from:
+# (config file, variant, overrides), given to `knitjax.main` as flags.
+RUNS = {
+  "colocated": (
+    "configs/arith_tiny.py",
+    "",
+    {
+      "runtime.steps": 4,
+      "runtime.log_every": 1,
+      "checkpoint.every_steps": 1,
+      "admission.quotas.arith": 8,
+      "admission.minibatches": 2,
+      "rollout.group_size": 4,
+    },
+  ),
+  "disaggregated": (
+    "configs/arith_disagg.py",
+    "quick",
+    {"runtime.steps": 4, "checkpoint.every_steps": 1},
+  ),
+}
+
+
+def _argv(run) -> list[str]:
+  path, variant, overrides = run
+  return [f"--config={path}{':' + variant if variant else ''}"] + [
+    f"--config.{k}={v}" for k, v in overrides.items()
+  ]
+
+
+def _config(run):
+  """The ConfigDict of ``run``, as `knitjax.main` builds it from the same flags."""
+  import runpy
+
+  path, variant, overrides = run
+  c = runpy.run_path(os.path.join(REPO, path))["get_config"](variant or None)
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def _main(args: list[str], workdir: str, env: dict[str, str], timeout: float = 900):
+  cmd = [sys.executable, "-m", "knitjax.main", *args, f"--workdir={workdir}"]
+  env = {**os.environ, "PYTHONPATH": REPO, **env}
+  for key in ("KNITJAX_KILL_AT", "KNITJAX_FAULT_COUNTS"):
+    if key not in env or not env[key]:
+      env.pop(key, None)
+  return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _jsonl(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _latest_meta(workdir: str) -> dict:
+  folder = os.path.join(workdir, "checkpoints")
+  step = max(int(n) for n in os.listdir(folder) if n.isdigit())
+  with open(os.path.join(folder, str(step), "meta", "metadata")) as f:
+    return json.load(f)
+
+
+def _params(workdir: str, run):
+  """The parameters of a run's newest checkpoint, as host arrays."""
+  import jax
+
+  from knitjax.config import from_config_dict
+  from knitjax.runtime import builder
+  from knitjax.train.checkpoint import Checkpointer
+
+  config = from_config_dict(_config(run))
+  mesh = builder.build_mesh(config)
+  _, state, *_ = builder.init_state(config, mesh)
+  ckpt = Checkpointer(workdir)
+  restored, _ = ckpt.restore(state)
+  ckpt.close()
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(restored.params))]
+
+
+def check_colocated(workdir: str, reference: str, run, steps: int) -> list[str]:
+  problems = []
+  rows = _jsonl(os.path.join(workdir, "metrics.jsonl"))
+  if [r["step"] for r in rows] != list(range(1, steps + 1)):
+    problems.append(f"metrics steps {[r['step'] for r in rows]}")
+  got, want = _params(workdir, run), _params(reference, run)
+  if any(not np.array_equal(a, b) for a, b in zip(got, want, strict=True)):
+    problems.append("final params differ from the uninterrupted run")
+  return problems
+
+
+def check_disaggregated(workdir: str, steps: int) -> list[str]:
+  problems = []
+  rows = _jsonl(os.path.join(workdir, "metrics.jsonl"))
+  if [r["step"] for r in rows] != list(range(1, steps + 1)):
+    problems.append(f"metrics steps {[r['step'] for r in rows]}")
+  consumed = _jsonl(os.path.join(workdir, "consumed.jsonl"))
+  offered = _jsonl(os.path.join(workdir, "offered.jsonl"))
+  ids = [g for c in consumed for g in c["group_ids"]]
+  if len(ids) != len(set(ids)):
+    problems.append("a group was consumed twice")
+  final = _latest_meta(workdir)
+  pending = [g["group_id"] for g in final["admission"]["open"]]
+  pending += [g["group_id"] for _, g in final["admission"]["waiting"]]
+  pending += [g["group_id"] for mb in final["queued"] for g in mb["groups"]]
+  rejected = [o["group_id"] for o in offered if o["rejected"]]
+  if sorted(ids + rejected + pending) != sorted(o["group_id"] for o in offered):
+    problems.append("offered != consumed + rejected + pending as sets of group ids")
+  if any(r.get("quota_violations", 0) for r in rows) or rows and rows[-1].get("groups_lost", 0):
+    problems.append("quota violations or lost groups in metrics")
+  return problems
+
+
+def run(
+  workdir: str, *, kills: int = 10, seed: int = 0, modes=("colocated", "disaggregated"), log=print
+) -> dict:
+  """``kills`` kill-resume trials per mode; returns per-trial records and k/``kills`` per mode."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for mode in modes:
+    args, steps = _argv(RUNS[mode]), RUNS[mode][2]["runtime.steps"]
+    ref = os.path.join(workdir, mode, "reference")
+    counts_file = os.path.join(workdir, mode, "counts.json")
+    os.makedirs(ref, exist_ok=True)
+    t0 = time.time()
+    proc = _main(args, ref, {"KNITJAX_FAULT_COUNTS": counts_file})
+    if proc.returncode != 0:
+      raise RuntimeError(f"the {mode} reference run failed: {proc.stderr[-2000:]}")
+    with open(counts_file) as f:
+      counts = json.load(f)
+    log(f"[kill-resume] {mode}: reference run {time.time() - t0:.0f} s, points passed {counts}")
+    points = [p for p in faultpoints.POINTS if counts.get(p)]
+    trials = []
+    for k in range(kills):
+      point = points[k % len(points)]
+      n = int(rng.integers(1, counts[point] + 1))
+      wd = os.path.join(workdir, mode, f"kill{k}")
+      t0 = time.time()
+      first = _main(args, wd, {"KNITJAX_KILL_AT": f"{point}:{n}"})
+      killed = first.returncode == -signal.SIGKILL
+      second = _main(args, wd, {})
+      problems = []
+      if not killed:
+        problems.append(f"the run was not killed (exit {first.returncode})")
+      if second.returncode != 0:
+        problems.append(f"resume failed: {second.stderr.strip().splitlines()[-1:]}")
+      else:
+        problems += (
+          check_colocated(wd, ref, RUNS[mode], steps)
+          if mode == "colocated"
+          else check_disaggregated(wd, steps)
+        )
+      ok = not problems
+      trials.append(
+        {"point": point, "n": n, "ok": ok, "problems": problems, "seconds": time.time() - t0}
+      )
+      log(f"[kill-resume] {mode} #{k}: kill at {point}:{n} -> {'ok' if ok else problems}")
+    out[mode] = {"ok": sum(t["ok"] for t in trials), "trials": trials, "points_passed": counts}
+  return out
