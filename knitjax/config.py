@@ -1,21 +1,19 @@
 """Typed, validated views of the ``ml_collections.ConfigDict`` a run is given.
 
-The ConfigDict stops here: :func:`from_config_dict` turns it into frozen,
-keyword-only dataclasses, rejecting unknown keys and wrong types with one
-sentence that names the field and what is accepted. Library code receives
-these dataclasses, never the ConfigDict.
+The ConfigDict stops here: :func:`from_config_dict` turns it into the frozen, keyword-only
+section dataclasses below (each built and type-checked by ``config_fields.build_section``) and
+checks the sections against each other. Errors are one sentence that names the field and what
+is accepted. Library code receives these dataclasses, never the ConfigDict.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any
 
+from knitjax.config_fields import build_section, one_of, positive, to_plain
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.rollout.continuous import ADOPTION
@@ -32,17 +30,6 @@ ENGINES = ("auto", "batched", "continuous")
 ADVANTAGES = tuple(ESTIMATORS)
 
 
-def _one_of(path: str, value: Any, allowed: tuple[str, ...]) -> None:
-  if value not in allowed:
-    raise ValueError(f"{path}={value!r} is not accepted; choose one of: {', '.join(allowed)}.")
-
-
-def _positive(path: str, value: float, *, allow_zero: bool = False) -> None:
-  if value < 0 or (value == 0 and not allow_zero):
-    bound = ">= 0" if allow_zero else "> 0"
-    raise ValueError(f"{path}={value!r} is not accepted; it must be {bound}.")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
   """Which prompts and which reward function."""
@@ -56,9 +43,9 @@ class TaskConfig:
     from knitjax.tasks.registry import FILE_TASKS, TASKS
     from knitjax.tasks.rewards import REWARDS
 
-    _one_of("config.task.name", self.name, tuple(TASKS))
-    _one_of("config.task.reward", self.reward, tuple(REWARDS))
-    _positive("config.task.prompt_len", self.prompt_len, allow_zero=True)
+    one_of("config.task.name", self.name, tuple(TASKS))
+    one_of("config.task.reward", self.reward, tuple(REWARDS))
+    positive("config.task.prompt_len", self.prompt_len, allow_zero=True)
     if self.name in FILE_TASKS and not self.path:
       raise ValueError(
         f"config.task.path is empty; task {self.name!r} reads its prompts from a JSONL file."
@@ -84,20 +71,20 @@ class RolloutConfig:
   engine: str = "auto"
 
   def __post_init__(self):
-    _positive("config.rollout.group_size", self.group_size)
-    _positive("config.rollout.slots", self.slots)
-    _positive("config.rollout.decode_steps", self.decode_steps)
-    _positive("config.rollout.refill_groups", self.refill_groups)
-    _one_of("config.rollout.engine", self.engine, ENGINES)
-    _positive("config.rollout.max_new_tokens", self.max_new_tokens)
+    positive("config.rollout.group_size", self.group_size)
+    positive("config.rollout.slots", self.slots)
+    positive("config.rollout.decode_steps", self.decode_steps)
+    positive("config.rollout.refill_groups", self.refill_groups)
+    one_of("config.rollout.engine", self.engine, ENGINES)
+    positive("config.rollout.max_new_tokens", self.max_new_tokens)
     for cls, n in self.class_max_new_tokens.items():
       if not isinstance(n, int) or not 1 <= n <= self.max_new_tokens:
         raise ValueError(
           f"config.rollout.class_max_new_tokens[{cls!r}]={n!r} is not accepted; it must be an "
           f"int in [1, max_new_tokens={self.max_new_tokens}]."
         )
-    _positive("config.rollout.temperature", self.temperature)
-    _positive("config.rollout.top_k", self.top_k, allow_zero=True)
+    positive("config.rollout.temperature", self.temperature)
+    positive("config.rollout.top_k", self.top_k, allow_zero=True)
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(
         f"config.rollout.top_p={self.top_p!r} is not accepted; it must be in (0, 1]."
@@ -126,22 +113,22 @@ class TrainConfig:
   remat_encoder: bool = False  # VLM dedup: recompute the encoder in its backward
 
   def __post_init__(self):
-    _positive("config.train.lr", self.lr)
-    _positive("config.train.warmup_steps", self.warmup_steps, allow_zero=True)
-    _positive("config.train.micro_batches", self.micro_batches)
-    _positive("config.train.grad_clip", self.grad_clip, allow_zero=True)
-    _positive("config.train.tis_cap", self.tis_cap, allow_zero=True)
-    _positive("config.train.kl_coef", self.kl_coef, allow_zero=True)
-    _positive("config.train.weight_decay", self.weight_decay, allow_zero=True)
-    _positive("config.train.eps_low", self.eps_low, allow_zero=True)
-    _positive("config.train.eps_high", self.eps_high, allow_zero=True)
+    positive("config.train.lr", self.lr)
+    positive("config.train.warmup_steps", self.warmup_steps, allow_zero=True)
+    positive("config.train.micro_batches", self.micro_batches)
+    positive("config.train.grad_clip", self.grad_clip, allow_zero=True)
+    positive("config.train.tis_cap", self.tis_cap, allow_zero=True)
+    positive("config.train.kl_coef", self.kl_coef, allow_zero=True)
+    positive("config.train.weight_decay", self.weight_decay, allow_zero=True)
+    positive("config.train.eps_low", self.eps_low, allow_zero=True)
+    positive("config.train.eps_high", self.eps_high, allow_zero=True)
     for name in ("b1", "b2"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(
           f"config.train.{name}={getattr(self, name)!r} is not accepted; it must be in [0, 1)."
         )
-    _one_of("config.train.advantage", self.advantage, ADVANTAGES)
-    _one_of("config.train.aggregation", self.aggregation, AGGREGATIONS)
+    one_of("config.train.advantage", self.advantage, ADVANTAGES)
+    one_of("config.train.aggregation", self.aggregation, AGGREGATIONS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,12 +143,12 @@ class AdmissionConfig:
   dynamic_sampling: bool = False
 
   def __post_init__(self):
-    _one_of("config.admission.policy", self.policy, POLICIES)
+    one_of("config.admission.policy", self.policy, POLICIES)
     if not self.quotas:
       raise ValueError("config.admission.quotas is empty; give groups per train step per class.")
-    _positive("config.admission.minibatches", self.minibatches)
+    positive("config.admission.minibatches", self.minibatches)
     for cls, q in self.quotas.items():
-      _positive(f"config.admission.quotas[{cls!r}]", q)
+      positive(f"config.admission.quotas[{cls!r}]", q)
     total = sum(self.quotas.values())
     if total % self.minibatches:
       raise ValueError(
@@ -215,23 +202,23 @@ class RuntimeConfig:
   actor_restarts: int = 3
 
   def __post_init__(self):
-    _one_of("config.runtime.mode", self.mode, MODES)
-    _one_of("config.runtime.weight_sync", self.weight_sync, WEIGHT_SYNC)
-    _one_of("config.runtime.adoption", self.adoption, ADOPTION)
-    _one_of("config.runtime.storage", self.storage, STORAGE)
-    _positive("config.runtime.rollout_workers", self.rollout_workers, allow_zero=True)
-    _positive("config.runtime.actor_restarts", self.actor_restarts, allow_zero=True)
-    _positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
+    one_of("config.runtime.mode", self.mode, MODES)
+    one_of("config.runtime.weight_sync", self.weight_sync, WEIGHT_SYNC)
+    one_of("config.runtime.adoption", self.adoption, ADOPTION)
+    one_of("config.runtime.storage", self.storage, STORAGE)
+    positive("config.runtime.rollout_workers", self.rollout_workers, allow_zero=True)
+    positive("config.runtime.actor_restarts", self.actor_restarts, allow_zero=True)
+    positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
     if self.param_slots < 1 + (self.adoption == "new_groups"):
       raise ValueError(
         f"config.runtime.param_slots={self.param_slots!r} is not accepted; adoption="
         f"{self.adoption!r} needs at least {1 + (self.adoption == 'new_groups')}."
       )
-    _positive("config.runtime.steps", self.steps)
-    _positive("config.runtime.log_every", self.log_every)
-    _positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
-    _positive("config.runtime.prefetch", self.prefetch, allow_zero=True)
-    _positive("config.runtime.locality_slack", self.locality_slack, allow_zero=True)
+    positive("config.runtime.steps", self.steps)
+    positive("config.runtime.log_every", self.log_every)
+    positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
+    positive("config.runtime.prefetch", self.prefetch, allow_zero=True)
+    positive("config.runtime.locality_slack", self.locality_slack, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -254,7 +241,7 @@ class MeshConfig:
         f"config.mesh.shape={self.shape!r} is not accepted; give 3 ints >= 1, at most one of "
         "them -1 (inferred from the device count)."
       )
-    _positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True)
+    positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -263,8 +250,8 @@ class CheckpointConfig:
   keep: int = 2
 
   def __post_init__(self):
-    _positive("config.checkpoint.every_steps", self.every_steps)
-    _positive("config.checkpoint.keep", self.keep)
+    positive("config.checkpoint.every_steps", self.every_steps)
+    positive("config.checkpoint.keep", self.keep)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -297,89 +284,13 @@ SECTIONS = {
 }
 
 
-def _to_plain(x: Any) -> Any:
-  if hasattr(x, "to_dict"):
-    return x.to_dict()
-  return x
-
-
-def _type_ok(value: Any, annotation: Any) -> bool:
-  """Checks a config value against a (simple) dataclass field annotation."""
-  origin = typing.get_origin(annotation)
-  if annotation is Any:
-    return True
-  if origin in (typing.Union, types.UnionType):
-    return any(_type_ok(value, a) for a in typing.get_args(annotation))
-  if annotation is type(None):
-    return value is None
-  if annotation is float:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-  if annotation is int:
-    return isinstance(value, int) and not isinstance(value, bool)
-  if annotation in (bool, str):
-    return isinstance(value, annotation)
-  if origin is tuple:
-    return isinstance(value, tuple | list)
-  if origin is Mapping or annotation is Mapping:
-    if not isinstance(value, Mapping):
-      return False
-    args = typing.get_args(annotation)
-    return not args or all(_type_ok(k, args[0]) and _type_ok(v, args[1]) for k, v in value.items())
-  return True
-
-
-def _type_name(annotation: Any) -> str:
-  if typing.get_origin(annotation) is Mapping:
-    k, v = (_type_name(a) for a in typing.get_args(annotation))
-    return f"a mapping of {k} to {v}"
-  return getattr(annotation, "__name__", str(annotation))
-
-
-def build_section(cls: type, values: Mapping[str, Any], path: str) -> Any:
-  """Builds a frozen dataclass from a mapping, naming unknown keys and wrong types."""
-  hints = typing.get_type_hints(cls)
-  fields = {f.name for f in dataclasses.fields(cls) if f.init}
-  values = _to_plain(values)
-  if not isinstance(values, Mapping):
-    raise ValueError(
-      f"{path}={values!r:.80} is not accepted; it must be a mapping of field names to values."
-    )
-  required = [
-    f.name
-    for f in dataclasses.fields(cls)
-    if f.init
-    and f.default is dataclasses.MISSING
-    and f.default_factory is dataclasses.MISSING
-    and f.name not in values
-  ]
-  if required:
-    raise ValueError(f"{path}.{required[0]} is missing; it has no default.")
-  kwargs = {}
-  for key, value in values.items():
-    if key not in fields:
-      raise ValueError(
-        f"{path}.{key} is not a known field; known fields: {', '.join(sorted(fields))}."
-      )
-    value = _to_plain(value)
-    if not _type_ok(value, hints[key]):
-      raise ValueError(
-        f"{path}.{key}={value!r} has the wrong type; expected {_type_name(hints[key])}."
-      )
-    if isinstance(value, float) and not math.isfinite(value):
-      raise ValueError(f"{path}.{key}={value!r} is not accepted; it must be a finite number.")
-    if isinstance(value, list):
-      value = tuple(value)
-    kwargs[key] = value
-  return cls(**kwargs)
-
-
 def from_config_dict(config: Mapping[str, Any]) -> Config:
   """Validates a ConfigDict (or plain dict) and returns the typed :class:`Config`.
 
   Raises:
     ValueError: one sentence naming the bad field and what is accepted.
   """
-  config = _to_plain(config)
+  config = to_plain(config)
   if not isinstance(config, Mapping):
     raise ValueError(f"the config must be a mapping of sections, got {type(config).__name__}.")
   known = {"seed", "model", "vision", "init_from", *SECTIONS}
@@ -394,7 +305,7 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   if not isinstance(init_from, str):
     raise ValueError(f"config.init_from={init_from!r} has the wrong type; expected a folder path.")
   if init_from:
-    model = _model_from_checkpoint(init_from, _to_plain(config.get("model") or {}))
+    model = _model_from_checkpoint(init_from, to_plain(config.get("model") or {}))
   else:
     model = build_section(TransformerConfig, config.get("model", {}), "config.model")
   seed = config.get("seed", 0)
@@ -478,7 +389,7 @@ def _model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerCo
   replaced = [
     f"{k}={v!r}->{getattr(loaded, k)!r}"
     for k, v in sorted(model.items())
-    if k != "dtype" and _to_plain(v) != getattr(loaded, k)
+    if k != "dtype" and to_plain(v) != getattr(loaded, k)
   ]
   if replaced:
     logging.warning(

@@ -17,8 +17,8 @@ PACKAGE = "knitjax"
 # higher. Same-layer imports are allowed as long as they form no cycle. Each entry is a module
 # name or a package prefix ending in ".*" (the package's __init__ and everything below it).
 #   0  the package itself, the mesh / logical-axis rules everything else shards by, and the
-#      codec of host records (checkpoints and Ray), fault points: foundations that import no
-#      other layer.
+#      codec of host records (checkpoints and Ray), fault points, how a config section is built
+#      and checked (config_fields): foundations that import no other layer.
 #   1  the parts that know nothing of RL: models, and tasks (prompts, rewards).
 #   2  RL training: losses, advantages, train step, optimizer, checkpoints.
 #   3  trajectory transfer: storage, admission, consumer plans, on-demand access.
@@ -28,7 +28,13 @@ PACKAGE = "knitjax"
 #   6  the loops (runtime) and the simulator (sim), side by side; see FORBIDDEN.
 #   7  entry points: benchmarks, the fault suite, main, cli.
 LAYERS = (
-  ("knitjax", "knitjax.sharding", "knitjax.records", "knitjax.faultpoints"),
+  (
+    "knitjax",
+    "knitjax.sharding",
+    "knitjax.records",
+    "knitjax.faultpoints",
+    "knitjax.config_fields",
+  ),
   ("knitjax.models.*", "knitjax.tasks.*"),
   ("knitjax.train.*",),
   ("knitjax.transfer.*",),

@@ -136,29 +136,25 @@ def _prompts(gid, x, vocab_size: int, max_seq_len: int) -> tuple[np.ndarray, np.
 
 
 def _check_finite_on_mask(gid, name: str, x: np.ndarray, mask: np.ndarray) -> None:
-  bad = ~np.isfinite(x) & mask
-  if bad.any():
-    i, t = np.argwhere(bad)[0]
-    raise PayloadError(
-      gid,
-      name,
-      "non_finite",
-      f"is {x[i, t]} at sample {i} position {t} inside response_mask; accepted: finite values.",
-    )
+  _refuse_on_mask(gid, name, x, ~np.isfinite(x) & mask, "non_finite", "finite values")
 
 
 def _check_logprobs_on_mask(gid, name: str, x: np.ndarray, mask: np.ndarray) -> None:
   # No tolerance: log_softmax shifts by the max logit, so the largest entry is 0 - log(s) with
   # s >= 1 exactly in floating point, and every log-prob a sampler computes that way is <= 0. A
   # positive value is a probability, a logit or a sign error, which would skew the IS ratios.
-  bad = (x > 0) & mask
+  _refuse_on_mask(gid, name, x, (x > 0) & mask, "value_range", "log-probs <= 0")
+
+
+def _refuse_on_mask(gid, name: str, x: np.ndarray, bad: np.ndarray, reason: str, accepted: str):
+  """Raises for the first ``bad`` position (inside the response mask), naming it."""
   if bad.any():
     i, t = np.argwhere(bad)[0]
     raise PayloadError(
       gid,
       name,
-      "value_range",
-      f"is {x[i, t]} at sample {i} position {t} inside response_mask; accepted: log-probs <= 0.",
+      reason,
+      f"is {x[i, t]} at sample {i} position {t} inside response_mask; accepted: {accepted}.",
     )
 
 

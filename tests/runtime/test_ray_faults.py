@@ -133,10 +133,9 @@ def test_rollout_replaces_a_killed_actor_and_regenerates_its_groups(local_ray):
     assert p.num_samples == config.rollout.group_size
 
   # One death more than config.runtime.actor_restarts ends the run with one sentence.
-  pool.start(prompts.next({"arith": 1})[0], 200)
-  pool.step(rng)
-  for pid in pool.pids()["rollout"]:
+  for pid in pool.pids()["rollout"]:  # idle now: the death shows at the next call
     _kill(pid)
+  pool.start(prompts.next({"arith": 1})[0], 200)
   with pytest.raises(RuntimeError, match=r"config.runtime.actor_restarts=1 are survived"):
     for i in range(10_000):
       pool.step(jax.random.fold_in(rng, i))

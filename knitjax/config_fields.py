@@ -1,0 +1,107 @@
+"""How a config section is built and checked.
+
+:func:`build_section` turns a mapping (a ConfigDict section or a plain dict) into a frozen,
+keyword-only dataclass: it rejects unknown keys and missing required fields, checks each value
+against its field's type (mapping value types included), and accepts only finite floats. Every
+error is one sentence naming the field and what is accepted. :func:`one_of` and
+:func:`positive` are the small checks the sections' ``__post_init__`` run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+
+def one_of(path: str, value: Any, allowed: tuple[str, ...]) -> None:
+  """Raises a ValueError naming ``path`` unless ``value`` is one of ``allowed``."""
+  if value not in allowed:
+    raise ValueError(f"{path}={value!r} is not accepted; choose one of: {', '.join(allowed)}.")
+
+
+def positive(path: str, value: float, *, allow_zero: bool = False) -> None:
+  """Raises a ValueError naming ``path`` unless ``value`` > 0 (>= 0 with ``allow_zero``)."""
+  if value < 0 or (value == 0 and not allow_zero):
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"{path}={value!r} is not accepted; it must be {bound}.")
+
+
+def to_plain(x: Any) -> Any:
+  """A ConfigDict as a plain dict; anything else unchanged."""
+  if hasattr(x, "to_dict"):
+    return x.to_dict()
+  return x
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+  """Checks a config value against a (simple) dataclass field annotation."""
+  origin = typing.get_origin(annotation)
+  if annotation is Any:
+    return True
+  if origin in (typing.Union, types.UnionType):
+    return any(_type_ok(value, a) for a in typing.get_args(annotation))
+  if annotation is type(None):
+    return value is None
+  if annotation is float:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+  if annotation is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if annotation in (bool, str):
+    return isinstance(value, annotation)
+  if origin is tuple:
+    return isinstance(value, tuple | list)
+  if origin is Mapping or annotation is Mapping:
+    if not isinstance(value, Mapping):
+      return False
+    args = typing.get_args(annotation)
+    return not args or all(_type_ok(k, args[0]) and _type_ok(v, args[1]) for k, v in value.items())
+  return True
+
+
+def _type_name(annotation: Any) -> str:
+  if typing.get_origin(annotation) is Mapping:
+    k, v = (_type_name(a) for a in typing.get_args(annotation))
+    return f"a mapping of {k} to {v}"
+  return getattr(annotation, "__name__", str(annotation))
+
+
+def build_section(cls: type, values: Mapping[str, Any], path: str) -> Any:
+  """Builds a frozen dataclass from a mapping, naming unknown keys and wrong types."""
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls) if f.init}
+  values = to_plain(values)
+  if not isinstance(values, Mapping):
+    raise ValueError(
+      f"{path}={values!r:.80} is not accepted; it must be a mapping of field names to values."
+    )
+  required = [
+    f.name
+    for f in dataclasses.fields(cls)
+    if f.init
+    and f.default is dataclasses.MISSING
+    and f.default_factory is dataclasses.MISSING
+    and f.name not in values
+  ]
+  if required:
+    raise ValueError(f"{path}.{required[0]} is missing; it has no default.")
+  kwargs = {}
+  for key, value in values.items():
+    if key not in fields:
+      raise ValueError(
+        f"{path}.{key} is not a known field; known fields: {', '.join(sorted(fields))}."
+      )
+    value = to_plain(value)
+    if not _type_ok(value, hints[key]):
+      raise ValueError(
+        f"{path}.{key}={value!r} has the wrong type; expected {_type_name(hints[key])}."
+      )
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f"{path}.{key}={value!r} is not accepted; it must be a finite number.")
+    if isinstance(value, list):
+      value = tuple(value)
+    kwargs[key] = value
+  return cls(**kwargs)

@@ -1,0 +1,201 @@
+"""Hugging Face `config.json` <-> knitjax's `TransformerConfig`, for Qwen2 / Qwen3 / Llama.
+
+`config_from_hf` reads a checkpoint's `config.json` (or its parsed dict), checks every field
+knitjax's decoder depends on and refuses, in one sentence naming the field, any option it does
+not implement (RoPE scaling, sliding windows, biases the family lacks); `config_to_hf` writes the
+inverse, picking the family from the config (qk_norm -> qwen3, qkv_bias -> qwen2, else llama).
+The weights themselves are mapped by `knitjax.models.hf`, which re-exports these names.
+"""
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+
+from knitjax.models.transformer import TransformerConfig
+
+CONFIG_FILE = "config.json"
+
+_ARCHITECTURES = {
+  "llama": "LlamaForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+}
+_REQUIRED = (
+  "vocab_size",
+  "hidden_size",
+  "intermediate_size",
+  "num_hidden_layers",
+  "num_attention_heads",
+)
+_MAX = sys.float_info.max
+
+
+def _read_json(path: str) -> dict:
+  """The JSON object in ``path``; a missing, unreadable or malformed file is one ValueError."""
+  try:
+    with open(path, "rb") as f:
+      value = json.loads(f.read().decode("utf-8"))
+  except FileNotFoundError:
+    raise ValueError(
+      f"{path} does not exist; a Hugging Face checkpoint folder is needed."
+    ) from None
+  except OSError as e:
+    raise ValueError(f"{path} cannot be read ({e.strerror or type(e).__name__}).") from None
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ValueError(f"{path} is not UTF-8 JSON ({reason}); accepted: a JSON object.") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} holds {json.dumps(value):.60}; accepted: a JSON object.")
+  return value
+
+
+def _positive_int(value, key: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is an int too
+    raise ValueError(f"config.json {key} must be a positive integer, got {value!r}.")
+  return value
+
+
+def _positive_real(value, key: str) -> float:
+  # The upper bound keeps out inf, and ints too big for a float; nan fails every comparison.
+  if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= _MAX:
+    raise ValueError(f"config.json {key} must be a finite number > 0, got {value!r}.")
+  return float(value)
+
+
+def _flag(hf: Mapping, key: str) -> bool:
+  """A boolean field; missing or null is false, as in Hugging Face's configs of these families."""
+  value = hf.get(key)
+  if value is not None and not isinstance(value, bool):
+    raise ValueError(f"config.json {key} must be true or false, got {value!r}.")
+  return bool(value)
+
+
+def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "float32"):
+  """The `TransformerConfig` of a Hugging Face `config.json` (Qwen2 / Qwen3 / Llama).
+
+  Args:
+    path_or_dict: a checkpoint folder, the path of its `config.json`, or the parsed dict.
+    dtype: knitjax's compute dtype ("float32" | "bfloat16"); params are always float32.
+
+  Raises:
+    ValueError: one sentence naming config.json and the field, for an unreadable file, a field
+      of the wrong type or range, or a model type, RoPE scaling, sliding window or other option
+      knitjax's decoder does not implement.
+  """
+  if isinstance(path_or_dict, Mapping):
+    hf = dict(path_or_dict)
+  else:
+    path = os.fspath(path_or_dict)
+    hf = _read_json(os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path)
+  family = hf.get("model_type")
+  if not isinstance(family, str) or family not in _ARCHITECTURES:
+    raise ValueError(
+      f"config.json model_type={family!r} is not supported; accepted: {sorted(_ARCHITECTURES)}."
+    )
+  for key in _REQUIRED:
+    if key not in hf:
+      raise ValueError(f"config.json of model_type {family!r} lacks the required field {key!r}.")
+    _positive_int(hf[key], key)
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"config.json hidden_act={hf['hidden_act']!r} is not supported; only 'silu'.")
+  specs = {}
+  for spec_key in ("rope_scaling", "rope_parameters"):
+    specs[spec_key] = spec = {} if hf.get(spec_key) is None else hf[spec_key]
+    if not isinstance(spec, dict):
+      raise ValueError(f"config.json {spec_key} must be an object or null, got {spec!r}.")
+    rope_type = spec.get("rope_type", spec.get("type", "default"))
+    if rope_type != "default":
+      why = " (Llama-3.1+ frequency scaling is not implemented)" if rope_type == "llama3" else ""
+      raise ValueError(
+        f"config.json {spec_key} has rope type {rope_type!r}{why}; accepted: null or 'default'."
+      )
+  rotary = hf.get("partial_rotary_factor", 1.0)
+  if isinstance(rotary, bool) or rotary != 1.0:
+    raise ValueError(
+      f"config.json partial_rotary_factor must be 1.0 (RoPE on the whole head), got {rotary!r}."
+    )
+  if _flag(hf, "use_sliding_window"):
+    raise ValueError("config.json use_sliding_window=true is not supported; accepted: false.")
+  layer_types = hf.get("layer_types")
+  if layer_types is not None and (
+    not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)
+  ):
+    raise ValueError("config.json layer_types must all be 'full_attention' (no sliding window).")
+  if family != "qwen2" and _flag(hf, "attention_bias"):
+    raise ValueError(f"config.json attention_bias=true ({family}) is not supported; only false.")
+  if _flag(hf, "mlp_bias"):
+    raise ValueError("config.json mlp_bias=true is not supported; accepted: false.")
+
+  heads = hf["num_attention_heads"]
+  kv_heads = hf.get("num_key_value_heads")  # only a missing or null value means "as many as heads"
+  kv_heads = heads if kv_heads is None else _positive_int(kv_heads, "num_key_value_heads")
+  if heads % kv_heads:
+    raise ValueError(
+      f"config.json num_key_value_heads={kv_heads} must divide num_attention_heads={heads}."
+    )
+  head_dim = hf.get("head_dim")
+  if head_dim is None:  # Hugging Face's own defaults: Qwen3Config says 128, the others derive it
+    head_dim = 128 if family == "qwen3" else hf["hidden_size"] // heads
+    derived = " (hidden_size // num_attention_heads)"
+  else:
+    head_dim, derived = _positive_int(head_dim, "head_dim"), ""
+  if head_dim < 2 or head_dim % 2:
+    raise ValueError(
+      f"config.json head_dim must be an even integer >= 2 (RoPE), got {head_dim}{derived}."
+    )
+  if "rope_theta" in hf or "rope_theta" not in specs["rope_parameters"]:
+    rope_theta = _positive_real(hf.get("rope_theta", 10_000.0), "rope_theta")
+  else:  # transformers v5 keeps it inside rope_parameters
+    rope_theta = _positive_real(
+      specs["rope_parameters"]["rope_theta"], "rope_parameters.rope_theta"
+    )
+  return TransformerConfig(
+    vocab_size=hf["vocab_size"],
+    num_layers=hf["num_hidden_layers"],
+    d_model=hf["hidden_size"],
+    num_heads=heads,
+    num_kv_heads=kv_heads,
+    head_dim=head_dim,
+    ffn_dim=hf["intermediate_size"],
+    rope_theta=rope_theta,
+    norm_eps=_positive_real(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+    tie_embeddings=_flag(hf, "tie_word_embeddings"),
+    qk_norm=family == "qwen3",
+    qkv_bias=family == "qwen2",
+    dtype=dtype,
+  )
+
+
+def _family(config: TransformerConfig) -> str:
+  if config.qk_norm and config.qkv_bias:
+    raise ValueError("no Hugging Face family has both qk_norm and qkv_bias; cannot export it.")
+  return "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+
+
+def config_to_hf(config: TransformerConfig, *, torch_dtype: str = "float32") -> dict:
+  """The Hugging Face `config.json` dict of a knitjax decoder config (inverse of config_from_hf)."""
+  family = _family(config)
+  hf = {
+    "architectures": [_ARCHITECTURES[family]],
+    "model_type": family,
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.d_model,
+    "intermediate_size": config.ffn_dim,
+    "num_hidden_layers": config.num_layers,
+    "num_attention_heads": config.num_heads,
+    "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim,
+    "hidden_act": "silu",
+    "rms_norm_eps": config.norm_eps,
+    "rope_theta": config.rope_theta,
+    "rope_scaling": None,
+    "tie_word_embeddings": config.tie_embeddings,
+    "torch_dtype": torch_dtype,
+  }
+  if family == "qwen2":
+    hf["use_sliding_window"] = False
+  else:
+    hf["attention_bias"] = False
+    hf["use_sliding_window" if family == "qwen3" else "mlp_bias"] = False
+  return hf
