@@ -140,3 +140,34 @@ def test_rollout_replaces_a_killed_actor_and_regenerates_its_groups(local_ray):
     for i in range(10_000):
       pool.step(jax.random.fold_in(rng, i))
   pool.close()
+
+
+def test_a_default_local_run_listens_on_no_socket_beyond_loopback(tmp_path):
+  """The default run (in-process storage and rollout, no Ray) opens no listening socket that
+  another machine could reach; sampled while it trains."""
+  import subprocess
+  import sys
+
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  cmd = [sys.executable, "-m", "knitjax.main", "--config=configs/arith_tiny.py:quick"]
+  proc = subprocess.Popen(
+    [*cmd, f"--workdir={tmp_path}"],
+    cwd=repo,
+    env={**os.environ, "PYTHONPATH": repo},
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  exposed, samples = set(), 0
+  while proc.poll() is None:
+    try:
+      tree = psutil.Process(proc.pid)
+      pids = {proc.pid} | {p.pid for p in tree.children(recursive=True)}
+      for c in psutil.net_connections(kind="inet"):
+        if c.pid in pids and not c.raddr and c.laddr.ip not in ("127.0.0.1", "::1"):
+          exposed.add((c.laddr.ip, c.laddr.port))
+      samples += 1
+    except psutil.Error:
+      pass
+    time.sleep(0.2)
+  assert proc.returncode == 0 and samples > 5
+  assert exposed == set()
