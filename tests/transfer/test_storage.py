@@ -448,7 +448,8 @@ def test_backpressure_blocks_writer_until_release():
   writer.join()
   s = unit.stats()
   assert (s["groups"], s["bytes"], s["waiting"]) == (2, s["max_bytes"], 0)
-  assert s["blocked_s"] >= 0.3
+  # it waited (how long depends on when its thread started, so no timing bound here)
+  assert s["blocked_puts"] == 1 and s["blocked_s"] > 0
   assert_got(unit, 2, stored_form(payloads[2]))
 
 
