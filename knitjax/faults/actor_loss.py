@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 from knitjax.faults.kill_resume import _config, check_disaggregated
@@ -53,10 +52,8 @@ def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
 
   t0 = time.time()
   error = None
-  done = threading.Event()
   try:
     last = train(config, workdir, on_step=on_step)
-    done.set()
   except Exception as e:  # the suite reports what went wrong instead of dying
     error, last = f"{type(e).__name__}: {e}", {}
   finally:

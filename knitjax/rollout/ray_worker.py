@@ -172,7 +172,8 @@ class RayRollout:
     ray.kill(self._actors[i], no_restart=True)
     actor = self._spawn(i)
     ray.get(actor.attach.remote(self._units[i]))  # the unit outlives its actor (or is restarted)
-    self._units[i].discard([gid for _, gid in share])  # stored before the death: remade below
+    # stored before the death, remade below (release skips ids the unit does not hold)
+    self._units[i].release([gid for _, gid in share])
     if self._published is not None:
       actor.adopt.remote(*self._published)
     self._actors[i] = actor

@@ -100,21 +100,6 @@ class _StorageActor:
     self._unit.release(group_ids)
     self._unspill(group_ids)
 
-  def discard(self, group_ids):
-    """Releases whichever of ``group_ids`` are held (payloads of groups that will be remade)."""
-    held = [g for g in dict.fromkeys(group_ids) if self._holds(g)]
-    if held:
-      self._unit.release(held)
-    self._unspill(held)
-    return held
-
-  def _holds(self, group_id: int) -> bool:
-    try:
-      self._unit.get([group_id])
-    except KeyError:
-      return False
-    return True
-
   def _unspill(self, group_ids) -> None:
     self._replayed.difference_update(group_ids)
     if self._dir is not None:
@@ -212,10 +197,6 @@ class RayStorageUnit(StorageUnit):
 
   def release(self, group_ids: Sequence[int]) -> None:
     _result(self._actor.release.remote(list(group_ids)))
-
-  def discard(self, group_ids: Sequence[int]) -> list[int]:
-    """Releases whichever of ``group_ids`` the unit holds; returns those it released."""
-    return _result(self._actor.discard.remote(list(group_ids)))
 
   def pid(self) -> int:
     """The actor's process id (fault tests kill it)."""
