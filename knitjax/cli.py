@@ -80,3 +80,13 @@ def _joined(args: list[str]) -> list[str]:
       out.append(args[i])
       i += 1
   return out
+
+
+def request_cpu_devices(count: int) -> None:
+  """Asks XLA for ``count`` fake CPU devices (config.mesh.cpu_devices; 0: leave as is).
+
+  Must run before JAX starts; harmless on TPU/GPU, and an XLA_FLAGS setting already given wins.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if count and "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"

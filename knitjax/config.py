@@ -28,6 +28,7 @@ STORAGE = ("in_process", "ray")
 # "auto": the continuous engine for disaggregated text runs, the batched sampler otherwise.
 ENGINES = ("auto", "batched", "continuous")
 ADVANTAGES = tuple(ESTIMATORS)
+CHAT = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,8 +37,12 @@ class TaskConfig:
 
   name: str = "arith"
   reward: str = "arith_exact"
-  path: str = ""  # JSONL file for file-backed tasks (gsm8k)
+  path: str = ""  # JSONL file for file-backed tasks (gsm8k); "generated:train" for word problems
   prompt_len: int = 0  # 0: the task's own maximum prompt length
+  # Prompts as chat messages through the checkpoint's chat template (init_from with a tokenizer):
+  # "auto" uses the template when the tokenizer has one, "off" gives base models plain text.
+  chat: str = "auto"
+  system_prompt: str = ""  # the system message of chat prompts ("" = none)
 
   def __post_init__(self):
     from knitjax.tasks.registry import FILE_TASKS, TASKS
@@ -45,6 +50,7 @@ class TaskConfig:
 
     one_of("config.task.name", self.name, tuple(TASKS))
     one_of("config.task.reward", self.reward, tuple(REWARDS))
+    one_of("config.task.chat", self.chat, CHAT)
     positive("config.task.prompt_len", self.prompt_len, allow_zero=True)
     if self.name in FILE_TASKS and not self.path:
       raise ValueError(
@@ -255,6 +261,39 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+  """Held-out evaluation (`knitjax.runtime.evaluation`): greedy accuracy and pass@k."""
+
+  every_steps: int = 0  # 0: no evaluation while training (python -m knitjax.eval still works)
+  prompts: int = 64  # held-out prompts per evaluation
+  samples: int = 0  # samples per prompt at the rollout temperature for pass@k (0: greedy only)
+  k: int = 1  # pass@k's k, <= samples
+  reward: str = ""  # "" = config.task.reward; a prompt is solved when the reward is >= 1
+  # Held-out prompts: a file for file-backed tasks; "" = the task's held-out split
+  # ("generated:heldout" for "generated:train"), or for generated tasks a stream of another seed.
+  path: str = ""
+  max_new_tokens: int = 0  # 0 = config.rollout.max_new_tokens
+  batch_prompts: int = 16  # prompts per sampler call
+
+  def __post_init__(self):
+    from knitjax.tasks.rewards import REWARDS
+
+    positive("config.eval.every_steps", self.every_steps, allow_zero=True)
+    positive("config.eval.prompts", self.prompts)
+    positive("config.eval.samples", self.samples, allow_zero=True)
+    positive("config.eval.k", self.k)
+    positive("config.eval.max_new_tokens", self.max_new_tokens, allow_zero=True)
+    positive("config.eval.batch_prompts", self.batch_prompts)
+    if self.reward:
+      one_of("config.eval.reward", self.reward, tuple(REWARDS))
+    if self.samples and self.k > self.samples:
+      raise ValueError(
+        f"config.eval.k={self.k} must be <= config.eval.samples={self.samples} (pass@k draws k "
+        "of the samples)."
+      )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
   """The whole run, validated."""
 
@@ -267,6 +306,7 @@ class Config:
   runtime: RuntimeConfig
   mesh: MeshConfig
   checkpoint: CheckpointConfig
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   vision: VisionConfig | None = None  # set: the policy is a VLM (knitjax.models.vlm)
   # A Hugging Face checkpoint folder (Qwen2/Qwen3/Llama, knitjax.models.hf) the policy starts
   # from: config.model then comes from its config.json (only config.model.dtype may be set).
@@ -281,6 +321,7 @@ SECTIONS = {
   "runtime": RuntimeConfig,
   "mesh": MeshConfig,
   "checkpoint": CheckpointConfig,
+  "eval": EvalConfig,
 }
 
 

@@ -4,7 +4,6 @@ This file is intentionally kept short: it parses flags, optionally starts
 multi-host JAX, and calls :func:`knitjax.runtime.train.train`.
 """
 
-import os
 import sys
 
 from absl import app, flags, logging
@@ -29,14 +28,7 @@ def main(argv):
     config = from_config_dict(_CONFIG.value)
   except (OSError, ValueError) as e:  # a config file that failed to load surfaces here
     sys.exit(f"error: {cli.one_line(e)}")
-  # Fake CPU devices must be requested before JAX starts; harmless on TPU/GPU.
-  if config.mesh.cpu_devices and "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-  ):
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "")
-      + f" --xla_force_host_platform_device_count={config.mesh.cpu_devices}"
-    )
+  cli.request_cpu_devices(config.mesh.cpu_devices)
   import jax
 
   if _DISTRIBUTED.value:

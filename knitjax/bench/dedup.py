@@ -77,7 +77,7 @@ def make_workload(
   prompts, responses, logps, index = [], [], [], []
   for g in range(unique_images):
     text = rng.integers(4, lm.vocab_size, text_tokens)
-    prompt = np.concatenate([[1], [IMAGE_TOKEN] * vision.num_patches, text]).astype(np.int32)
+    prompt = np.concatenate([[1], [IMAGE_TOKEN] * vision.num_image_tokens, text]).astype(np.int32)
     for _ in range(group_size):
       prompts.append(prompt)
       responses.append(rng.integers(4, lm.vocab_size, response_tokens).astype(np.int32))
@@ -233,7 +233,7 @@ def run(config, workdir: str) -> dict:
       "group_size": w.group_size,
       "rows": rows,
       "micro_batches": w.micro_batches,
-      "image_tokens": vision.num_patches,
+      "image_tokens": vision.num_image_tokens,
       "sequence_len": int(host["tokens"].shape[-1]),
       "mesh": dict(mesh.shape),
       "vision": config.vision.to_dict(),

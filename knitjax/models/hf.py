@@ -3,7 +3,9 @@
 `load_hf_params` reads `model.safetensors` (or the shards of `model.safetensors.index.json`) into
 the NNX param tree, one tensor at a time, placing each with the sharding of `knitjax.sharding`'s
 rules; `save_hf_params` writes the inverse, for tests and for exporting a trained policy; and
-`init_from_hf` builds a policy straight from a checkpoint folder.
+`init_from_hf` builds a policy straight from a checkpoint folder. `load_entries`, `save_items` and
+`write_folder` are the same steps on a decoder held inside a bigger checkpoint (LLaVA's
+`language_model`, see `knitjax.models.hf_vision`).
 
 `config.json` <-> `TransformerConfig` lives in `knitjax.models.hf_config`; `config_from_hf`,
 `config_to_hf` and `CONFIG_FILE` are re-exported here, so `hf.config_from_hf(path)` works. The
@@ -38,9 +40,13 @@ __all__ = [
   "config_from_hf",
   "config_to_hf",
   "init_from_hf",
+  "checkpoint_entries",
+  "load_entries",
   "load_hf_params",
   "read_safetensors",
   "save_hf_params",
+  "save_items",
+  "write_folder",
 ]
 
 WEIGHTS_FILE = "model.safetensors"
@@ -49,7 +55,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
-def _checkpoint_entries(path: str) -> dict[str, Entry]:
+def checkpoint_entries(path: str) -> dict[str, Entry]:
   """Every tensor of a checkpoint folder (single file or index.json shards), by name."""
   index = os.path.join(path, INDEX_FILE)
   if os.path.isfile(index):
@@ -80,7 +86,7 @@ def _checkpoint_entries(path: str) -> dict[str, Entry]:
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
   """All tensors of a checkpoint folder or `.safetensors` file, in their stored dtypes."""
-  return {name: read_tensor(e) for name, e in _checkpoint_entries(os.fspath(path)).items()}
+  return {name: read_tensor(e) for name, e in checkpoint_entries(os.fspath(path)).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,16 +223,34 @@ def load_hf_params(
   state, config = _split_state(model_or_abstract_state)
   if config is not None:
     _check_config(path, config)
-  entries = _checkpoint_entries(path)
+  new_state = load_entries(checkpoint_entries(path), state, where=path, mesh=mesh, dtype=dtype)
+  if isinstance(model_or_abstract_state, nnx.Module):
+    nnx.update(model_or_abstract_state, new_state)
+  return new_state
+
+
+def load_entries(
+  entries: dict[str, Entry],
+  state: nnx.State,
+  *,
+  where: str,
+  mesh: jax.sharding.Mesh | None = None,
+  dtype=np.float32,
+) -> nnx.State:
+  """`load_hf_params` on tensor headers already read, named as in a text-only checkpoint.
+
+  Composite checkpoints (LLaVA) hold the decoder under another prefix: they pass its tensors
+  renamed to `model.*` / `lm_head.weight`. `where` names the checkpoint in errors.
+  """
   plan, used = [], set()
   for key, variable in nnx.to_flat_state(state):
     slot, shape = _slot(key), tuple(_value(variable).shape)
     entry = entries.get(slot.name)
     if entry is None:
-      raise ValueError(f"{path} lacks tensor {slot.name!r} that the model needs (shape {shape}).")
+      raise ValueError(f"{where} lacks tensor {slot.name!r} that the model needs (shape {shape}).")
     if entry.shape != slot.hf_shape(shape):
       raise ValueError(
-        f"tensor {slot.name!r} in {path} has shape {entry.shape} but the model needs "
+        f"tensor {slot.name!r} in {where} has shape {entry.shape} but the model needs "
         f"{slot.hf_shape(shape)}."
       )
     plan.append((key, variable, slot, shape))
@@ -236,7 +260,7 @@ def load_hf_params(
     if name in used or (tied_head and name == "lm_head.weight"):
       continue
     if not name.endswith(".rotary_emb.inv_freq"):  # a non-persistent buffer some exports keep
-      raise ValueError(f"tensor {name!r} in {path} is not used by the model.")
+      raise ValueError(f"tensor {name!r} in {where} is not used by the model.")
   if tied_head:  # some exports keep the tied head; accept only an exact copy of the embedding
     embed = entries.get("model.embed_tokens.weight")
     same = embed is not None and np.array_equal(
@@ -244,7 +268,7 @@ def load_hf_params(
     )
     if not same:
       raise ValueError(
-        f"tensor 'lm_head.weight' in {path} differs from the embedding, but the model ties them; "
+        f"tensor 'lm_head.weight' in {where} differs from the embedding, but the model ties them; "
         "set tie_embeddings=False (tie_word_embeddings=false)."
       )
   loaded = []
@@ -252,10 +276,7 @@ def load_hf_params(
     hf = read_tensor(entries[slot.name]).astype(dtype, copy=False)
     value = _place(slot.to_knitjax(hf, shape), _sharding(variable, shape, mesh))
     loaded.append((key, variable.replace(value) if isinstance(variable, nnx.Variable) else value))
-  new_state = nnx.from_flat_state(loaded)
-  if isinstance(model_or_abstract_state, nnx.Module):
-    nnx.update(model_or_abstract_state, new_state)
-  return new_state
+  return nnx.from_flat_state(loaded)
 
 
 def _host(value, dtype) -> np.ndarray:
@@ -287,15 +308,44 @@ def save_hf_params(
   Tensors are fetched to the host one at a time while writing. In a multi-process run every
   process must call this (params are gathered); only process 0 writes.
   """
-  path, dtype = os.fspath(path), np.dtype(dtype)
+  dtype = _save_dtype(dtype)
+  items = save_items(_split_state(model_or_state)[0], dtype)
+  hf_config = config_to_hf(config, torch_dtype=_TORCH_DTYPES[DTYPE_NAMES[dtype]])
+  write_folder(path, items, hf_config, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def _save_dtype(dtype) -> np.dtype:
+  dtype = np.dtype(dtype)
   if dtype not in DTYPE_NAMES:
     raise ValueError(f"save_hf_params dtype {dtype} is not supported; accepted: float32, bfloat16.")
+  return dtype
+
+
+def save_items(state: nnx.State, dtype: np.dtype, rename=None) -> list[tuple]:
+  """`(name, hf shape, dtype, fetch)` per param of a decoder state, for `write_folder`.
+
+  `rename` maps the text-only name (`model.*`, `lm_head.weight`) to the one written.
+  """
   items = []
-  for key, variable in nnx.to_flat_state(_split_state(model_or_state)[0]):
+  for key, variable in nnx.to_flat_state(state):
     value, slot = _value(variable), _slot(key)
     fetch = lambda value=value, slot=slot: slot.to_hf(_host(value, dtype))
-    items.append((slot.name, slot.hf_shape(tuple(value.shape)), dtype, fetch))
-  items.sort(key=lambda item: item[0])
+    name = slot.name if rename is None else rename(slot.name)
+    items.append((name, slot.hf_shape(tuple(value.shape)), dtype, fetch))
+  return items
+
+
+def write_folder(
+  path: str | os.PathLike,
+  items: list[tuple],
+  hf_config: dict,
+  *,
+  dtype: np.dtype,
+  max_shard_bytes: int | None = None,
+) -> None:
+  """Writes `config.json` and the `(name, shape, dtype, fetch)` items as `save_pretrained` does."""
+  path = os.fspath(path)
+  items = sorted(items, key=lambda item: item[0])
   shards, size = [[]], 0
   for item in items:
     nbytes = math.prod(item[1]) * dtype.itemsize
@@ -314,7 +364,7 @@ def save_hf_params(
     return
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, CONFIG_FILE), "w") as f:
-    json.dump(config_to_hf(config, torch_dtype=_TORCH_DTYPES[DTYPE_NAMES[dtype]]), f, indent=2)
+    json.dump(hf_config, f, indent=2)
   for file, shard in zip(files, shards, strict=True):
     write_streamed(os.path.join(path, file), shard)
   if max_shard_bytes is not None:

@@ -2,16 +2,20 @@
 
 `config_from_hf` reads a checkpoint's `config.json` (or its parsed dict), checks every field
 knitjax's decoder depends on and refuses, in one sentence naming the field, any option it does
-not implement (RoPE scaling, sliding windows, biases the family lacks); `config_to_hf` writes the
-inverse, picking the family from the config (qk_norm -> qwen3, qkv_bias -> qwen2, else llama).
+not implement (RoPE scaling other than linear / llama3 / yarn, sliding windows, biases the family
+lacks). RoPE settings come from either layout: transformers 4.x (`rope_theta` + a `rope_scaling`
+dict) or 5.x (a `rope_parameters` dict). `config_to_hf` writes the inverse, picking the family
+from the config (qk_norm -> qwen3, qkv_bias -> qwen2, else llama).
 The weights themselves are mapped by `knitjax.models.hf`, which re-exports these names.
 """
 
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Mapping
 
+from knitjax.models.layers import ROPE_SCALING_FIELDS, RopeScaling, yarn_mscale
 from knitjax.models.transformer import TransformerConfig
 
 CONFIG_FILE = "config.json"
@@ -63,12 +67,90 @@ def _positive_real(value, key: str) -> float:
   return float(value)
 
 
+def _finite_real(value, key: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, int | float) or not -_MAX <= value <= _MAX:
+    raise ValueError(f"config.json {key} must be a finite number, got {value!r}.")
+  return float(value)
+
+
 def _flag(hf: Mapping, key: str) -> bool:
   """A boolean field; missing or null is false, as in Hugging Face's configs of these families."""
   value = hf.get(key)
   if value is not None and not isinstance(value, bool):
     raise ValueError(f"config.json {key} must be true or false, got {value!r}.")
   return bool(value)
+
+
+def _rope_scaling(hf: Mapping, key: str, spec: dict) -> RopeScaling | None:
+  """The `RopeScaling` of a config.json rope dict, resolved as transformers 5 resolves it."""
+  rope_type = spec.get("rope_type", spec.get("type", "default"))
+  if rope_type == "default":
+    return None
+  if not isinstance(rope_type, str) or rope_type not in ROPE_SCALING_FIELDS:
+    raise ValueError(
+      f"config.json {key} has rope type {rope_type!r}; accepted: null, "
+      f"{', '.join(repr(t) for t in ['default', *sorted(ROPE_SCALING_FIELDS)])}."
+    )
+  rotary = spec.get("partial_rotary_factor", 1.0)
+  if isinstance(rotary, bool) or rotary != 1.0:
+    raise ValueError(
+      f"config.json {key}.partial_rotary_factor must be 1.0 (RoPE on the whole head), "
+      f"got {rotary!r}."
+    )
+  used = ROPE_SCALING_FIELDS[rope_type]
+
+  def lacks(field: str) -> ValueError:
+    return ValueError(f"config.json {key} has rope type {rope_type!r} without the field {field!r}.")
+
+  if "factor" not in spec:
+    raise lacks("factor")
+  fields = {}
+  if "original_max_position_embeddings" in used:
+    name, value = (
+      f"{key}.original_max_position_embeddings",
+      spec.get("original_max_position_embeddings"),
+    )
+    if value is None:  # transformers falls back to max_position_embeddings
+      name, value = "max_position_embeddings", hf.get("max_position_embeddings")
+    if value is None:
+      raise lacks("original_max_position_embeddings")
+    fields["original_max_position_embeddings"] = _positive_int(value, name)
+  factor = spec["factor"]
+  if factor is None and rope_type == "yarn" and hf.get("max_position_embeddings") is not None:
+    # transformers: the post-YaRN over the pre-YaRN context length.
+    length = _positive_int(hf["max_position_embeddings"], "max_position_embeddings")
+    factor = length / fields["original_max_position_embeddings"]
+  factor = _positive_real(factor, f"{key}.factor")
+  if rope_type == "llama3":
+    for name in ("low_freq_factor", "high_freq_factor"):
+      if name not in spec:
+        raise lacks(name)
+      fields[name] = _positive_real(spec[name], f"{key}.{name}")
+  if rope_type == "yarn":
+    for name in ("beta_fast", "beta_slow"):
+      if spec.get(name):  # transformers: `beta_fast or 32`
+        fields[name] = _positive_real(spec[name], f"{key}.{name}")
+    if spec.get("attention_factor") is not None:  # null: derived from factor (and mscale)
+      fields["attention_factor"] = _positive_real(
+        spec["attention_factor"], f"{key}.attention_factor"
+      )
+    mscale = {}
+    for name in ("mscale", "mscale_all_dim"):
+      if spec.get(name) is not None:
+        mscale[name] = _finite_real(spec[name], f"{key}.{name}")
+    if "attention_factor" not in fields and mscale.get("mscale") and mscale.get("mscale_all_dim"):
+      fields["attention_factor"] = yarn_mscale(factor, mscale["mscale"]) / yarn_mscale(
+        factor, mscale["mscale_all_dim"]
+      )
+    truncate = spec.get("truncate", True)
+    if truncate is not None and not isinstance(truncate, bool):
+      raise ValueError(f"config.json {key}.truncate must be true or false, got {truncate!r}.")
+    if not truncate:  # transformers tests `if truncate:`, so null turns it off too
+      fields["truncate"] = False
+  try:
+    return RopeScaling(rope_type=rope_type, factor=factor, **fields)
+  except ValueError as e:  # a cross-field rule, e.g. high_freq_factor > low_freq_factor
+    raise ValueError(f"config.json {key} is not accepted: {e}") from None
 
 
 def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "float32"):
@@ -80,8 +162,8 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
 
   Raises:
     ValueError: one sentence naming config.json and the field, for an unreadable file, a field
-      of the wrong type or range, or a model type, RoPE scaling, sliding window or other option
-      knitjax's decoder does not implement.
+      of the wrong type or range, or a model type, RoPE scaling type, sliding window or other
+      option knitjax's decoder does not implement.
   """
   if isinstance(path_or_dict, Mapping):
     hf = dict(path_or_dict)
@@ -104,12 +186,15 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
     specs[spec_key] = spec = {} if hf.get(spec_key) is None else hf[spec_key]
     if not isinstance(spec, dict):
       raise ValueError(f"config.json {spec_key} must be an object or null, got {spec!r}.")
-    rope_type = spec.get("rope_type", spec.get("type", "default"))
-    if rope_type != "default":
-      why = " (Llama-3.1+ frequency scaling is not implemented)" if rope_type == "llama3" else ""
-      raise ValueError(
-        f"config.json {spec_key} has rope type {rope_type!r}{why}; accepted: null or 'default'."
-      )
+  # transformers 4.x: rope_scaling (+ top-level rope_theta); 5.x: rope_parameters. When both are
+  # given, 5.x uses rope_scaling; a disagreement is refused rather than resolved silently.
+  scalings = {key: _rope_scaling(hf, key, spec) for key, spec in specs.items() if spec}
+  if len(set(scalings.values())) > 1:
+    raise ValueError(
+      "config.json rope_scaling and rope_parameters give different RoPE scalings; accepted: "
+      "one of them, or both the same."
+    )
+  rope_scaling = next(iter(scalings.values()), None)
   rotary = hf.get("partial_rotary_factor", 1.0)
   if isinstance(rotary, bool) or rotary != 1.0:
     raise ValueError(
@@ -159,6 +244,7 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
     head_dim=head_dim,
     ffn_dim=hf["intermediate_size"],
     rope_theta=rope_theta,
+    rope_scaling=rope_scaling,
     norm_eps=_positive_real(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
     tie_embeddings=_flag(hf, "tie_word_embeddings"),
     qk_norm=family == "qwen3",
@@ -193,6 +279,21 @@ def config_to_hf(config: TransformerConfig, *, torch_dtype: str = "float32") -> 
     "tie_word_embeddings": config.tie_embeddings,
     "torch_dtype": torch_dtype,
   }
+  scaling = config.rope_scaling
+  if scaling is not None:
+    # transformers 5 writes rope_parameters (with rope_theta); 4.x reads rope_scaling; both agree.
+    fields = {
+      f.name: getattr(scaling, f.name)
+      for f in dataclasses.fields(scaling)
+      if getattr(scaling, f.name) is not None
+    }
+    hf["rope_scaling"] = fields
+    hf["rope_parameters"] = dict(fields, rope_theta=config.rope_theta)
+    if scaling.original_max_position_embeddings is not None:
+      # Only transformers' consistency checks read it (yarn: factor = this / the original).
+      hf["max_position_embeddings"] = round(
+        scaling.original_max_position_embeddings * scaling.factor
+      )
   if family == "qwen2":
     hf["use_sliding_window"] = False
   else:

@@ -3,12 +3,16 @@
 Every parameter is float32 and carries its logical axis names as `out_sharding` metadata
 (`knitjax.sharding` maps them onto the mesh). Computation runs in a configurable `dtype`: params
 are cast at use, while norms, RoPE, attention softmax and the output logits stay in float32.
+RoPE may carry the frequency scaling of long-context checkpoints (`RopeScaling`).
 """
 
+import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 # Compute dtypes a model may run in, by the name configs use (`TransformerConfig.dtype`).
@@ -46,12 +50,158 @@ class RMSNorm(nnx.Module):
     return (x32 * self.scale[...]).astype(x.dtype)
 
 
-def rope_sin_cos(positions_bt: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, ...]:
-  """Sine and cosine tables [B, T, head_dim/2] (float32) for rotary embeddings."""
-  fraction = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-  inv_freq = 1.0 / (theta**fraction)
+# RoPE scaling types `RopeScaling` implements, each with the fields it reads besides `factor`.
+ROPE_SCALING_FIELDS = {
+  "linear": (),
+  "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+  "yarn": (
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "truncate",
+  ),
+}
+_OPTIONAL_FIELDS = ("beta_fast", "beta_slow", "attention_factor", "truncate")
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+  """YaRN's attention temperature 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+  return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _finite_positive(value) -> bool:
+  return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """RoPE frequency scaling, as transformers' `modeling_rope_utils` computes it.
+
+  `linear` divides every frequency by `factor`. `llama3` (Llama-3.1+) divides the frequencies
+  whose wavelength exceeds `original_max_position_embeddings / low_freq_factor` by `factor`, keeps
+  those shorter than `original_max_position_embeddings / high_freq_factor`, and blends between.
+  `yarn` (e.g. Qwen2.5 long context) blends `1/factor`-interpolated and original frequencies over
+  the dimensions between the `beta_fast` (default 32) and `beta_slow` (default 1) rotation counts
+  (bounds rounded outwards unless `truncate` is False), and multiplies cos and sin by
+  `attention_factor` (default `yarn_mscale(factor)`). Fields a type does not read stay None.
+  """
+
+  rope_type: str  # one of ROPE_SCALING_FIELDS
+  factor: float
+  original_max_position_embeddings: int | None = None
+  low_freq_factor: float | None = None
+  high_freq_factor: float | None = None
+  beta_fast: float | None = None
+  beta_slow: float | None = None
+  attention_factor: float | None = None
+  truncate: bool | None = None
+
+  def __post_init__(self):
+    if self.rope_type not in ROPE_SCALING_FIELDS:
+      raise ValueError(
+        f"RopeScaling.rope_type must be one of {sorted(ROPE_SCALING_FIELDS)}, "
+        f"got {self.rope_type!r}."
+      )
+    used = ROPE_SCALING_FIELDS[self.rope_type]
+    for field in dataclasses.fields(self):
+      name, value = field.name, getattr(self, field.name)
+      if name in ("rope_type", "factor"):
+        continue
+      if name not in used:
+        if value is not None:
+          raise ValueError(
+            f"RopeScaling.{name} is not used by rope_type {self.rope_type!r}; leave it None."
+          )
+      elif name == "truncate":
+        if value is not None and not isinstance(value, bool):
+          raise ValueError(f"RopeScaling.truncate must be true, false or None, got {value!r}.")
+      elif name == "original_max_position_embeddings":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+          raise ValueError(
+            f"RopeScaling.{name} must be a positive integer for {self.rope_type!r}, got {value!r}."
+          )
+      elif not (_finite_positive(value) or (value is None and name in _OPTIONAL_FIELDS)):
+        raise ValueError(
+          f"RopeScaling.{name} must be a finite number > 0 for {self.rope_type!r}, got {value!r}."
+        )
+    if not _finite_positive(self.factor):
+      raise ValueError(f"RopeScaling.factor must be a finite number > 0, got {self.factor!r}.")
+    if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+      raise ValueError(
+        f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must be greater than "
+        f"low_freq_factor ({self.low_freq_factor})."
+      )
+
+  @property
+  def cos_sin_scale(self) -> float:
+    """The factor cos and sin are multiplied by (transformers' `attention_scaling`)."""
+    if self.rope_type != "yarn":
+      return 1.0
+    return yarn_mscale(self.factor) if self.attention_factor is None else self.attention_factor
+
+  def inv_freq(self, head_dim: int, theta: float) -> np.ndarray:
+    """The scaled inverse frequencies [head_dim/2], float32.
+
+    Follows transformers' float32 torch arithmetic step for step (NumPy >= 2 keeps Python scalars
+    weak, as torch does), so the frequencies agree to the last bit or two.
+    """
+    exponent = np.arange(0, head_dim, 2).astype(np.float32) / head_dim
+    base = np.float32(theta) ** exponent  # torch: python base ** float32 tensor, in float32
+    inv_freq = 1.0 / base
+    factor = self.factor
+    if self.rope_type == "linear":
+      return inv_freq / factor
+    if self.rope_type == "llama3":
+      old_context = self.original_max_position_embeddings
+      low_wavelen = old_context / self.low_freq_factor
+      high_wavelen = old_context / self.high_freq_factor
+      wavelen = 2 * math.pi / inv_freq
+      scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+      smooth = (old_context / wavelen - self.low_freq_factor) / (
+        self.high_freq_factor - self.low_freq_factor
+      )
+      smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+      medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+      return np.where(medium, smoothed, scaled).astype(np.float32)
+    # yarn
+    beta_fast, beta_slow = self.beta_fast or 32, self.beta_slow or 1
+
+    def correction_dim(rotations):
+      return (
+        head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
+      ) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if self.truncate is None or self.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+      high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    interpolation = 1.0 / (factor * base)
+    return (interpolation * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
+
+
+def rope_sin_cos(
+  positions_bt: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[jax.Array, ...]:
+  """Sine and cosine tables [B, T, head_dim/2] (float32) for rotary embeddings.
+
+  With `scaling`, its frequencies (a constant computed at trace time) and its cos/sin scale.
+  """
+  if scaling is None:
+    fraction = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (theta**fraction)
+  else:
+    inv_freq = jnp.asarray(scaling.inv_freq(head_dim, theta))
   angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq
-  return jnp.sin(angles), jnp.cos(angles)
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  if scaling is not None and scaling.cos_sin_scale != 1.0:
+    scale = np.float32(scaling.cos_sin_scale)
+    sin, cos = sin * scale, cos * scale
+  return sin, cos
 
 
 def apply_rope(x_btnh: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:

@@ -7,6 +7,7 @@ come from the caller (`cumsum(valid) - 1`), so padding never shifts RoPE.
 """
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,9 @@ class TransformerConfig:
   head_dim: int
   ffn_dim: int
   rope_theta: float = 10_000.0
+  # Long-context RoPE frequency scaling (Llama-3.1 "llama3", "yarn", "linear"); None: plain RoPE.
+  # A mapping of RopeScaling's fields (as a ConfigDict gives it) is converted.
+  rope_scaling: layers.RopeScaling | None = None
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
   qk_norm: bool = False  # Qwen3
@@ -55,6 +59,26 @@ class TransformerConfig:
       raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
     if not self.norm_eps > 0:
       raise ValueError(f"TransformerConfig.norm_eps must be > 0, got {self.norm_eps!r}.")
+    scaling = self.rope_scaling
+    if isinstance(scaling, Mapping):
+      known = {f.name for f in dataclasses.fields(layers.RopeScaling)}
+      unknown = sorted(set(scaling) - known)
+      if unknown or "rope_type" not in scaling or "factor" not in scaling:
+        bad = f"has no field {unknown[0]!r}" if unknown else "needs rope_type and factor"
+        raise ValueError(
+          f"TransformerConfig.rope_scaling {bad}; fields: {', '.join(sorted(known))}."
+        )
+      try:
+        scaling = layers.RopeScaling(**scaling)
+      except ValueError as e:
+        raise ValueError(f"TransformerConfig.rope_scaling is not accepted: {e}") from None
+      # Frozen: the config is a static jit argument and must stay hashable.
+      object.__setattr__(self, "rope_scaling", scaling)
+    elif scaling is not None and not isinstance(scaling, layers.RopeScaling):
+      raise ValueError(
+        f"TransformerConfig.rope_scaling must be a RopeScaling, a mapping of its fields or None, "
+        f"got {scaling!r:.80}."
+      )
 
   @property
   def compute_dtype(self) -> jnp.dtype:
@@ -135,6 +159,10 @@ class Transformer(nnx.Module):
         ("embed", "vocab"),
       )
 
+  def _rope(self, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    c = self.config
+    return layers.rope_sin_cos(positions_bt, c.head_dim, c.rope_theta, c.rope_scaling)
+
   def embed(self, tokens_bt: jax.Array) -> jax.Array:
     """Token embeddings [B, T, D] in the compute dtype."""
     return self.embedder(tokens_bt)
@@ -171,7 +199,7 @@ class Transformer(nnx.Module):
     t = x.shape[1]
     causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
     mask_bts = _attention_mask(causal_ts, valid_bt.astype(jnp.bool_), jnp.eye(t, dtype=jnp.bool_))
-    sin_cos = layers.rope_sin_cos(positions_bt, self.config.head_dim, self.config.rope_theta)
+    sin_cos = self._rope(positions_bt)
     for block in self.blocks:
       x, _ = block(x, sin_cos, mask_bts)
     return self._logits(x)
@@ -197,7 +225,7 @@ class Transformer(nnx.Module):
     slot_s = jnp.arange(cache.max_len)
     causal_ts = slot_s[None, :] <= query_slot_t[:, None]
     mask_bts = _attention_mask(causal_ts, valid_bs, slot_s[None, :] == query_slot_t[:, None])
-    sin_cos = layers.rope_sin_cos(positions_bt, self.config.head_dim, self.config.rope_theta)
+    sin_cos = self._rope(positions_bt)
     new_k, new_v = [], []
     for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
       x_btd, (k, v) = block(x_btd, sin_cos, mask_bts, (k, v), cache.index)

@@ -1,10 +1,11 @@
 """VLM wiring: vision encoder + projector + decoder, image placeholders replaced by patch features.
 
-A multimodal prompt holds `num_patches` placeholder tokens (`image_token_id`) per image. The k-th
-placeholder of a row takes the k-th projected patch feature of that row's image; every other
-position keeps its token embedding. The decoder then runs on these embeddings unchanged
-(`Transformer.__call__` / `prefill` take `embeddings_btd`), so decoding is the text path: only the
-prefill sees the image.
+A multimodal prompt holds `vision_config.num_image_tokens` placeholder tokens (`image_token_id`)
+per image (one per patch, less the first with LLaVA's "default" strategy). The k-th placeholder of
+a row takes the k-th projected feature of that row's image, as LLaVA's `masked_scatter` does;
+every other position keeps its token embedding. The decoder then runs on these embeddings
+unchanged (`Transformer.__call__` / `prefill` take `embeddings_btd`), so decoding is the text
+path: only the prefill sees the image.
 
 Params split into the encoder side (`vision`, `projector`) and the backbone (`lm`); the train step
 differentiates them separately (see `knitjax.train.dedup`).
@@ -68,16 +69,17 @@ class VLM(nnx.Module):
     self.vision_config = vision_config
     self.vision = VisionEncoder(vision_config, rngs=rngs)
     self.projector = Projector(
-      vision_config.d_model,
+      vision_config.feature_dim,
       vision_config.projector_dim,
       lm_config.d_model,
       dtype=vision_config.compute_dtype,
       rngs=rngs,
+      act=vision_config.projector_act,
     )
     self.lm = Transformer(lm_config, rngs=rngs)
 
   def encode_images(self, images_nhwc: jax.Array) -> jax.Array:
-    """Projected patch features [N, num_patches, lm d_model] of uint8 images [N, H, W, C]."""
+    """Projected features [N, num_image_tokens, lm d_model] of uint8 images [N, H, W, C]."""
     return self.projector(self.vision(images_nhwc))
 
   def embed(self, tokens_bt: jax.Array, image_rows_bpd: jax.Array | None = None) -> jax.Array:

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from knitjax import sharding
 from knitjax.rollout.continuous_step import SlotState, engine_call, fresh_cache
-from knitjax.rollout.sampler import SamplingConfig
+from knitjax.rollout.sampler import SamplingConfig, eos_tuple
 
 ADOPTION = ("new_groups", "mid_generation")
 
@@ -68,7 +68,7 @@ class ContinuousEngine:
     sampling: SamplingConfig,
     slots: int,
     prompt_len: int,
-    eos_id: int,
+    eos_id: int | Sequence[int],
     pad_id: int,
     refill_rows: int,
     decode_steps: int = 8,
@@ -83,7 +83,7 @@ class ContinuousEngine:
       sampling: temperature / top-k / top-p and ``max_new_tokens`` (the widest budget).
       slots: concurrent samples (a multiple of the mesh's batch shards).
       prompt_len: padded prompt length (prompts are left-padded to it).
-      eos_id: end token; pad_id: padding token.
+      eos_id: end token, or several (a sample ends at the first of any); pad_id: padding.
       refill_rows: prompts prefilled per call (fixed shape; e.g. a group's G samples).
       decode_steps: decode iterations per call at most (bounds how late a new version or a new
         group is taken up).
@@ -104,7 +104,8 @@ class ContinuousEngine:
     self.graphdef, self.mesh, self.sampling = graphdef, mesh, sampling
     self.slots, self.prompt_len, self.refill_rows = slots, prompt_len, refill_rows
     self.decode_steps, self.adoption = decode_steps, adoption
-    self.eos_id, self.pad_id = eos_id, pad_id
+    self.eos_ids, self.pad_id = eos_tuple(eos_id), pad_id
+    self.eos_id = self.eos_ids[0]
     self.shards = shards
     n_params = 1 if adoption == "mid_generation" else param_slots
     self._params: list[tuple[int, object] | None] = [None] * n_params
@@ -232,7 +233,7 @@ class ContinuousEngine:
         graphdef=self.graphdef,
         mesh=self.mesh,
         sampling=self.sampling,
-        eos_id=self.eos_id,
+        eos_ids=self.eos_ids,
         pad_id=self.pad_id,
       )
       live = np.asarray(self._state.live)

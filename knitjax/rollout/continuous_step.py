@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 from knitjax import sharding
 
 # The batched sampler's draw (top-k / top-p / temperature, untruncated log-probs): one rule.
-from knitjax.rollout.sampler import _sample
+from knitjax.rollout.sampler import _sample, is_eos
 
 _REFILL_KEY = 1 << 30  # fold_in data of the refill draw, apart from the decode iterations
 
@@ -64,7 +64,7 @@ def _engine_shard(
   *,
   graphdef,
   sampling,
-  eos_id,
+  eos_ids,
   pad_id,
 ):
   """One engine call on one batch shard (inside shard_map: no collectives)."""
@@ -99,7 +99,7 @@ def _engine_shard(
       length=put(st.length, jnp.ones_like(plens_r)),
       budget=put(st.budget, budget_r),
       pslot=put(st.pslot, jnp.full_like(plens_r, pslot)),
-      live=put(st.live, (token_r != eos_id) & (budget_r > 1)),
+      live=put(st.live, ~is_eos(token_r, eos_ids) & (budget_r > 1)),
     )
 
   state = jax.lax.cond(jnp.any(keep_r), do_refill, lambda st: st, state)
@@ -145,7 +145,7 @@ def _engine_shard(
     tokens = st.tokens.at[rows, col].set(jnp.where(live, token, st.tokens[rows, col]))
     logprobs = st.logprobs.at[rows, col].set(jnp.where(live, logp, st.logprobs[rows, col]))
     length = st.length + live
-    ended = (token == eos_id) | (length >= st.budget)
+    ended = is_eos(token, eos_ids) | (length >= st.budget)
     return it + 1, SlotState(
       cache=cache,
       last_token=jnp.where(live, token, st.last_token),
@@ -163,7 +163,7 @@ def _engine_shard(
 
 
 @functools.partial(
-  jax.jit, static_argnames=("graphdef", "mesh", "sampling", "eos_id", "pad_id"), donate_argnums=2
+  jax.jit, static_argnames=("graphdef", "mesh", "sampling", "eos_ids", "pad_id"), donate_argnums=2
 )
 def engine_call(
   params,
@@ -177,12 +177,12 @@ def engine_call(
   graphdef,
   mesh,
   sampling,
-  eos_id,
+  eos_ids,
   pad_id,
 ):
   batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
   fn = functools.partial(
-    _engine_shard, graphdef=graphdef, sampling=sampling, eos_id=eos_id, pad_id=pad_id
+    _engine_shard, graphdef=graphdef, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id
   )
   return jax.shard_map(
     fn,

@@ -18,6 +18,7 @@ recomputes from its own forward pass. With `temperature == 0` (greedy) it is log
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +84,21 @@ def _sample(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
   return tokens.astype(jnp.int32), logprobs[:, 0]
 
 
+def is_eos(token: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+  """Whether each token is one of the stop tokens (Llama-3 instruct has two)."""
+  return functools.reduce(jnp.logical_or, [token == e for e in eos_ids])
+
+
+def eos_tuple(eos_id: int | Sequence[int]) -> tuple[int, ...]:
+  """The stop tokens as a non-empty tuple of ints (a static, hashable jit argument)."""
+  ids = (eos_id,) if isinstance(eos_id, int | np.integer) else tuple(eos_id)
+  if not ids or any(isinstance(e, bool) or int(e) < 0 for e in ids):
+    raise ValueError(f"eos ids must be one or more token ids >= 0, got {eos_id!r}.")
+  return tuple(int(e) for e in ids)
+
+
 def _generate_shard(
-  params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, embeddings_bpd, *, graphdef, sampling
+  params, prompts_bp, prompt_lens_b, rng, pad_id, embeddings_bpd, *, graphdef, sampling, eos_ids
 ):
   """Generation for one batch shard (inside shard_map: no collectives)."""
   rng = jax.random.fold_in(rng, jax.lax.axis_index(sharding.BATCH_AXES))
@@ -108,7 +122,7 @@ def _generate_shard(
     tokens_bn = jax.lax.dynamic_update_slice(tokens_bn, token_b[:, None], (0, step))
     logprobs_bn = jax.lax.dynamic_update_slice(logprobs_bn, logprob_b[:, None], (0, step))
     lengths_b = lengths_b + (~done_b).astype(jnp.int32)
-    done_b = done_b | (token_b == eos_id)
+    done_b = done_b | is_eos(token_b, eos_ids)
     return token_b, (tokens_bn, logprobs_bn, lengths_b, done_b)
 
   state = (
@@ -138,29 +152,31 @@ def _generate_shard(
   return tokens_bn, lengths_b, logprobs_bn
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "sampling"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "sampling", "eos_ids"))
 def _generate(
   params,
   prompts_bp,
   prompt_lens_b,
   rng,
-  eos_id,
   pad_id,
   embeddings_bpd,
   *,
   graphdef,
   mesh,
   sampling,
+  eos_ids,
 ):
   """Whole generation as one jitted call; compiled once per (model, mesh, sampling, shapes)."""
   batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
-  shard_fn = functools.partial(_generate_shard, graphdef=graphdef, sampling=sampling)
+  shard_fn = functools.partial(
+    _generate_shard, graphdef=graphdef, sampling=sampling, eos_ids=eos_ids
+  )
   return jax.shard_map(
     shard_fn,
     mesh=mesh,
-    in_specs=(rep, batch, batch, rep, rep, rep, batch),
+    in_specs=(rep, batch, batch, rep, rep, batch),
     out_specs=(batch, batch, batch),
-  )(params, prompts_bp, prompt_lens_b, rng, eos_id, pad_id, embeddings_bpd)
+  )(params, prompts_bp, prompt_lens_b, rng, pad_id, embeddings_bpd)
 
 
 class Sampler:
@@ -172,16 +188,18 @@ class Sampler:
     *,
     mesh: jax.sharding.Mesh,
     sampling: SamplingConfig,
-    eos_id: int,
+    eos_id: int | Sequence[int],
     pad_id: int,
     prompt_len: int,
   ):
+    """`eos_id`: the stop token, or several (a sequence ends at the first of any)."""
     if prompt_len < 1:
       raise ValueError(f"Sampler prompt_len must be >= 1, got {prompt_len}.")
     self.graphdef = graphdef
     self.mesh = mesh
     self.sampling = sampling
-    self.eos_id = eos_id
+    self.eos_ids = eos_tuple(eos_id)
+    self.eos_id = self.eos_ids[0]
     self.pad_id = pad_id
     self.prompt_len = prompt_len
     self.batch_shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
@@ -223,12 +241,12 @@ class Sampler:
         jax.device_put(prompts, batch(2)),
         jax.device_put(prompt_lens, batch(1)),
         rng,
-        np.int32(self.eos_id),
         np.int32(self.pad_id),
         None if embeddings is None else jax.device_put(embeddings, batch(3)),
         graphdef=self.graphdef,
         mesh=self.mesh,
         sampling=self.sampling,
+        eos_ids=self.eos_ids,
       )
     return Samples(
       tokens=np.asarray(tokens), lengths=np.asarray(lengths), logprobs=np.asarray(logprobs)

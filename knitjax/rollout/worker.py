@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from knitjax.rollout.contract import RolloutStats
-from knitjax.rollout.sampler import Sampler
+from knitjax.rollout.sampler import Sampler, Samples
 from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train.batch import left_pad
@@ -75,11 +75,7 @@ class RolloutWorker:
   ) -> list[Group]:
     """Samples one group per prompt at policy ``version``; ``group_ids``: one id per prompt."""
     g = self.group_size
-    rows = [p.tokens for p in prompts for _ in range(g)]
-    tokens_bp, lens_b = left_pad(rows, self._prompt_len, self._tokenizer.pad_id)
-    samples = self._sampler(
-      params, tokens_bp, lens_b, rng, embeddings=self._embeddings(params, prompts, tokens_bp)
-    )
+    samples = self.sample(params, prompts, rng=rng)
     done = time.time()
     groups = []
     for i, prompt in enumerate(prompts):
@@ -101,7 +97,23 @@ class RolloutWorker:
       )
     return groups
 
-  def _embeddings(self, params, prompts: Sequence[Prompt], tokens_bp: np.ndarray):
+  def sample(
+    self,
+    params: nnx.State,
+    prompts: Sequence[Prompt],
+    *,
+    rng: jax.Array,
+    group_size: int | None = None,
+  ) -> Samples:
+    """``group_size`` (default: the worker's G) samples per prompt, prompt-major, unscored."""
+    g = self.group_size if group_size is None else group_size
+    rows = [p.tokens for p in prompts for _ in range(g)]
+    tokens_bp, lens_b = left_pad(rows, self._prompt_len, self._tokenizer.pad_id)
+    return self._sampler(
+      params, tokens_bp, lens_b, rng, embeddings=self._embeddings(params, prompts, tokens_bp, g)
+    )
+
+  def _embeddings(self, params, prompts: Sequence[Prompt], tokens_bp: np.ndarray, g: int):
     """Image prompts: embeddings with each unique image of the batch encoded once; else None."""
     if all(p.image is None for p in prompts):
       return None
@@ -118,7 +130,7 @@ class RolloutWorker:
         slots[h] = len(images)
         images.append(p.image)
       index.append(slots[h])
-    index_b = np.repeat(np.asarray(index, np.int32), self.group_size)
+    index_b = np.repeat(np.asarray(index, np.int32), g)
     return self._prompt_embedder(params, tokens_bp, np.stack(images), index_b)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import os
 
 import jax
@@ -23,12 +24,14 @@ from knitjax.rollout.contract import Rollout
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.rollout.streaming import StreamingRollout
 from knitjax.rollout.worker import BatchedRollout, RolloutWorker
+from knitjax.runtime.evaluation import EvalLog, Evaluator, PeriodicEval
 from knitjax.runtime.learner import Learner
 from knitjax.tasks import count_images
-from knitjax.tasks.prompts import PromptSource
+from knitjax.tasks.prompts import Prompt, PromptSource
 from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.tasks.streams import ClassStreams
+from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train import losses, mm_step
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
@@ -51,17 +54,46 @@ def _longest_prompt(source: PromptSource) -> int:
   return max(len(p.tokens) for p in probe.next(source.num_examples))
 
 
-def build_prompts(config: Config) -> ClassStreams:
-  """Per-class prompt streams; the quota classes name the task's classes."""
-  sources, tokenizer = {}, None
+def build_tokenizer(config: Config):
+  """The checkpoint's Hugging Face tokenizer for tasks that take one (``config.init_from``), else
+  None: the task then uses its own character tokenizer."""
+  from knitjax.tasks.registry import TOKENIZER_TASKS
+
+  if not config.init_from or config.task.name not in TOKENIZER_TASKS:
+    return None
+  from knitjax.models.hf_tokenizer import HFTokenizer
+
+  tokenizer = HFTokenizer.from_folder(config.init_from)
+  tokenizer.check_fits(config.model.vocab_size)
+  return tokenizer
+
+
+def _task_kwargs(config: Config, cls: str, tokenizer, *, path: str = "") -> dict:
+  """The keyword arguments of the task's prompt source for quota class ``cls``."""
+  kwargs = {"cls": cls}
+  if path or config.task.path:
+    kwargs["path"] = path or config.task.path
+    if config.task.prompt_len:  # file-backed prompts longer than the budget are refused
+      kwargs["max_prompt_tokens"] = config.task.prompt_len
+  if config.vision is not None:  # one placeholder token per image feature the LM reads
+    kwargs["image_tokens"] = config.vision.num_image_tokens
+  if tokenizer is not None:
+    kwargs["tokenizer"] = tokenizer
+    kwargs["chat"] = {"auto": None, "on": True, "off": False}[config.task.chat]
+    kwargs["system_prompt"] = config.task.system_prompt or None
+  return kwargs
+
+
+def build_prompts(config: Config, tokenizer=None) -> ClassStreams:
+  """Per-class prompt streams; the quota classes name the task's classes.
+
+  ``tokenizer``: a Hugging Face tokenizer (`build_tokenizer`), or None for the task's own.
+  """
+  if tokenizer is None:
+    tokenizer = build_tokenizer(config)
+  sources = {}
   for i, cls in enumerate(sorted(config.admission.quotas)):
-    kwargs = {"cls": cls}
-    if config.task.path:
-      kwargs["path"] = config.task.path
-      if config.task.prompt_len:  # file-backed prompts longer than the budget are refused
-        kwargs["max_prompt_tokens"] = config.task.prompt_len
-    if config.vision is not None:  # one placeholder token per image patch
-      kwargs["image_tokens"] = config.vision.num_patches
+    kwargs = _task_kwargs(config, cls, tokenizer)
     source, tokenizer = make_prompt_source(config.task.name, seed=config.seed + 1000 * i, **kwargs)
     sources[cls] = source
   longest = max(_longest_prompt(s) for s in sources.values())
@@ -78,6 +110,49 @@ def build_prompts(config: Config) -> ClassStreams:
   if config.vision is not None:
     _check_images(config, sources)
   return ClassStreams(sources=sources, tokenizer=tokenizer, prompt_len=prompt_len)
+
+
+def _heldout_path(config: Config) -> str:
+  """Where held-out prompts come from: ``config.eval.path``, else the task's held-out split."""
+  if config.eval.path:
+    return config.eval.path
+  if config.task.path.startswith("generated:"):
+    return "generated:heldout"
+  return ""
+
+
+def build_eval_prompts(config: Config, prompts: ClassStreams) -> list[Prompt]:
+  """``config.eval.prompts`` held-out prompts, spread over the quota classes in order.
+
+  A file-backed task needs a held-out file (``config.eval.path``) or a generated split; a
+  generated task (arith, longtail, count_images) draws from a stream of another seed, the same
+  distribution as training (its examples are not disjoint from the training stream's).
+  """
+  from knitjax.tasks.registry import FILE_TASKS
+
+  path = _heldout_path(config)
+  if config.task.name in FILE_TASKS and not path:
+    raise ValueError(
+      f"config.eval needs held-out prompts for task {config.task.name!r}: set config.eval.path "
+      "to a JSONL file the run does not train on (or config.task.path='generated:train')."
+    )
+  tokenizer = None if isinstance(prompts.tokenizer, CharTokenizer) else prompts.tokenizer
+  classes = sorted(config.admission.quotas)
+  out: list[Prompt] = []
+  for i, cls in enumerate(classes):
+    n = config.eval.prompts // len(classes) + (i < config.eval.prompts % len(classes))
+    kwargs = _task_kwargs(config, cls, tokenizer, path=path)
+    if "max_prompt_tokens" in kwargs:
+      del kwargs["max_prompt_tokens"]  # held-out prompts may be longer than training's
+    source, _ = make_prompt_source(
+      config.task.name, seed=_EVAL_SEED + config.seed + i, shuffle=not path, **kwargs
+    )
+    out += source.next(min(n, source.num_examples) if path else n)
+  return out
+
+
+# Generated tasks draw held-out prompts from a stream of this seed offset (training uses 1000*i).
+_EVAL_SEED = 7_777_777
 
 
 def _check_images(config: Config, sources: dict[str, PromptSource]) -> None:
@@ -177,25 +252,82 @@ def _sampling(config: Config) -> SamplingConfig:
   )
 
 
-def build_worker(config: Config, graphdef, mesh, prompts: ClassStreams) -> RolloutWorker:
-  """The batched sampler, rewards and group assembly on ``mesh``."""
+def build_worker(
+  config: Config,
+  graphdef,
+  mesh,
+  prompts: ClassStreams,
+  *,
+  sampling: SamplingConfig | None = None,
+  prompt_len: int | None = None,
+  reward: str = "",
+) -> RolloutWorker:
+  """The batched sampler, rewards and group assembly on ``mesh`` (evaluation passes its own
+  sampling, prompt length and reward)."""
   r = config.rollout
+  prompt_len = prompt_len or prompts.prompt_len
   sampler = Sampler(
     graphdef,
     mesh=mesh,
-    sampling=_sampling(config),
-    eos_id=prompts.tokenizer.eos_id,
+    sampling=sampling or _sampling(config),
+    eos_id=prompts.tokenizer.eos_ids,
     pad_id=prompts.tokenizer.pad_id,
-    prompt_len=prompts.prompt_len,
+    prompt_len=prompt_len,
   )
   return RolloutWorker(
     sampler=sampler,
     tokenizer=prompts.tokenizer,
-    reward_fn=get_reward_fn(config.task.reward),
+    reward_fn=get_reward_fn(reward or config.task.reward),
     group_size=r.group_size,
-    prompt_len=prompts.prompt_len,
+    prompt_len=prompt_len,
     class_max_new_tokens=r.class_max_new_tokens,
     prompt_embedder=make_prompt_embedder(graphdef, mesh) if config.vision is not None else None,
+  )
+
+
+def build_periodic_eval(
+  config: Config, graphdef, mesh, prompts: ClassStreams, workdir: str, start_step: int
+) -> PeriodicEval | None:
+  """Evaluation during training when ``config.eval.every_steps`` > 0, else None."""
+  if not config.eval.every_steps:
+    return None
+  return PeriodicEval(
+    build_evaluator(config, graphdef, mesh, prompts),
+    EvalLog(workdir, start_step=start_step, primary=jax.process_index() == 0),
+    every_steps=config.eval.every_steps,
+    total_steps=config.runtime.steps,
+  )
+
+
+def eval_rng(config: Config) -> jax.Array:
+  """The evaluation RNG (folded with the step): the same prompts see the same draws per step."""
+  return jax.random.fold_in(jax.random.key(config.seed), 0x5EED)
+
+
+def build_evaluator(config: Config, graphdef, mesh, prompts: ClassStreams) -> Evaluator:
+  """Greedy accuracy and pass@k on ``config.eval``'s held-out prompts (`runtime.evaluation`)."""
+  e = config.eval
+  heldout = build_eval_prompts(config, prompts)
+  prompt_len = max(prompts.prompt_len, *(len(p.tokens) for p in heldout))
+  base = _sampling(config)
+  if e.max_new_tokens:
+    base = dataclasses.replace(base, max_new_tokens=e.max_new_tokens)
+  reward = e.reward or config.task.reward
+  make = functools.partial(
+    build_worker, config, graphdef, mesh, prompts, prompt_len=prompt_len, reward=reward
+  )
+  greedy = make(sampling=dataclasses.replace(base, temperature=0.0, top_k=0, top_p=1.0))
+  sampled = make(sampling=base) if e.samples else None
+  return Evaluator(
+    greedy=greedy,
+    sampled=sampled,
+    prompts=heldout,
+    reward_fn=get_reward_fn(reward),
+    tokenizer=prompts.tokenizer,
+    k=e.k,
+    samples=e.samples,
+    batch_prompts=e.batch_prompts,
+    batch_shards=math.prod(mesh.shape[a] for a in sharding.BATCH_AXES),
   )
 
 
@@ -208,7 +340,7 @@ def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> Conti
     sampling=_sampling(config),
     slots=r.slots,
     prompt_len=prompts.prompt_len,
-    eos_id=prompts.tokenizer.eos_id,
+    eos_id=prompts.tokenizer.eos_ids,
     pad_id=prompts.tokenizer.pad_id,
     refill_rows=r.group_size * r.refill_groups,
     decode_steps=r.decode_steps,

@@ -19,6 +19,7 @@ from knitjax import faultpoints
 from knitjax.config import Config
 from knitjax.rollout import contract
 from knitjax.runtime import builder
+from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.learner import RunState
 from knitjax.runtime.metrics import MetricsWriter, fault_counters, mean_rows, plot_reward
 from knitjax.transfer.admission import MiniBatch
@@ -59,9 +60,12 @@ def run(
   )
   logging.info("training steps %d..%d on mesh %s", start + 1, total, dict(mesh.shape))
   prepare = builder.build_preparer(config, rollout.storage, mesh, prompts)
+  evals = builder.build_periodic_eval(config, graphdef, mesh, prompts, workdir, start)
   metrics: dict = {}
   t_start = time.time()
   with jax.set_mesh(mesh):
+    if evals is not None and start == 0:
+      evals.maybe_run(0, learner.state.params, builder.eval_rng(config))
     for step in range(start, total):
       t0 = time.time()
       released, gen_tokens, next_group_id = _generate_step(
@@ -90,6 +94,8 @@ def run(
         **fault_counters(rollout),
         **learner.tracker.step_metrics(step),
       }
+      if evals is not None:
+        metrics.update(evals.maybe_run(step + 1, learner.state.params, builder.eval_rng(config)))
       writer.write(step + 1, metrics)
       learner.maybe_save(
         step + 1,
@@ -107,6 +113,7 @@ def run(
   rollout.close()
   if writer.primary:
     plot_reward(workdir)
+    plot_eval(workdir)
   return {"step": total, **metrics}
 
 

@@ -27,6 +27,7 @@ from absl import logging
 from knitjax import sharding
 from knitjax.config import Config
 from knitjax.runtime import builder
+from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.metrics import MetricsWriter, mean_rows, plot_reward
 from knitjax.runtime.pipeline import Pipeline
 from knitjax.transfer.feed import OnDemandFeed
@@ -93,6 +94,11 @@ def run(
     count=(total - start) * m,
     prefetch=config.runtime.prefetch,
   )
+  # Evaluation runs on the train mesh in this thread, with the trainer's current parameters.
+  evals = builder.build_periodic_eval(config, graphdef, train_mesh, prompts, workdir, start)
+  if evals is not None and start == 0:
+    with jax.set_mesh(train_mesh):
+      evals.maybe_run(0, learner.state.params, builder.eval_rng(config))
   metrics: dict = {}
   pipe.start()
   try:
@@ -108,6 +114,8 @@ def run(
           **learner.tracker.step_metrics(step),
           **pipe.step_metrics(),
         }
+        if evals is not None:
+          metrics.update(evals.maybe_run(step + 1, learner.state.params, builder.eval_rng(config)))
         writer.write(step + 1, metrics)
         learner.maybe_save(step + 1, total, pipe.snapshot)
         if on_step is not None:
@@ -120,4 +128,5 @@ def run(
   pipe.write_timings(workdir)
   if writer.primary:
     plot_reward(workdir)
+    plot_eval(workdir)
   return {"step": total, **metrics}

@@ -20,8 +20,9 @@ class Prompt:
   Attributes:
     prompt_id: index of the example within its task (stable across epochs and resumes).
     cls: quota class of the prompt (its task or data source, e.g. ``"arith"``).
-    text: the prompt text, without BOS.
-    tokens: int32 prompt ids, starting with BOS.
+    text: the prompt text (a chat prompt: rendered by the chat template), without BOS.
+    tokens: int32 prompt ids: BOS first for character-tokenizer tasks; a chat prompt holds what
+      its template writes (Llama-3's <|begin_of_text|>, none for ChatML).
     answer: the reference answer the reward functions compare against.
     image: multimodal tasks: the prompt's image (uint8 [H, W, C]); None for text prompts.
   """

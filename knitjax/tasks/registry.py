@@ -11,6 +11,9 @@ from knitjax.tasks.tokenizer import CharTokenizer
 TASKS = ("arith", "gsm8k", "longtail", "count_images")
 # Tasks that read their prompts from a file (config.task.path).
 FILE_TASKS = ("gsm8k",)
+# Tasks whose prompts a Hugging Face tokenizer can encode (config.init_from's, with its chat
+# template); the others use their own character tokenizer.
+TOKENIZER_TASKS = ("gsm8k",)
 
 
 def make_prompt_source(

@@ -2,12 +2,14 @@
 
 Signature, the one the runtime calls::
 
-    fn(prompt: Prompt, completion_ids: np.ndarray, tokenizer: CharTokenizer) -> float
+    fn(prompt: Prompt, completion_ids: np.ndarray, tokenizer) -> float
+
+``tokenizer`` is the task's `CharTokenizer` or a checkpoint's `HFTokenizer` (same interface).
 
 ``completion_ids`` is the 1-D int array of tokens sampled after the prompt: either trimmed to the
 completion's length (the EOS, when produced, is its last token) or the whole padded generation
 buffer. Rewards look only up to the first EOS, so both forms give the same reward; an EOS was
-produced iff ``tokenizer.eos_id`` occurs in ``completion_ids``. Token ids rather than decoded text
+produced iff one of ``tokenizer.eos_ids`` occurs in ``completion_ids``. Token ids rather than decoded text
 are passed so that a reward can require the EOS (``arith_exact``) or look at single tokens
 (``arith_first``). The ids may be any the model can sample, ``[0, config.model.vocab_size)``,
 which can exceed ``tokenizer.vocab_size`` (an ``init_from`` model): every reward accepts them, and
@@ -18,6 +20,8 @@ Rewards:
   arith_exact: 1.0 when the completion is exactly the answer then EOS.
   numeric_match: 1.0 when the last number before EOS equals the answer's number (GSM8K-style);
     EOS not required.
+  math: numeric_match plus 0.1 x a format reward (an EOS, and exactly one '#### <number>' line);
+    a right answer scores at least 1.0 (real-text recipes, configs/smollm2_math.py).
   longtail: class ``arith`` as arith_exact; class ``think``: 1.0 when the token just before the
     first EOS is the answer digit (any tokens may come before it).
   count_exact: 1.0 when the completion is exactly the shape count then EOS (count_images).
@@ -37,6 +41,7 @@ REWARDS: dict[str, RewardFn] = {
   "arith_first": arith.first_token_reward,
   "arith_exact": arith.exact_reward,
   "numeric_match": gsm8k.numeric_match_reward,
+  "math": gsm8k.math_reward,
   "longtail": longtail.reward,
   "count_exact": count_images.exact_reward,
 }

@@ -35,6 +35,7 @@ class CharTokenizer:
     self.pad_id = PAD_ID
     self.bos_id = BOS_ID
     self.eos_id = EOS_ID
+    self.eos_ids = (EOS_ID,)  # the stop tokens, as a Hugging Face tokenizer may have several
     self.vocab_size = len(alphabet) + _NUM_SPECIAL
 
   def encode(self, text: str, *, bos: bool = True) -> list[int]:
@@ -84,10 +85,15 @@ class CharTokenizer:
     return f"CharTokenizer(alphabet={self.alphabet!r})"
 
 
-def split_at_eos(ids: Iterable[int] | np.ndarray, eos_id: int) -> tuple[np.ndarray, bool]:
-  """Returns (the ids before the first EOS, whether an EOS was produced)."""
+def split_at_eos(
+  ids: Iterable[int] | np.ndarray, eos_id: int | Iterable[int]
+) -> tuple[np.ndarray, bool]:
+  """Returns (the ids before the first EOS, whether an EOS was produced).
+
+  ``eos_id`` is one stop token or several (``tokenizer.eos_ids``); the first of any ends the text.
+  """
   ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-  hits = np.flatnonzero(ids == eos_id)
+  hits = np.flatnonzero(np.isin(ids, np.asarray(eos_id, dtype=np.int64).reshape(-1)))
   if hits.size:
     return ids[: hits[0]], True
   return ids, False

@@ -122,6 +122,28 @@ def test_eos_stops_a_sequence(model, mesh):
   assert stopped.lengths[0] <= 4
 
 
+def test_any_of_several_eos_ids_stops_a_sequence(model, mesh):
+  # Llama-3 instruct stops on <|eot_id|> and <|end_of_text|>: the first of either ends a row.
+  free, _, _ = _sample(model, mesh, seed=3)
+  eos_a, eos_b = int(free.tokens[0, 2]), int(free.tokens[1, 4])
+  stopped, _, _ = _sample(model, mesh, seed=3, eos_id=(eos_a, eos_b))
+  for b in range(8):
+    hits = np.flatnonzero(np.isin(free.tokens[b], [eos_a, eos_b]))
+    length = hits[0] + 1 if hits.size else NEW
+    assert stopped.lengths[b] == length
+    np.testing.assert_array_equal(stopped.tokens[b, :length], free.tokens[b, :length])
+  assert stopped.lengths[0] <= 3 and stopped.lengths[1] <= 5
+
+
+def test_eos_ids_are_checked():
+  from knitjax.rollout.sampler import eos_tuple
+
+  assert eos_tuple(7) == (7,) and eos_tuple([3, 9]) == (3, 9)
+  for bad in ([], [-1], (True,)):
+    with pytest.raises(ValueError, match="eos ids"):
+      eos_tuple(bad)
+
+
 def test_greedy_follows_the_trainer_argmax_and_top_k_1_is_greedy(model, mesh):
   greedy, prompts, lens = _sample(model, mesh, temperature=0.0)
   logits = _trainer_logits(model, prompts, lens, greedy)

@@ -2,12 +2,13 @@
 
 import dataclasses
 import json
+import re
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from knitjax.tasks import gsm8k
+from knitjax.tasks import gsm8k, word_problems
 from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 
@@ -247,3 +248,269 @@ def test_missing_file(tmp_path):
 def test_blank_lines_skipped(tmp_path):
   path = _write(tmp_path, ["", json.dumps(RECORDS[0]), "   ", json.dumps(RECORDS[2])])
   assert len(gsm8k.load_examples(path, gsm8k.make_tokenizer())) == 2
+
+
+def test_char_tokenizer_prompt_is_unchanged(tmp_path):
+  """Golden: the character-tokenizer prompt (text and ids) that runs and checkpoints rely on."""
+  path = _write(tmp_path, [json.dumps({"question": "2+3?", "answer": "#### 5"})])
+  (p,) = make_prompt_source("gsm8k", seed=0, path=path)[0].next(1)
+  assert p.text == "Question: 2+3?\nAnswer:"
+  assert p.tokens.tolist() == [
+    1, 53, 89, 73, 87, 88, 77, 83, 82, 30, 4, 22, 15, 23, 35, 3, 37, 82, 87, 91, 73, 86, 30
+  ]  # fmt: skip
+
+
+# ---- Hugging Face `datasets` exports: JSONL and parquet --------------------------------------
+
+
+def test_datasets_jsonl_export_with_extra_fields(tmp_path):
+  # Dataset.to_json writes pandas' JSON: escaped slashes and non-ASCII, extra columns.
+  lines = [
+    '{"question":"Half of 1\\/2?","answer":"1\\/2 \\/ 2 = 1\\/4\\n#### 1\\/4","idx":0}',
+    '{"id":"b","question":"Cost?","answer":"#### 3","meta":{"split":"train"}}',
+  ]
+  examples = gsm8k.load_examples(_write(tmp_path, lines), gsm8k.make_tokenizer())
+  assert [(p.text, p.answer) for p in examples] == [
+    ("Question: Half of 1/2?\nAnswer:", "1/4"),
+    ("Question: Cost?\nAnswer:", "3"),
+  ]
+
+
+def _write_parquet(path, columns):
+  pa = pytest.importorskip("pyarrow")
+  pq = pytest.importorskip("pyarrow.parquet")
+  pq.write_table(pa.table(columns), path, row_group_size=2)  # several row groups
+  return str(path)
+
+
+@pytest.mark.parametrize("name", ["train-00000-of-00001.parquet", "export.PARQUET", "no_suffix"])
+def test_parquet(tmp_path, name):
+  pa = pytest.importorskip("pyarrow")
+  path = _write_parquet(
+    tmp_path / name,
+    {
+      "question": pa.array([r["question"] for r in RECORDS], pa.large_string()),
+      "answer": [r["answer"] for r in RECORDS],
+      "extra": list(range(len(RECORDS))),
+    },
+  )
+  tok = gsm8k.make_tokenizer()
+  examples = gsm8k.load_examples(path, tok)
+  assert [p.answer for p in examples] == ["7", "1234", "-5", "3.50"]
+  assert examples[1].text == "Question: A car costs $1,200 more than $34. Cost?\nAnswer:"
+  assert tok.decode(examples[1].tokens) == examples[1].text
+  src, _ = make_prompt_source("gsm8k", seed=0, path=path)
+  assert src.num_examples == 4
+
+
+@pytest.mark.parametrize(
+  "columns, match",
+  [
+    ({"question": ["q", "q"], "answer": ["#### 1", None]}, r"x.parquet:row 1: field 'answer' is"),
+    ({"question": ["q", "q", 3], "answer": ["#### 1"] * 3}, r"not a readable parquet"),
+    ({"question": ["q", "q", "q"], "answer": ["#### 1", "#### 2", "3"]}, r":row 2: answer must"),
+    ({"question": [1, 2], "answer": ["#### 1", "#### 2"]}, r"x.parquet:row 0: field 'question'"),
+    ({"q": ["q"], "answer": ["#### 1"]}, r"no column 'question' \(its columns: q, answer\)"),
+    ({"question": [], "answer": []}, r"holds no examples"),
+  ],
+)
+def test_parquet_errors(tmp_path, columns, match):
+  pa = pytest.importorskip("pyarrow")
+  if columns.get("question") == []:
+    columns = {k: pa.array([], pa.string()) for k in columns}
+  try:
+    path = _write_parquet(tmp_path / "x.parquet", columns)
+  except pa.ArrowException:  # a mixed column pyarrow refuses to write: write its bytes instead
+    path = tmp_path / "x.parquet"
+    path.write_bytes(b"PAR1 not really parquet")
+    path = str(path)
+  with pytest.raises(ValueError, match=match):
+    gsm8k.load_examples(path, gsm8k.make_tokenizer())
+
+
+def test_corrupt_parquet_and_missing_pyarrow(tmp_path, monkeypatch):
+  path = tmp_path / "data.parquet"
+  path.write_text('{"question": "q", "answer": "#### 1"}\n')
+  with pytest.raises(ValueError, match=r"data.parquet' is not a readable parquet file"):
+    gsm8k.load_examples(str(path), gsm8k.make_tokenizer())
+  monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)  # import pyarrow fails
+  with pytest.raises(ValueError) as e:
+    gsm8k.load_examples(str(path), gsm8k.make_tokenizer())
+  assert str(e.value) == (
+    f"GSM8K file {str(path)!r} is parquet, which needs pyarrow; pip install pyarrow."
+  )
+
+
+# ---- generated word problems ------------------------------------------------------------------
+
+
+def test_generated_train_and_heldout():
+  train, tok = make_prompt_source("gsm8k", seed=0, path="generated:train", shuffle=False)
+  heldout = gsm8k.load_examples("generated:heldout", tok, cls="eval")
+  assert (train.num_examples, len(heldout)) == (4096, 512)
+  train_prompts = train.next(train.num_examples)
+  assert {p.text for p in train_prompts}.isdisjoint(p.text for p in heldout)
+  records = word_problems.fixed_split("heldout")
+  assert heldout[0].text == f"Question: {records[0]['question']}\nAnswer:"
+  assert [p.answer for p in heldout] == [r["answer"].rpartition("#### ")[2] for r in records]
+  assert heldout[0].cls == "eval" and tok.vocab_size == 99
+  with pytest.raises(ValueError, match=r"unknown generated data 'generated:test'; choose one of: "):
+    gsm8k.load_examples("generated:test", tok)
+
+
+# ---- prompts through a real (here fake) tokenizer with a chat template -----------------------
+
+
+class FakeChatTokenizer:
+  """ChatML-like stand-in for knitjax.models.hf_tokenizer.HFTokenizer.
+
+  Ids: pad 0, bos 1, eos 2, <|im_end|> 3 (also a stop id), <|im_start|> 4, then ord(c) + 5.
+  """
+
+  pad_id, bos_id, eos_id, eos_ids = 0, 1, 2, (2, 3)
+  vocab_size = 128 + 5
+  _SPECIAL = {"<|im_end|>": 3, "<|im_start|>": 4}
+
+  def __init__(self, chat_template="{% chatml %}"):
+    self.chat_template = chat_template
+
+  def apply_chat_template(self, messages, *, add_generation_prompt=True, tokenize=False):
+    assert not tokenize
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+  def encode(self, text, *, bos=True):
+    ids = [self.bos_id] if bos else []
+    for piece in re.split(r"(<\|im_(?:start|end)\|>)", text):
+      ids += [self._SPECIAL[piece]] if piece in self._SPECIAL else [ord(c) + 5 for c in piece]
+    return ids
+
+  def num_tokens(self, text, *, bos=True):
+    return len(self.encode(text, bos=bos))
+
+  def decode(self, ids, *, stop_at_eos=True):
+    out, names = [], {v: k for k, v in self._SPECIAL.items()}
+    for t in np.asarray(ids).reshape(-1).tolist():
+      if t in self.eos_ids and stop_at_eos:
+        break
+      out.append(names.get(t, "<eos>" if t == 2 else "") if t < 5 else chr(t - 5))
+    return "".join(out)
+
+
+def _chars(text):
+  return [ord(c) + 5 for c in text]
+
+
+def test_chat_prompt_text_and_ids(path):
+  tok = FakeChatTokenizer()
+  examples = gsm8k.load_examples(path, tok, system_prompt="Be brief.")
+  p = examples[0]
+  user = "Tom has 3 apples and buys 4. How many?\n\n" + gsm8k.INSTRUCTION
+  assert gsm8k.INSTRUCTION == (
+    "Solve the problem step by step and give the final answer after '####'."
+  )
+  assert p.text == (
+    "<|im_start|>system\nBe brief.<|im_end|>\n"
+    f"<|im_start|>user\n{user}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+  )
+  # Encoded without BOS: the template's text is the whole prompt.
+  assert p.tokens.tolist() == [
+    4, *_chars("system\nBe brief."), 3, *_chars("\n"),
+    4, *_chars("user\n" + user), 3, *_chars("\n"),
+    4, *_chars("assistant\n"),
+  ]  # fmt: skip
+  assert p.answer == "7"
+  # No system prompt, no instruction; the source hands back the tokenizer it was given.
+  source, tok2 = gsm8k.make_source(seed=0, path=path, tokenizer=tok, instruction="", shuffle=False)
+  assert tok2 is tok
+  assert source.next(1)[0].text == (
+    "<|im_start|>user\nTom has 3 apples and buys 4. How many?<|im_end|>\n<|im_start|>assistant\n"
+  )
+
+
+def test_plain_prompts_with_a_tokenizer(path):
+  # chat=False (or a tokenizer without a template): "Question: ...\nAnswer:" with BOS.
+  for tok, chat in [(FakeChatTokenizer(), False), (FakeChatTokenizer(chat_template=None), None)]:
+    p = gsm8k.load_examples(path, tok, chat=chat)[0]
+    assert p.text == "Question: Tom has 3 apples and buys 4. How many?\nAnswer:"
+    assert p.tokens.tolist() == [1, *_chars(p.text)]
+
+
+def test_chat_errors(path):
+  with pytest.raises(ValueError, match=r"chat=True needs a tokenizer with a chat template, but "):
+    gsm8k.load_examples(path, gsm8k.make_tokenizer(), chat=True)
+  with pytest.raises(ValueError, match=r"chat=True needs a tokenizer with a chat template"):
+    gsm8k.make_source(seed=0, path=path, tokenizer=FakeChatTokenizer(None), chat=True)
+  with pytest.raises(ValueError, match=r"system_prompt='x' needs chat prompts, but chat is off"):
+    gsm8k.make_source(seed=0, path=path, system_prompt="x")
+
+
+def test_chat_prompt_length_limit(path):
+  tok = FakeChatTokenizer()
+  longest = max(len(p.tokens) for p in gsm8k.load_examples(path, tok))
+  assert len(gsm8k.load_examples(path, tok, max_prompt_tokens=longest)) == 4
+  with pytest.raises(ValueError, match=rf"data.jsonl:\d: the prompt is {longest} tokens long"):
+    gsm8k.load_examples(path, tok, max_prompt_tokens=longest - 1)
+
+
+# ---- rewards: answer extraction, format, combined, several stop ids --------------------------
+
+
+@pytest.mark.parametrize(
+  "text, want",
+  [
+    ("4 + 3 = 7\n#### 7", 7),
+    ("#### 7\nQuestion: Tom has 3 apples", 7),  # the marker wins over the last number
+    ("####-5 degrees", -5),
+    ("#### $1,234.", 1234),
+    ("so 3 + 4 = 7", 7),  # no marker: the last number
+    ("#### none, but 9", 9),  # the first number after the marker
+    ("####", None),
+    ("it is 8 ####", 8),  # a marker with no number after it: the last number
+  ],
+)
+def test_answer_number(text, want):
+  assert gsm8k.answer_number(text) == (None if want is None else Fraction(want))
+
+
+@pytest.mark.parametrize(
+  "completion, numeric, fmt",
+  [
+    ("3 + 4 = 7.\n#### 7<|im_end|>", 1.0, 1.0),
+    ("3 + 4 = 7.\n#### 7<eos>", 1.0, 1.0),  # either stop id ends the completion
+    ("#### 7.<|im_end|>#### 8", 1.0, 1.0),  # text after the stop id is ignored
+    ("3 + 4 = 7.\n#### 7", 1.0, 0.0),  # no stop id: right, but not finished
+    ("Tom has 7 apples.<|im_end|>", 1.0, 0.0),  # last-number fallback, no answer line
+    ("#### 7\nQuestion: 5 more?<|im_end|>", 1.0, 1.0),
+    ("#### 7 apples<|im_end|>", 1.0, 0.0),  # the answer line holds more than the number
+    ("#### 7\n#### 8<|im_end|>", 1.0, 0.0),  # two answer lines
+    ("3 + 5 = 8\n#### 8<|im_end|>", 0.0, 1.0),  # wrong, well formed
+    ("#### 8\nso 7<eos>", 0.0, 1.0),  # the marker wins over the last number
+    ("no idea<|im_end|>", 0.0, 0.0),
+  ],
+)
+def test_rewards_with_several_stop_ids(path, completion, numeric, fmt):
+  tok = FakeChatTokenizer()
+  p = gsm8k.load_examples(path, tok)[0]  # answer 7
+  ids = np.array(tok.encode(completion.replace("<eos>", "\x00"), bos=False), np.int32)
+  ids[ids == 5] = tok.eos_id  # "\x00" stands for the plain EOS id
+  assert gsm8k.numeric_match_reward(p, ids, tok) == numeric
+  assert gsm8k.format_reward(p, ids, tok) == fmt
+  assert gsm8k.math_reward(p, ids, tok) == pytest.approx(numeric + 0.1 * fmt)
+  assert gsm8k.math_reward(p, ids, tok, format_weight=0.5) == pytest.approx(numeric + 0.5 * fmt)
+
+
+def test_rewards_with_the_char_tokenizer(path):
+  tok = gsm8k.make_tokenizer()
+  p = gsm8k.load_examples(path, tok)[0]  # answer 7
+
+  def ids(text, eos=True):
+    return np.array(tok.encode(text, bos=False) + [tok.eos_id] * eos, np.int32)
+
+  assert gsm8k.math_reward(p, ids(" 3 + 4 = 7\n#### 7"), tok) == pytest.approx(1.1)
+  assert gsm8k.math_reward(p, ids(" 3 + 4 = 7\n#### 7", eos=False), tok) == 1.0
+  assert gsm8k.math_reward(p, ids(" #### 9"), tok) == pytest.approx(0.1)
+  assert gsm8k.math_reward(p, ids(" 7"), tok) == 1.0
+  padded = np.concatenate([ids("#### 7"), np.zeros(5, np.int32)])  # the padded buffer form
+  assert gsm8k.format_reward(p, padded, tok) == 1.0

@@ -11,6 +11,7 @@ _TASK_OF = {
   "arith_first": ("arith", {"cls": "arith"}),
   "arith_exact": ("arith", {"cls": "sum"}),
   "numeric_match": ("gsm8k", {}),
+  "math": ("gsm8k", {}),
   "longtail": ("longtail", {"cls": "think"}),
   "count_exact": ("count_images", {"num_examples": 10}),
 }
@@ -21,6 +22,7 @@ def test_registry():
     "arith_first",
     "arith_exact",
     "numeric_match",
+    "math",
     "longtail",
     "count_exact",
   }
@@ -33,8 +35,8 @@ def test_unknown_reward():
     rewards.get_reward_fn("x")
   assert (
     str(e.value)
-    == "unknown reward 'x'; choose one of: arith_first, arith_exact, numeric_match, longtail, "
-    "count_exact"
+    == "unknown reward 'x'; choose one of: arith_first, arith_exact, numeric_match, math, "
+    "longtail, count_exact"
   )
 
 

@@ -67,12 +67,15 @@ def wrong_type(annotation) -> st.SearchStrategy:
       st.none(),
       st.dictionaries(st.text(min_size=1, max_size=6), bad_values, min_size=1, max_size=3),
     )
+  if typing.get_args(annotation) and type(None) in typing.get_args(annotation):
+    # An optional section object (TransformerConfig.rope_scaling): anything but a mapping.
+    return st.one_of(TEXT, st.integers(), LIST, st.booleans())
   raise TypeError(f"no wrong-type strategy for {annotation!r}.")
 
 
 def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
   from knitjax import config
-  from knitjax.models import layers
+  from knitjax.models import layers, vision
   from knitjax.rollout.continuous import ADOPTION
   from knitjax.tasks.registry import TASKS
   from knitjax.tasks.rewards import REWARDS
@@ -92,6 +95,9 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     ("runtime", "storage"): config.STORAGE,
     ("model", "dtype"): tuple(layers.DTYPES),
     ("vision", "dtype"): tuple(layers.DTYPES),
+    ("vision", "mlp_act"): tuple(vision.ACTIVATIONS),
+    ("vision", "projector_act"): tuple(vision.ACTIVATIONS),
+    ("task", "chat"): config.CHAT,
   }
 
 

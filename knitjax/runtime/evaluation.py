@@ -1,0 +1,212 @@
+"""Held-out evaluation: greedy accuracy and pass@k of the current policy.
+
+Every ``config.eval.every_steps`` train steps (and before the first, and after the last) the
+policy answers held-out prompts that training never sees: once greedily (accuracy) and ``samples``
+times at the rollout temperature (pass@k by the unbiased estimator of Chen et al., 2021). A
+prompt counts as solved when the eval reward (``config.eval.reward``, default the task's) is at
+least 1. Results go to ``eval.jsonl``, ``metrics.jsonl`` (keys ``eval_*``), TensorBoard and
+``eval.png``; ``python -m knitjax.eval`` runs the same evaluation on a saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from knitjax.rollout.worker import RolloutWorker
+from knitjax.tasks.prompts import Prompt
+
+EVAL_FILE = "eval.jsonl"
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k from ``n`` samples of which ``c`` are correct: 1 - C(n-c, k) / C(n, k).
+
+  Computed as a product (Chen et al., 2021, "Evaluating Large Language Models Trained on Code"),
+  which stays exact where the binomials overflow.
+  """
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}.")
+  if n - c < k:
+    return 1.0
+  return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+class Evaluator:
+  """Scores the policy on a fixed list of held-out prompts."""
+
+  def __init__(
+    self,
+    *,
+    greedy: RolloutWorker,
+    sampled: RolloutWorker | None,
+    prompts: Sequence[Prompt],
+    reward_fn: Callable,
+    tokenizer,
+    k: int,
+    samples: int,
+    batch_prompts: int,
+    batch_shards: int,
+  ):
+    """Args:
+    greedy: a rollout worker whose sampler runs at temperature 0.
+    sampled: one at the rollout temperature (None: no pass@k).
+    prompts: the held-out prompts, evaluated in this order.
+    reward_fn: the eval reward; >= 1 means solved.
+    tokenizer: decodes completions for the reward.
+    k: pass@k's k (<= samples).
+    samples: samples per prompt for pass@k.
+    batch_prompts: prompts per sampler call.
+    batch_shards: the rollout mesh's batch shards (calls are padded to a multiple).
+    """
+    if not prompts:
+      raise ValueError("evaluation needs at least one held-out prompt.")
+    if sampled is not None and not 1 <= k <= samples:
+      raise ValueError(f"config.eval.k={k} must be in [1, config.eval.samples={samples}].")
+    self._greedy, self._sampled = greedy, sampled
+    self.prompts = list(prompts)
+    self._reward_fn, self._tokenizer = reward_fn, tokenizer
+    self.k, self.samples = k, samples
+    self._batch = max(1, batch_prompts)
+    self._shards = batch_shards
+
+  def _solved(
+    self, worker: RolloutWorker, params, g: int, rng: jax.Array
+  ) -> tuple[np.ndarray, list[str]]:
+    """[P, g] bools (sample j of prompt i solved) and the first sample's text per prompt."""
+    solved, texts = [], []
+    for start in range(0, len(self.prompts), self._batch):
+      chunk = self.prompts[start : start + self._batch]
+      # Pad the call to whole batch shards by repeating the last prompt; extras are dropped.
+      rows_needed = -(-len(chunk) * g // self._shards) * self._shards
+      padded = chunk + [chunk[-1]] * (-(-rows_needed // g) - len(chunk))
+      s = worker.sample(params, padded, rng=jax.random.fold_in(rng, start), group_size=g)
+      for i, prompt in enumerate(chunk):
+        row = []
+        for j in range(g):
+          r = i * g + j
+          ids = s.tokens[r, : s.lengths[r]]
+          row.append(float(self._reward_fn(prompt, ids, self._tokenizer)) >= 1.0)
+          if j == 0:
+            texts.append(self._tokenizer.decode(ids))
+        solved.append(row)
+    return np.asarray(solved, bool), texts
+
+  def __call__(self, params, rng: jax.Array) -> tuple[dict[str, float], list[dict]]:
+    """Returns (metrics, one record per prompt with its greedy answer)."""
+    greedy, texts = self._solved(self._greedy, params, 1, jax.random.fold_in(rng, 0))
+    metrics = {"eval_greedy_accuracy": float(greedy.mean()), "eval_prompts": len(self.prompts)}
+    if self._sampled is not None:
+      hits, _ = self._solved(self._sampled, params, self.samples, jax.random.fold_in(rng, 1))
+      n = self.samples
+      metrics[f"eval_pass@{self.k}"] = float(
+        np.mean([pass_at_k(n, int(c), self.k) for c in hits.sum(axis=1)])
+      )
+      metrics["eval_sample_accuracy"] = float(hits.mean())
+    answers = [
+      {"prompt_id": p.prompt_id, "answer": p.answer, "greedy": t, "solved": bool(ok)}
+      for p, t, ok in zip(self.prompts, texts, greedy[:, 0], strict=True)
+    ]
+    return metrics, answers
+
+
+class EvalLog:
+  """``workdir/eval.jsonl`` (one row per evaluation) and the greedy answers of the last one."""
+
+  def __init__(self, workdir: str, *, start_step: int, primary: bool = True):
+    self.primary = primary
+    self.path = os.path.join(workdir, EVAL_FILE)
+    self._workdir = workdir
+    if primary and os.path.exists(self.path):  # a resumed run redoes evaluations after it
+      kept = [r for r in read_eval(workdir) if r["step"] <= start_step]
+      with open(self.path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+
+  def done(self, step: int) -> bool:
+    """Whether step ``step`` was already evaluated (kept across a resume)."""
+    return os.path.exists(self.path) and any(r["step"] == step for r in read_eval(self._workdir))
+
+  def write(self, step: int, metrics: dict[str, float], answers: list[dict]) -> None:
+    if not self.primary:
+      return
+    os.makedirs(self._workdir, exist_ok=True)
+    with open(self.path, "a") as f:
+      f.write(json.dumps({"step": step, **metrics}) + "\n")
+    with open(os.path.join(self._workdir, f"eval_answers_{step}.json"), "w") as f:
+      json.dump(answers, f, indent=1)
+
+
+def read_eval(workdir: str) -> list[dict]:
+  """The rows of ``workdir/eval.jsonl``; a torn last line (a crash mid-write) is dropped."""
+  path = os.path.join(workdir, EVAL_FILE)
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path) as f:
+    lines = [line for line in f.read().split("\n") if line.strip()]
+  for i, line in enumerate(lines):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      if i == len(lines) - 1:
+        break
+      raise ValueError(f"{path} line {i + 1} is not JSON; repair or delete it.") from None
+  return rows
+
+
+def plot_eval(workdir: str) -> str | None:
+  """Writes ``workdir/eval.png``: held-out greedy accuracy and pass@k against the train step."""
+  rows = read_eval(workdir)
+  if not rows:
+    return None
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  steps = [r["step"] for r in rows]
+  for key in sorted({k for r in rows for k in r if k.startswith("eval_pass@")}) + [
+    "eval_greedy_accuracy"
+  ]:
+    ax.plot(steps, [r.get(key, math.nan) for r in rows], marker="o", label=key[len("eval_") :])
+  ax.set_xlabel("train step")
+  ax.set_ylabel("held-out accuracy")
+  ax.set_ylim(-0.02, 1.02)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  fig.tight_layout()
+  path = os.path.join(workdir, "eval.png")
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+class PeriodicEval:
+  """Evaluates before training, every ``every_steps`` steps and after the last step."""
+
+  def __init__(self, evaluator: Evaluator, log: EvalLog, *, every_steps: int, total_steps: int):
+    self.evaluator, self.log = evaluator, log
+    self.every, self.total = every_steps, total_steps
+
+  def due(self, step: int) -> bool:
+    return step == 0 or step % self.every == 0 or step == self.total
+
+  def maybe_run(self, step: int, params, rng: jax.Array) -> dict[str, float]:
+    """The eval metrics of ``step`` (steps completed) if one is due and not yet logged, else {}."""
+    if not self.due(step) or self.log.done(step):
+      return {}
+    metrics, answers = self.evaluator(params, jax.random.fold_in(rng, step))
+    self.log.write(step, metrics, answers)
+    logging.info(
+      "eval at step %d: %s",
+      step,
+      "  ".join(f"{k[len('eval_') :]} {v:.3f}" for k, v in metrics.items() if k != "eval_prompts"),
+    )
+    return metrics

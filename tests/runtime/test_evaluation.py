@@ -1,0 +1,125 @@
+"""Held-out evaluation: the pass@k estimator, the evaluator's counting, and a run that evaluates."""
+
+import json
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import arith_tiny
+from knitjax.config import from_config_dict
+from knitjax.rollout.sampler import Samples
+from knitjax.runtime.evaluation import Evaluator, pass_at_k, read_eval
+from knitjax.tasks.prompts import Prompt
+
+
+def test_pass_at_k_by_hand():
+  assert pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
+  assert pass_at_k(5, 2, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(5, 2))  # 0.7
+  assert pass_at_k(8, 3, 4) == pytest.approx(1 - math.comb(5, 4) / math.comb(8, 4))
+  assert pass_at_k(5, 0, 3) == 0.0
+  assert pass_at_k(5, 3, 3) == 1.0  # fewer than k wrong: every k-subset holds a correct one
+  assert pass_at_k(200, 1, 100) == pytest.approx(0.5)
+  for bad in ((4, 5, 1), (4, 1, 5), (4, 1, 0)):
+    with pytest.raises(ValueError, match="pass@k"):
+      pass_at_k(*bad)
+
+
+class _FakeWorker:
+  """Answers prompt i's j-th sample with token ``table[i][j]`` (greedy: column 0)."""
+
+  def __init__(self, table):
+    self.table, self.calls = table, []
+
+  def sample(self, params, prompts, *, rng, group_size):
+    self.calls.append((len(prompts), group_size))
+    rows = [self.table[p.prompt_id][j] for p in prompts for j in range(group_size)]
+    tokens = np.asarray(rows, np.int32)[:, None]
+    n = len(rows)
+    return Samples(tokens=tokens, lengths=np.ones(n, np.int32), logprobs=np.zeros((n, 1)))
+
+
+class _Tok:
+  def decode(self, ids):
+    return " ".join(map(str, np.asarray(ids).tolist()))
+
+
+def _prompt(i):
+  return Prompt(prompt_id=i, cls="c", text="q", tokens=np.array([1, 2]), answer="7")
+
+
+def test_evaluator_counts_greedy_and_pass_at_k():
+  # Token 7 is the right answer. Prompt 0: greedy right, 2 of 4 samples; prompt 1: greedy wrong,
+  # 1 of 4; prompt 2: nothing right.
+  table = {0: [7, 7, 0, 0], 1: [0, 0, 7, 0], 2: [0, 0, 0, 0]}
+  reward = lambda p, ids, tok: float(ids.tolist() == [7])  # noqa: E731
+  greedy, sampled = _FakeWorker(table), _FakeWorker(table)
+  ev = Evaluator(
+    greedy=greedy,
+    sampled=sampled,
+    prompts=[_prompt(i) for i in range(3)],
+    reward_fn=reward,
+    tokenizer=_Tok(),
+    k=2,
+    samples=4,
+    batch_prompts=2,
+    batch_shards=4,
+  )
+  metrics, answers = ev(None, jax.random.key(0))
+  assert metrics["eval_greedy_accuracy"] == pytest.approx(1 / 3)
+  want = (pass_at_k(4, 2, 2) + pass_at_k(4, 1, 2) + 0.0) / 3
+  assert metrics["eval_pass@2"] == pytest.approx(want)
+  assert metrics["eval_sample_accuracy"] == pytest.approx(3 / 12)
+  assert [a["solved"] for a in answers] == [True, False, False]
+  assert answers[0]["greedy"] == "7"
+  # Calls are padded to whole batch shards (4): 2 prompts x 1 -> 4 rows, 1 prompt x 1 -> 4 rows.
+  assert greedy.calls == [(4, 1), (4, 1)]
+  assert sampled.calls == [(2, 4), (1, 4)]
+
+
+def _eval_config(**eval_fields):
+  c = arith_tiny.get_config("quick")
+  c.eval = {**dict(every_steps=1, prompts=8, samples=4, k=2), **eval_fields}
+  return from_config_dict(c)
+
+
+@pytest.mark.slow
+def test_a_run_evaluates_before_during_and_after_and_the_cli_agrees(tmp_path):
+  from knitjax.eval import evaluate
+  from knitjax.runtime.train import train
+
+  config = _eval_config()
+  workdir = str(tmp_path)
+  last = train(config, workdir)
+  rows = read_eval(workdir)
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  for r in rows:
+    assert r["eval_prompts"] == 8
+    for key in ("eval_greedy_accuracy", "eval_pass@2", "eval_sample_accuracy"):
+      assert 0.0 <= r[key] <= 1.0
+      # 8 prompts: greedy accuracy is a multiple of 1/8; sample accuracy of 1/32.
+    assert r["eval_greedy_accuracy"] * 8 == pytest.approx(round(r["eval_greedy_accuracy"] * 8))
+    assert r["eval_pass@2"] >= r["eval_sample_accuracy"] - 1e-9  # pass@2 >= pass@1
+  assert last["eval_greedy_accuracy"] == rows[-1]["eval_greedy_accuracy"]
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    metric_rows = [json.loads(line) for line in f]
+  assert [r["eval_pass@2"] for r in metric_rows] == [r["eval_pass@2"] for r in rows[1:]]
+  assert os.path.exists(os.path.join(workdir, "eval.png"))
+  with open(os.path.join(workdir, "eval_answers_2.json")) as f:
+    answers = json.load(f)
+  assert len(answers) == 8
+  assert np.mean([a["solved"] for a in answers]) == rows[-1]["eval_greedy_accuracy"]
+  # Evaluating the saved checkpoint alone gives exactly the in-run evaluation of that step.
+  alone = evaluate(config, workdir)
+  assert alone["step"] == 2 and alone["checkpoint"]
+  for key in ("eval_greedy_accuracy", "eval_pass@2", "eval_sample_accuracy"):
+    assert alone[key] == rows[-1][key]
+
+
+def test_eval_config_is_checked():
+  with pytest.raises(ValueError, match=r"config.eval.k=5 must be <= config.eval.samples=4"):
+    _eval_config(k=5)
+  with pytest.raises(ValueError, match="config.eval.reward"):
+    _eval_config(reward="nope")
