@@ -26,7 +26,7 @@ PACKAGE = "knitjax"
 #   5  config: typed views of the ConfigDict. Validation names the registries of the parts
 #      below, and only runtime and entry points receive a Config.
 #   6  the loops (runtime) and the simulator (sim), side by side; see FORBIDDEN.
-#   7  entry points: benchmarks, the fault suite, main, eval, cli.
+#   7  entry points: benchmarks, the fault suite, main, eval, chat, cli.
 LAYERS = (
   (
     "knitjax",
@@ -41,7 +41,14 @@ LAYERS = (
   ("knitjax.rollout.*",),
   ("knitjax.config",),
   ("knitjax.runtime.*", "knitjax.sim.*"),
-  ("knitjax.bench.*", "knitjax.faults.*", "knitjax.main", "knitjax.eval", "knitjax.cli"),
+  (
+    "knitjax.bench.*",
+    "knitjax.faults.*",
+    "knitjax.main",
+    "knitjax.eval",
+    "knitjax.chat",
+    "knitjax.cli",
+  ),
 )
 
 # Same-layer imports that are still forbidden, (importer prefix, imported prefix): the simulator

@@ -55,12 +55,14 @@ def _longest_prompt(source: PromptSource) -> int:
 
 
 def build_tokenizer(config: Config):
-  """The checkpoint's Hugging Face tokenizer for tasks that take one (``config.init_from``), else
-  None: the task then uses its own character tokenizer."""
+  """The checkpoint's Hugging Face tokenizer for tasks that take one (``config.init_from``; for
+  count_images a LLaVA checkpoint's), else None: the task then uses its own character tokenizer."""
   from knitjax.tasks.registry import TOKENIZER_TASKS
 
   if not config.init_from or config.task.name not in TOKENIZER_TASKS:
     return None
+  if config.task.name == "count_images" and not config.image_token:
+    return None  # image prompts need the checkpoint's image token: only LLaVA folders have one
   from knitjax.models.hf_tokenizer import HFTokenizer
 
   tokenizer = HFTokenizer.from_folder(config.init_from)
@@ -77,6 +79,9 @@ def _task_kwargs(config: Config, cls: str, tokenizer, *, path: str = "") -> dict
       kwargs["max_prompt_tokens"] = config.task.prompt_len
   if config.vision is not None:  # one placeholder token per image feature the LM reads
     kwargs["image_tokens"] = config.vision.num_image_tokens
+    if tokenizer is not None:  # a LLaVA checkpoint's: its image token, images at its size
+      kwargs["image_token"] = config.image_token
+      kwargs["image_size"] = config.vision.image_size
   if tokenizer is not None:
     kwargs["tokenizer"] = tokenizer
     kwargs["chat"] = {"auto": None, "on": True, "off": False}[config.task.chat]
@@ -174,7 +179,21 @@ def build_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
 
 def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
   """Sharded random init of the policy (seeded by ``config.seed``), or the checkpoint of
-  ``config.init_from`` read tensor by tensor onto the mesh."""
+  ``config.init_from`` read tensor by tensor onto the mesh (a VLM for a LLaVA checkpoint)."""
+  if config.init_from and config.vision is not None:
+    from knitjax.models import hf_vision
+
+    # hf_vision.init_vlm_from_hf, but with config.vision's dtype, which may differ from the
+    # decoder's (the shapes are the checkpoint's: config.from_config_dict read them).
+    _, _, image_id = hf_vision.llava_config_from_hf(config.init_from)
+    graphdef, abstract = nnx.split(
+      nnx.eval_shape(
+        lambda: VLM(config.model, config.vision, image_token_id=image_id, rngs=nnx.Rngs(0))
+      )
+    )
+    params = hf_vision.load_llava_params(config.init_from, abstract, mesh)
+    # load_llava_params nests a State per part; the optimizer's update needs nnx.split's nesting.
+    return graphdef, nnx.from_flat_state(nnx.to_flat_state(params))
   if config.init_from:
     from knitjax.models import hf
 

@@ -105,7 +105,7 @@ class Evaluator:
     if self._sampled is not None:
       hits, _ = self._solved(self._sampled, params, self.samples, jax.random.fold_in(rng, 1))
       n = self.samples
-      metrics[f"eval_pass@{self.k}"] = float(
+      metrics[f"eval_pass_at_{self.k}"] = float(
         np.mean([pass_at_k(n, int(c), self.k) for c in hits.sum(axis=1)])
       )
       metrics["eval_sample_accuracy"] = float(hits.mean())
@@ -172,7 +172,7 @@ def plot_eval(workdir: str) -> str | None:
 
   fig, ax = plt.subplots(figsize=(6, 3.5))
   steps = [r["step"] for r in rows]
-  for key in sorted({k for r in rows for k in r if k.startswith("eval_pass@")}) + [
+  for key in sorted({k for r in rows for k in r if k.startswith("eval_pass_at_")}) + [
     "eval_greedy_accuracy"
   ]:
     ax.plot(steps, [r.get(key, math.nan) for r in rows], marker="o", label=key[len("eval_") :])

@@ -12,8 +12,8 @@ TASKS = ("arith", "gsm8k", "longtail", "count_images")
 # Tasks that read their prompts from a file (config.task.path).
 FILE_TASKS = ("gsm8k",)
 # Tasks whose prompts a Hugging Face tokenizer can encode (config.init_from's, with its chat
-# template); the others use their own character tokenizer.
-TOKENIZER_TASKS = ("gsm8k",)
+# template; count_images: a LLaVA checkpoint's); the others use their own character tokenizer.
+TOKENIZER_TASKS = ("gsm8k", "count_images")
 
 
 def make_prompt_source(

@@ -9,9 +9,9 @@ Signature, the one the runtime calls::
 ``completion_ids`` is the 1-D int array of tokens sampled after the prompt: either trimmed to the
 completion's length (the EOS, when produced, is its last token) or the whole padded generation
 buffer. Rewards look only up to the first EOS, so both forms give the same reward; an EOS was
-produced iff one of ``tokenizer.eos_ids`` occurs in ``completion_ids``. Token ids rather than decoded text
-are passed so that a reward can require the EOS (``arith_exact``) or look at single tokens
-(``arith_first``). The ids may be any the model can sample, ``[0, config.model.vocab_size)``,
+produced iff one of ``tokenizer.eos_ids`` occurs in ``completion_ids``. Token ids rather than
+decoded text are passed so that a reward can require the EOS (``arith_exact``) or look at single
+tokens (``arith_first``). The ids may be any the model can sample, ``[0, config.model.vocab_size)``,
 which can exceed ``tokenizer.vocab_size`` (an ``init_from`` model): every reward accepts them, and
 an id beyond the tokenizer's vocabulary never matches an answer (`CharTokenizer.decode`).
 

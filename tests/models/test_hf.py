@@ -325,7 +325,10 @@ def test_bad_tensors_are_named(tmp_path, family, mutate, message):
       dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
       "rope_scaling has rope type 'dynamic'; accepted: null, 'default', 'linear', 'llama3', 'yarn'",
     ),
-    (dict(rope_scaling={"type": "longrope", "factor": 2.0}), "rope type 'longrope'; accepted: null"),
+    (
+      dict(rope_scaling={"type": "longrope", "factor": 2.0}),
+      "rope type 'longrope'; accepted: null",
+    ),
     (dict(rope_parameters={"rope_type": "yarn"}), "rope_parameters has rope type 'yarn'"),
     (dict(use_sliding_window=True), "use_sliding_window=true is not supported"),
     (dict(attention_bias=True), r"attention_bias=true \(llama\) is not supported"),

