@@ -243,13 +243,15 @@ def load_llava_params(
   kw = dict(where=path, mesh=mesh, dtype=dtype)
   vision_table = vision_tensors(vision_config, vision_prefix)
   projector_table = _projector_tensors(vision_config, lm_config.d_model, layout.projector)
-  new_state = nnx.State(
+  parts_state = nnx.State(
     {
       "vision": load_mapped(parts["vision"], state["vision"], vision_table, **kw),
       "projector": load_mapped(parts["projector"], state["projector"], projector_table, **kw),
       "lm": hf.load_entries(parts["lm"], state["lm"], **kw),
     }
   )
+  # One State nested as nnx.split nests it (a State per part would not match an optimizer state).
+  new_state = nnx.from_flat_state(nnx.to_flat_state(parts_state))
   if isinstance(vlm_or_state, nnx.Module):
     nnx.update(vlm_or_state, new_state)
   return new_state

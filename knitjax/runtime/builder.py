@@ -191,9 +191,7 @@ def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
         lambda: VLM(config.model, config.vision, image_token_id=image_id, rngs=nnx.Rngs(0))
       )
     )
-    params = hf_vision.load_llava_params(config.init_from, abstract, mesh)
-    # load_llava_params nests a State per part; the optimizer's update needs nnx.split's nesting.
-    return graphdef, nnx.from_flat_state(nnx.to_flat_state(params))
+    return graphdef, hf_vision.load_llava_params(config.init_from, abstract, mesh)
   if config.init_from:
     from knitjax.models import hf
 
