@@ -59,10 +59,22 @@ def build_tokenizer(config: Config):
   count_images a LLaVA checkpoint's), else None: the task then uses its own character tokenizer."""
   from knitjax.tasks.registry import TOKENIZER_TASKS
 
-  if not config.init_from or config.task.name not in TOKENIZER_TASKS:
+  if not config.init_from:
     return None
-  if config.task.name == "count_images" and not config.image_token:
-    return None  # image prompts need the checkpoint's image token: only LLaVA folders have one
+  has_tokenizer = os.path.isfile(os.path.join(config.init_from, "tokenizer.json"))
+  takes_one = config.task.name in TOKENIZER_TASKS and (
+    config.task.name != "count_images" or config.image_token  # image prompts: LLaVA's token
+  )
+  if not takes_one:
+    if has_tokenizer:
+      # Its own character ids would mean other tokens to this model: wrong text, no error.
+      raise ValueError(
+        f"config.task.name={config.task.name!r} encodes prompts with its own character "
+        f"tokenizer, but {config.init_from} has a tokenizer.json whose ids mean other tokens; "
+        f"use a task that takes the checkpoint's tokenizer ({', '.join(TOKENIZER_TASKS)}) or a "
+        "checkpoint trained on the task (knitjax's export writes no tokenizer.json)."
+      )
+    return None
   from knitjax.models.hf_tokenizer import HFTokenizer
 
   tokenizer = HFTokenizer.from_folder(config.init_from)

@@ -58,3 +58,13 @@ def test_bad_init_from_is_one_clear_error(checkpoint, tmp_path):
     from_config_dict(_config(path, widht=32))
   with pytest.raises(ValueError, match="is not a folder"):
     from_config_dict(_config(str(tmp_path / "missing")))
+
+
+def test_a_character_task_refuses_a_checkpoint_with_its_own_tokenizer(checkpoint):
+  # arith's character ids would mean other tokens to a model with a real vocabulary.
+  path, _ = checkpoint
+  with open(f"{path}/tokenizer.json", "w") as f:
+    f.write("{}")
+  config = from_config_dict(_config(path))
+  with pytest.raises(ValueError, match=r"task.name='arith' encodes prompts with its own character"):
+    builder.build_prompts(config)
