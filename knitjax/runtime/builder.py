@@ -106,11 +106,10 @@ def build_prompts(config: Config, tokenizer=None) -> ClassStreams:
 
   ``tokenizer``: a Hugging Face tokenizer (`build_tokenizer`), or None for the task's own.
   """
-  if tokenizer is None:
-    tokenizer = build_tokenizer(config)
+  hf_tokenizer = build_tokenizer(config) if tokenizer is None else tokenizer
   sources = {}
   for i, cls in enumerate(sorted(config.admission.quotas)):
-    kwargs = _task_kwargs(config, cls, tokenizer)
+    kwargs = _task_kwargs(config, cls, hf_tokenizer)
     source, tokenizer = make_prompt_source(config.task.name, seed=config.seed + 1000 * i, **kwargs)
     sources[cls] = source
   longest = max(_longest_prompt(s) for s in sources.values())

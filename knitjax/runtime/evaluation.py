@@ -180,7 +180,7 @@ def plot_eval(workdir: str) -> str | None:
   ax.set_ylabel("held-out accuracy")
   ax.set_ylim(-0.02, 1.02)
   ax.grid(alpha=0.3)
-  ax.legend(loc="lower right")
+  ax.legend(loc="upper right")
   fig.tight_layout()
   path = os.path.join(workdir, "eval.png")
   fig.savefig(path, dpi=120)
