@@ -39,7 +39,7 @@ LAYERS = (
   ("knitjax.train.*",),
   ("knitjax.transfer.*",),
   ("knitjax.rollout.*",),
-  ("knitjax.config",),
+  ("knitjax.config", "knitjax.config_checkpoint"),
   ("knitjax.runtime.*", "knitjax.sim.*"),
   (
     "knitjax.bench.*",
