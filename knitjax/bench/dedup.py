@@ -10,14 +10,17 @@ image per group, split into K micro-batches with every group's members spread ov
 - ``dedup``: unique images encoded once, cotangents accumulated, one encoder backward;
 - ``dedup_remat``: dedup with the encoder rematerialised in its backward.
 
+Images encoded and encoder backwards are the steps' own counts (``knitjax.train.dedup.COUNT_KEYS``,
+counted by the encoder calls that ran), not shapes of the workload.
+
 The encoder's share of the naive step is measured by difference: the decoder's text train step
 on the same rows (the backbone alone) is timed too, and ``naive - backbone`` is the encoder's
-in-step cost. If that cost scales with the images encoded (R naive, U dedup), dedup takes
-``backbone + (naive - backbone) U / R``; the JSON reports that prediction next to the measurement,
-and, for reference, the encoder's forward + backward timed alone. Measurements are interleaved
-round by round (every step, then the encoder alone), so a busy machine slows all alike. Peak
-memory is XLA's compiled estimate (``memory_analysis``: arguments + outputs + temporaries -
-aliased), where the backend gives one.
+in-step cost. If that cost scales with the images encoded (counted: R naive, U dedup), dedup
+takes ``backbone + (naive - backbone) U / R``; the JSON reports that prediction next to the
+measurement, and, for reference, the encoder's forward + backward timed alone. Measurements are
+interleaved round by round (every step, then the encoder alone), so a busy machine slows all
+alike. Peak memory is XLA's compiled estimate (``memory_analysis``: arguments + outputs +
+temporaries - aliased), where the backend gives one.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from knitjax.models.vision import VisionConfig
 from knitjax.models.vlm import VLM, split_params
 from knitjax.train import losses, mm_step
 from knitjax.train.batch import make_batch, pack_rows
+from knitjax.train.dedup import COUNT_KEYS
 from knitjax.train.step import (
   MICRO_BATCH_FIELDS,
   StepHParams,
@@ -171,8 +175,7 @@ def run(config, workdir: str) -> dict:
       info[name] = {"compile_s": time.perf_counter() - t0, "memory": _memory(steps[name])}
       states[name], metrics = steps[name](state, dev_batch)  # warm-up
     metrics = jax.device_get(metrics)
-    info[name]["encoder_images_encoded"] = float(metrics["encoder_images_encoded"])
-    info[name]["encoder_backward_passes"] = float(metrics["encoder_backward_passes"])
+    info[name].update({k: float(metrics[k]) for k in COUNT_KEYS})
     info[name]["loss"] = float(metrics["loss"])
   # The backbone alone: the decoder's text train step on the same rows (placeholders embedded as
   # ordinary tokens), so naive - backbone is what the encoder costs inside the naive step.
@@ -225,8 +228,9 @@ def run(config, workdir: str) -> dict:
 
   naive_s, dedup_s, backbone_s = med["naive"], med["dedup"], med["backbone"]
   share = (naive_s - backbone_s) / naive_s
-  # If the encoder's in-step cost scales with the images it encodes (R naive, U dedup):
-  predicted = backbone_s + (naive_s - backbone_s) * w.unique_images / rows
+  # If the encoder's in-step cost scales with the images it encodes (as counted: R naive, U dedup):
+  encoded = {k: r["encoder_images_encoded"] for k, r in info.items()}
+  predicted = backbone_s + (naive_s - backbone_s) * encoded["dedup"] / encoded["naive"]
   result = {
     "workload": {
       "unique_images": w.unique_images,
@@ -245,8 +249,7 @@ def run(config, workdir: str) -> dict:
     "dedup_remat_s": med["dedup_remat"],
     "speedup": naive_s / dedup_s,
     "speedup_remat": naive_s / med["dedup_remat"],
-    "encoder_images_encoded": {k: r["encoder_images_encoded"] for k, r in info.items()},
-    "encoder_backward_passes": {k: r["encoder_backward_passes"] for k, r in info.items()},
+    **{key: {k: r[key] for k, r in info.items()} for key in COUNT_KEYS},
     "peak_memory_bytes": {k: (r["memory"] or {}).get("peak_bytes") for k, r in info.items()},
     "temp_memory_bytes": {k: (r["memory"] or {}).get("temp_bytes") for k, r in info.items()},
     "backbone_s": backbone_s,
@@ -266,17 +269,19 @@ def run(config, workdir: str) -> dict:
       "path": k,
       "step_s": r["step_s"],
       "images_encoded": int(r["encoder_images_encoded"]),
+      "recomputed": int(r["encoder_images_recomputed"]),
       "enc_backwards": int(r["encoder_backward_passes"]),
       "peak_MiB": ((r["memory"] or {}).get("peak_bytes") or 0) / 2**20,
     }
     for k, r in info.items()
   ]
-  print(format_table(table, ["path", "step_s", "images_encoded", "enc_backwards", "peak_MiB"]))
+  columns = ["path", "step_s", "images_encoded", "recomputed", "enc_backwards", "peak_MiB"]
+  print(format_table(table, columns))
   print(
     f"speedup {result['speedup']:.2f}x (remat {result['speedup_remat']:.2f}x). The backbone alone "
     f"takes {backbone_s:.3f} s, so the encoder is {100 * share:.0f}% of the naive step "
-    f"({naive_s - backbone_s:.3f} s for {rows} images); scaled to {w.unique_images} images that "
-    f"predicts {result['predicted_speedup']:.2f}x."
+    f"({naive_s - backbone_s:.3f} s for {encoded['naive']:.0f} images); scaled to "
+    f"{encoded['dedup']:.0f} images that predicts {result['predicted_speedup']:.2f}x."
   )
   if share <= 0:
     # The subtraction is only meaningful when the encoder costs more than the timing noise.

@@ -20,6 +20,16 @@ gets the gradient it would have received from every backbone micro-batch.
 Memory: step 1 keeps the encoder's residuals for U images alive across the backbone scan. With
 `remat=True` the encoder is wrapped in `jax.checkpoint`, so only its inputs are kept and step 4
 recomputes the forward (one extra encoder forward of U images, still U instead of R).
+
+Counts: every encoder application goes through `apply_encoder`, which returns its counts next to
+its features (see COUNT_KEYS). They are values of the program, not host state: a call site adds
+its image count to a float32 scalar each time it executes (a call inside a `lax.scan` body adds
+per iteration through the carry), and the backward pass is counted by `_count_backward`, an
+identity `custom_vjp` on the encoder's params whose backward emits the counts as the cotangent of
+a zero "probe" argument. That rule runs exactly when the encoder's backward runs (once per
+executed backward: a frozen encoder, like the reference model's, gets none), and cotangents add
+up over every backward that ran, so the probe's gradient is the number of encoder backwards (and
+of the images they took).
 """
 
 from __future__ import annotations
@@ -70,24 +80,113 @@ def dedup_gather(unique_u: jax.Array, index_b: jax.Array) -> jax.Array:
   return _gather(unique_u.shape[0], unique_u, index_b)
 
 
+# Per mini-batch counts of what the encoder ran, float32 scalars:
+COUNT_KEYS = (
+  "encoder_images_encoded",  # images through any encoder forward: policy, reference, recomputed
+  "encoder_images_ref",  # of which the frozen reference model's encoder
+  "encoder_images_recomputed",  # of which rematerialised in a backward (`remat`)
+  "encoder_backward_passes",  # encoder backwards that ran
+  "encoder_images_backward",  # images through those backwards
+)
+Counts = dict[str, jax.Array]
+
+
+def zero_counts() -> Counts:
+  """Every count at 0; also the probe whose cotangent counts encoder backwards."""
+  return {k: jnp.zeros((), jnp.float32) for k in COUNT_KEYS}
+
+
+def add_counts(a: Counts, b: Counts) -> Counts:
+  return {k: a[k] + b[k] for k in COUNT_KEYS}
+
+
+def _counts(**values: int) -> Counts:
+  return {k: jnp.asarray(values.get(k, 0), jnp.float32) for k in COUNT_KEYS}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _count_backward(enc_params: PyTree, probe: Counts, tally: tuple[int, bool]) -> PyTree:
+  del probe, tally
+  return enc_params
+
+
+def _count_backward_fwd(enc_params, probe, tally):
+  del probe, tally
+  return enc_params, None
+
+
+def _count_backward_bwd(tally, _, ct_params):
+  # Runs once per executed encoder backward: the params' cotangent passes through unchanged and
+  # the probe's cotangent carries this backward's counts.
+  num_images, remat = tally
+  recomputed = num_images if remat else 0
+  probe_ct = _counts(
+    encoder_images_encoded=recomputed,
+    encoder_images_recomputed=recomputed,
+    encoder_backward_passes=1,
+    encoder_images_backward=num_images,
+  )
+  return ct_params, probe_ct
+
+
+_count_backward.defvjp(_count_backward_fwd, _count_backward_bwd)
+
+
+def apply_encoder(
+  encode_fn: Callable[[PyTree, jax.Array], jax.Array],
+  enc_params: PyTree,
+  images: jax.Array,
+  *,
+  probe: Counts | None = None,
+  remat: bool = False,
+  reference: bool = False,
+) -> tuple[jax.Array, Counts]:
+  """`encode_fn(enc_params, images)` and the counts of this execution of the call.
+
+  Args:
+    encode_fn: `(enc_params, images [N, ...]) -> features [N, ...]`.
+    enc_params: its params.
+    images: the N images it encodes.
+    probe: `zero_counts()` passed in as a differentiated argument, when the encoder is trained:
+      the cotangent it receives holds the backward counts (`encoder_backward_passes`,
+      `encoder_images_backward`, and with `remat` the recomputed forward). None: no backward
+      is counted (a frozen encoder).
+    remat: wrap the encoder in `jax.checkpoint` (its backward recomputes the forward).
+    reference: the frozen reference model's encoder (counted in `encoder_images_ref` too).
+
+  Returns:
+    `(features, forward counts)`: N images encoded, per execution of this call.
+  """
+  n = images.shape[0]
+  if probe is not None:
+    enc_params = _count_backward(enc_params, probe, (n, remat))
+  fn = jax.checkpoint(encode_fn) if remat else encode_fn
+  counts = _counts(encoder_images_encoded=n, encoder_images_ref=n if reference else 0)
+  return fn(enc_params, images), counts
+
+
 def encode_once(
   encode_fn: Callable[[PyTree, jax.Array], jax.Array],
   enc_params: PyTree,
   images_u: jax.Array,
   *,
   remat: bool = False,
-) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
-  """Encodes the unique images once; returns (features, backward: cotangent -> encoder grads).
+) -> tuple[jax.Array, Counts, Callable[[jax.Array], tuple[PyTree, Counts]]]:
+  """Encodes the unique images once; returns (features, forward counts, backward).
 
-  With `remat`, the encoder's activations are not kept: the backward recomputes them.
+  `backward(cotangent)` returns the encoder grads and the counts of that backward. With `remat`,
+  the encoder's activations are not kept: the backward recomputes them.
   """
-  fn = jax.checkpoint(encode_fn) if remat else encode_fn
-  feats_u, vjp_fn = jax.vjp(lambda p: fn(p, images_u), enc_params)
 
-  def backward(ct_u: jax.Array) -> PyTree:
-    return vjp_fn(ct_u.astype(feats_u.dtype))[0]
+  def encode(p, probe):
+    return apply_encoder(encode_fn, p, images_u, probe=probe, remat=remat)
 
-  return feats_u, backward
+  feats_u, vjp_fn, counts = jax.vjp(encode, enc_params, zero_counts(), has_aux=True)
+
+  def backward(ct_u: jax.Array) -> tuple[PyTree, Counts]:
+    return vjp_fn(ct_u.astype(feats_u.dtype))
+
+  return feats_u, counts, backward
 
 
 def _zeros_of(tree):
@@ -103,7 +202,7 @@ def dedup_value_and_grad(
   micro_batches: dict[str, jax.Array],
   *,
   remat: bool = False,
-) -> tuple[jax.Array, dict, PyTree, PyTree, dict[str, jax.Array]]:
+) -> tuple[jax.Array, dict, PyTree, PyTree, Counts]:
   """Loss and gradients of a mini-batch whose micro-batches share U unique images.
 
   Args:
@@ -118,10 +217,9 @@ def dedup_value_and_grad(
 
   Returns:
     `(loss, metric sums, encoder grads, backbone grads, counts)`: loss and sums added over the K
-    micro-batches; counts are `encoder_images_encoded` (images through the encoder forward) and
-    `encoder_backward_passes`, counted here where the encoder is called.
+    micro-batches; counts (COUNT_KEYS) of the encoder forward and backward that ran here.
   """
-  feats_u, backward = encode_once(encode_fn, enc_params, images_u, remat=remat)
+  feats_u, fwd_counts, backward = encode_once(encode_fn, enc_params, images_u, remat=remat)
   grad_fn = jax.value_and_grad(backbone_loss, argnums=(0, 1), has_aux=True)
 
   def body(carry, mb):
@@ -142,9 +240,5 @@ def dedup_value_and_grad(
     sums0,
   )
   (g_backbone, ct_feats, loss, sums), _ = jax.lax.scan(body, carry0, micro_batches)
-  g_enc = backward(ct_feats)
-  counts = {
-    "encoder_images_encoded": jnp.asarray(images_u.shape[0], jnp.float32),
-    "encoder_backward_passes": jnp.ones((), jnp.float32),
-  }
-  return loss, sums, g_enc, g_backbone, counts
+  g_enc, bwd_counts = backward(ct_feats)
+  return loss, sums, g_enc, g_backbone, add_counts(fwd_counts, bwd_counts)

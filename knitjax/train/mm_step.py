@@ -16,8 +16,10 @@ Two code paths give the same loss and gradients (tests check 1e-5 relative, floa
   and one encoder backward ends the mini-batch. ``remat_encoder`` trades the encoder's kept
   activations for a recomputation.
 
-Both report ``encoder_images_encoded`` and ``encoder_backward_passes`` per mini-batch, counted
-where the encoder is called.
+Both report the encoder counts of :data:`knitjax.train.dedup.COUNT_KEYS` per mini-batch
+(``encoder_images_encoded``, ``encoder_backward_passes``, ...), counted by the encoder calls that
+ran: every encoder application, the reference model's included, goes through
+:func:`~knitjax.train.dedup.apply_encoder`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from knitjax import sharding
 from knitjax.models.vlm import split_params
 from knitjax.train import losses
 from knitjax.train.batch import split_micro_batches
-from knitjax.train.dedup import dedup_gather, dedup_value_and_grad
+from knitjax.train.dedup import (
+  add_counts,
+  apply_encoder,
+  dedup_gather,
+  dedup_value_and_grad,
+  zero_counts,
+)
 from knitjax.train.step import MICRO_BATCH_FIELDS, StepHParams, TrainState, jit_step
 
 MM_ROW_FIELDS = (*MICRO_BATCH_FIELDS, "image_index")
@@ -71,41 +79,55 @@ def _row_images(images_u, index_b):
   return jnp.take(images_u, jnp.maximum(index_b, 0), axis=0)
 
 
+def _encode_with(graphdef, backbone):
+  """`(enc_params, images) -> features` of the VLM whose backbone params are `backbone`."""
+  return lambda enc, images: nnx.merge(graphdef, enc, backbone).encode_images(images)
+
+
+def _encode_ref(ref_params, images, *, graphdef):
+  """The frozen reference model's features of `images` (no backward), and their counts."""
+  return apply_encoder(
+    lambda p, x: nnx.merge(graphdef, p).encode_images(x), ref_params, images, reference=True
+  )
+
+
 def _naive(params, rows, images_u, norm, *, graphdef, hparams, ref_params):
   """Re-encodes each row's image in every micro-batch (the baseline)."""
 
-  def mb_loss(p, mb):
+  def mb_loss(p, probe, mb):
     model = nnx.merge(graphdef, p)
     images_b = _row_images(images_u, mb["image_index"])
+    counts = zero_counts()
     ref_logits = None
     if ref_params is not None:
-      ref = nnx.merge(graphdef, ref_params)
-      ref_logits = _forward(ref, mb, ref.encode_images(images_b))
-    logits = _forward(model, mb, model.encode_images(images_b))
+      ref_feats, counts = _encode_ref(ref_params, images_b, graphdef=graphdef)
+      ref_logits = _forward(nnx.merge(graphdef, ref_params), mb, ref_feats)
+    enc, backbone = split_params(p)
+    feats, enc_counts = apply_encoder(_encode_with(graphdef, backbone), enc, images_b, probe=probe)
+    logits = _forward(model, mb, feats)
     loss, sums = _policy_loss(logits, mb, norm, hparams, ref_logits)
-    return loss, (sums, jnp.asarray(images_b.shape[0], jnp.float32))
+    return loss, (sums, add_counts(counts, enc_counts))
 
-  grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
+  # d loss / d probe: the counts of the encoder backwards that ran (see dedup.apply_encoder).
+  grad_fn = jax.value_and_grad(mb_loss, argnums=(0, 1), has_aux=True)
 
   def body(carry, mb):
-    grads_acc, loss_acc, sums_acc, encoded, passes = carry
-    (loss, (sums, n_images)), grads = grad_fn(params, mb)
+    grads_acc, loss_acc, sums_acc, counts_acc = carry
+    (loss, (sums, fwd_counts)), (grads, bwd_counts) = grad_fn(params, zero_counts(), mb)
     grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
     sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
-    return (grads_acc, loss_acc + loss, sums_acc, encoded + n_images, passes + 1.0), None
+    counts_acc = add_counts(counts_acc, add_counts(fwd_counts, bwd_counts))
+    return (grads_acc, loss_acc + loss, sums_acc, counts_acc), None
 
   first = jax.tree.map(lambda x: x[0], rows)
-  sums_shape = jax.eval_shape(lambda: mb_loss(params, first)[1][0])
-  zero = jnp.zeros((), jnp.float32)
+  sums_shape = jax.eval_shape(lambda: mb_loss(params, zero_counts(), first)[1][0])
   carry0 = (
     jax.tree.map(jnp.zeros_like, params),
-    zero,
+    jnp.zeros((), jnp.float32),
     jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
-    zero,
-    zero,
+    zero_counts(),
   )
-  (grads, loss, sums, encoded, passes), _ = jax.lax.scan(body, carry0, rows)
-  counts = {"encoder_images_encoded": encoded, "encoder_backward_passes": passes}
+  (grads, loss, sums, counts), _ = jax.lax.scan(body, carry0, rows)
   return loss, sums, grads, counts
 
 
@@ -113,12 +135,10 @@ def _dedup(params, rows, images_u, norm, *, graphdef, hparams, ref_params, remat
   """Encodes each unique image once; see knitjax.train.dedup."""
   enc, backbone = split_params(params)
 
-  def encode_fn(enc_params, images):
-    return nnx.merge(graphdef, enc_params, backbone).encode_images(images)
-
-  ref_feats = None
+  ref_feats, ref_counts = None, zero_counts()
   if ref_params is not None:
-    ref_feats = jax.lax.stop_gradient(nnx.merge(graphdef, ref_params).encode_images(images_u))
+    ref_feats, ref_counts = _encode_ref(ref_params, images_u, graphdef=graphdef)
+    ref_feats = jax.lax.stop_gradient(ref_feats)
 
   def backbone_loss(backbone_params, feats_u, mb):
     model = nnx.merge(graphdef, enc, backbone_params)
@@ -130,9 +150,9 @@ def _dedup(params, rows, images_u, norm, *, graphdef, hparams, ref_params, remat
     return _policy_loss(logits, mb, norm, hparams, ref_logits)
 
   loss, sums, g_enc, g_backbone, counts = dedup_value_and_grad(
-    encode_fn, backbone_loss, enc, backbone, images_u, rows, remat=remat
+    _encode_with(graphdef, backbone), backbone_loss, enc, backbone, images_u, rows, remat=remat
   )
-  return loss, sums, nnx.merge_state(g_enc, g_backbone), counts
+  return loss, sums, nnx.merge_state(g_enc, g_backbone), add_counts(counts, ref_counts)
 
 
 def mm_value_and_grad(

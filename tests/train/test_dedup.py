@@ -1,4 +1,4 @@
-"""Encoder dedup: exact gradients against the naive path, image counts, the custom-VJP gather.
+"""Encoder dedup: exact gradients against the naive path, encoder counts, the custom-VJP gather.
 
 Exactness criterion (float32): for each of the encoder (vision), projector and backbone (lm), the
 relative error of the whole gradient, ||g_dedup - g_naive|| / ||g_naive||, is at most 1e-5, and so
@@ -128,8 +128,13 @@ def test_dedup_gather_forward_and_scatter_add_backward():
 
 def test_naive_path_encodes_every_row_in_every_micro_batch(naive):
   counts = naive[3]
-  assert counts["encoder_images_encoded"] == len(GROUP_IMAGE) * G == 24
+  rows = len(GROUP_IMAGE) * G
+  # Policy and reference encoders each take all 24 rows' images; one backward per micro-batch.
+  assert counts["encoder_images_encoded"] == 2 * rows == 48
+  assert counts["encoder_images_ref"] == rows
+  assert counts["encoder_images_recomputed"] == 0
   assert counts["encoder_backward_passes"] == 2
+  assert counts["encoder_images_backward"] == rows
 
 
 @pytest.mark.parametrize(
@@ -144,9 +149,66 @@ def test_dedup_gradients_equal_naive(mesh1, naive, micro_batches, remat):
   np.testing.assert_allclose(loss, loss0, rtol=1e-5)
   np.testing.assert_allclose(sums["kl_sum"], sums0["kl_sum"], rtol=1e-5)
   _assert_grads_match(grads, grads0)
-  # Counted where the encoder is called: the 3 unique images once, one encoder backward.
-  assert counts["encoder_images_encoded"] == 3
+  # The 3 unique images once through the policy encoder (again in the backward with remat) and
+  # once through the reference's; one encoder backward.
+  recomputed = 3 if remat else 0
+  assert counts["encoder_images_encoded"] == 3 + 3 + recomputed
+  assert counts["encoder_images_ref"] == 3
+  assert counts["encoder_images_recomputed"] == recomputed
   assert counts["encoder_backward_passes"] == 1
+  assert counts["encoder_images_backward"] == 3
+
+
+def _log_encoder_calls(monkeypatch):
+  """Logs every encoder forward and backward as it executes (host callbacks), apart from the
+  step's own counting: ("forward", N) each time `VLM.encode_images` runs on N images (a
+  rematerialised forward runs, and logs, again in the backward), ("backward", N) each time a
+  cotangent flows back into its features."""
+  log = []
+  encode = VLM.encode_images
+
+  def record(kind, n):
+    jax.debug.callback(lambda: log.append((kind, n)))
+
+  @jax.custom_vjp
+  def mark(feats):
+    return feats
+
+  def mark_bwd(_, ct):
+    record("backward", ct.shape[0])
+    return (ct,)
+
+  mark.defvjp(lambda feats: (feats, None), mark_bwd)
+
+  def logged_encode(self, images):
+    record("forward", images.shape[0])
+    return mark(encode(self, images))
+
+  monkeypatch.setattr(VLM, "encode_images", logged_encode)
+  return log
+
+
+@pytest.mark.parametrize(
+  ("dedup", "micro_batches", "remat"),
+  [(False, 2, False), (True, 3, True), pytest.param(True, 3, False, marks=pytest.mark.slow)],
+)
+def test_counts_are_the_encoder_calls_that_ran(mesh1, monkeypatch, dedup, micro_batches, remat):
+  """The step's counts against an independent log of the encoder calls executed, with a frozen
+  reference encoder (forwards, no backward) and a rematerialised one (forward run twice)."""
+  log = _log_encoder_calls(monkeypatch)
+  counts = _grads(mesh1, _minibatch(), micro_batches, dedup=dedup, remat=remat)[3]
+  jax.effects_barrier()
+  forwards = [n for kind, n in log if kind == "forward"]
+  backwards = [n for kind, n in log if kind == "backward"]
+  assert forwards and backwards
+  assert counts["encoder_images_encoded"] == sum(forwards)
+  assert counts["encoder_backward_passes"] == len(backwards)
+  assert counts["encoder_images_backward"] == sum(backwards)
+  # Naive: 2 micro-batches x (12 policy + 12 reference images), 2 backwards of 12 images.
+  # Dedup + remat: 3 policy, 3 reference, 3 recomputed; 1 backward of 3 images.
+  # Dedup: 3 policy, 3 reference; 1 backward of 3 images.
+  want = {(False, False): (48, 2, 24), (True, True): (9, 1, 3), (True, False): (6, 1, 3)}
+  assert (sum(forwards), len(backwards), sum(backwards)) == want[dedup, remat]
 
 
 def test_padded_images_are_encoded_and_counted(mesh1):
@@ -166,8 +228,11 @@ def test_dedup_on_sharded_mesh_equals_naive_single_device(naive):
   loss, _, grads, counts = _grads(mesh8, _minibatch(), 3, dedup=True)
   np.testing.assert_allclose(loss, loss0, rtol=1e-5)
   _assert_grads_match(grads, grads0)
-  # 3 unique images padded to 4 (one per batch shard): 4 encoded, still not 24.
-  assert counts["encoder_images_encoded"] == 4
+  # 3 unique images padded to 4 (one per batch shard): 4 encoded by policy and reference each,
+  # still not 24.
+  assert counts["encoder_images_encoded"] == 8
+  assert counts["encoder_images_ref"] == 4
+  assert counts["encoder_images_backward"] == 4
 
 
 def test_fetch_minibatch_gives_each_unique_image_once():
