@@ -10,7 +10,7 @@ other 4 train. Task `knitjax.tasks.longtail`: class ``arith`` (short answers, bu
 and class ``think`` (free "thinking" before the answer, budget 16 tokens: the long tail), 16
 groups of each per train step, G=8, M=4 mini-batches with at least 2 groups of each class.
 Weights are published after every mini-batch; rollout may run one train step ahead
-(``max_lag_steps=1``). Learning settings follow ../shared/NOTES.md (lr 1e-3, entropy bonus).
+(``max_lag_steps=1``). Learning settings are those of configs/common.py (lr 1e-3, entropy bonus).
 """
 
 import ml_collections

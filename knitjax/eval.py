@@ -7,13 +7,13 @@ of ``config.eval`` (greedy accuracy, and pass@k when ``config.eval.samples`` > 0
 """
 
 import json
-import os
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from knitjax import cli
+from knitjax import workdir as wd
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (its checkpoints).")
@@ -30,7 +30,7 @@ def evaluate(config, workdir: str) -> dict:
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
   graphdef, learner = builder.build_learner(config, mesh, workdir)
-  restored = learner.restore() if os.path.isdir(os.path.join(workdir, "checkpoints")) else None
+  restored = learner.restore() if wd.path(workdir, "checkpoints").is_dir() else None
   step = 0 if restored is None else learner.version // config.admission.minibatches
   evaluator = builder.build_evaluator(config, graphdef, mesh, prompts)
   with jax.set_mesh(mesh):
@@ -38,9 +38,10 @@ def evaluate(config, workdir: str) -> dict:
     metrics, answers = evaluator(learner.state.params, rng)
   learner.close()
   out = {"step": step, "checkpoint": restored is not None, **metrics}
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "eval_checkpoint.json"), "w") as f:
-    json.dump({**out, "answers": answers}, f, indent=1)
+  wd.path(workdir).mkdir(parents=True, exist_ok=True)
+  wd.path(workdir, "eval_checkpoint.json").write_text(
+    json.dumps({**out, "answers": answers}, indent=1)
+  )
   return out
 
 

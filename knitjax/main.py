@@ -4,6 +4,7 @@ This file is intentionally kept short: it parses flags, optionally starts
 multi-host JAX, and calls :func:`knitjax.runtime.train.train`.
 """
 
+import json
 import sys
 
 from absl import app, flags, logging
@@ -15,6 +16,17 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots go here.")
 _DISTRIBUTED = flags.DEFINE_bool(
   "distributed", False, "Call jax.distributed.initialize() (multi-host runs)."
+)
+# Not needed on TPU VMs, Slurm or Open MPI, where JAX finds them itself; set all three elsewhere
+# (several CPU processes, for one). JAX_COORDINATOR_ADDRESS is honoured as well.
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "With --distributed: host:port of process 0's coordinator."
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", None, "With --distributed: how many processes the run has."
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  "process_id", None, "With --distributed: this process's index, 0..num_processes-1."
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -32,14 +44,23 @@ def main(argv):
   import jax
 
   if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+    if jax.config.jax_cpu_collectives_implementation in (None, "none"):  # older JAX: no default
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes need it
+    jax.distributed.initialize(
+      _COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value
+    )
   from knitjax.runtime.train import train
 
   logging.info("devices: %s", jax.devices())
   try:
-    train(config, _WORKDIR.value)
+    final = train(config, _WORKDIR.value)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
+  # Every process reports what it holds (param_norm is read from its own replica of the params).
+  summary = {k: final[k] for k in ("step", "version", "loss", "param_norm") if k in final}
+  logging.info(
+    "process %d of %d finished: %s", jax.process_index(), jax.process_count(), json.dumps(summary)
+  )
 
 
 if __name__ == "__main__":

@@ -117,6 +117,23 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
+def to_host(tree):
+  """NumPy copies of a pytree's arrays, each the whole global value, in every process.
+
+  ``np.asarray`` fails on an array sharded over a mesh that spans processes (each process holds
+  only its own shards); such leaves are all-gathered first (a collective: every process must
+  call this in the same order). On one process this is ``np.asarray``.
+  """
+  from jax.experimental import multihost_utils
+
+  def one(x):
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+      return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+  return jax.tree.map(one, tree)
+
+
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 

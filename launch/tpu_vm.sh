@@ -64,7 +64,7 @@ setup_command() {  # $1: the git URL to clone
     'if [ ! -x .venv/bin/python ]; then command -v uv >/dev/null || python3 -m pip install -q --user uv; uv python install 3.11; uv venv -q --seed --python 3.11 .venv; fi' \
     '. .venv/bin/activate' \
     'pip install -q "jax[tpu]"' \
-    'pip install -q -e .'
+    'pip install -q -e ".[gcs]"'
 }
 
 run_command() {  # $1: config, $2: workdir, then extra flags

@@ -111,7 +111,7 @@ def test_dry_run_prints_create_setup_run_on_every_worker(tmp_path):
   assert setup[-3:] == [
     [".", ".venv/bin/activate"],
     ["pip", "install", "-q", "jax[tpu]"],
-    ["pip", "install", "-q", "-e", "."],
+    ["pip", "install", "-q", "-e", ".[gcs]"],
   ]
   # DRY_RUN=1 is the same switch as --dry-run.
   by_flag = _launch(tmp_path, "up", *UP, *FLAGS)
@@ -244,7 +244,7 @@ esac
 
 
 PROBE = "-c import sys; sys.exit(sys.version_info < (3, 11))"
-PIP = ["pip install -q jax[tpu]", "pip install -q -e ."]
+PIP = ["pip install -q jax[tpu]", "pip install -q -e .[gcs]"]
 
 
 @pytest.mark.parametrize(
@@ -314,3 +314,40 @@ def test_shellcheck_clean(tmp_path):
       text=True,
     )
     assert result.returncode == 0, result.stdout
+
+
+_README = os.path.join(REPO, "launch", "README.md")
+_DOC_REPO = "https://github.com/your-org/knitjax.git"
+
+
+def _doc_blocks(tmp_path):
+  """The two code blocks of launch/README.md's "Dry run of the example", as the script prints."""
+  env = {"KNITJAX_REPO": _DOC_REPO}
+  up = _launch(tmp_path, "up", *UP, "--config.mesh.shape=(1,-1,1)", env=env)
+  assert up.returncode == 0, up.stderr
+  others = []
+  for command in ("logs", "stop", "delete"):
+    result = _launch(tmp_path, command, "kj-v5e", "europe-west4-b", env=env)
+    assert result.returncode == 0, result.stderr
+    others.append(f"$ launch/tpu_vm.sh --dry-run {command} kj-v5e europe-west4-b\n{result.stdout}")
+  return up.stdout, "".join(others)
+
+
+def test_readme_shows_what_the_dry_run_prints(tmp_path):
+  """launch/README.md's dry-run blocks are this script's output, byte for byte.
+
+  ``KNITJAX_UPDATE_DOCS=1 pytest tests/test_launch.py -k readme`` rewrites them from the script.
+  """
+  with open(_README) as f:
+    text = f.read()
+  head, rest = text.split("## Dry run of the example\n", 1)
+  section, tail = rest.split("\n## ", 1)
+  intro, block1, middle, block2, outro = section.split("```")
+  want1, want2 = _doc_blocks(tmp_path)
+  if os.environ.get("KNITJAX_UPDATE_DOCS") == "1":
+    new = "```".join([intro, "\n" + want1, middle, "\n" + want2, outro])
+    with open(_README, "w") as f:
+      f.write(head + "## Dry run of the example\n" + new + "\n## " + tail)
+    return
+  assert block1 == "\n" + want1, "launch/README.md: the `up` dry run differs from the script's"
+  assert block2 == "\n" + want2, "launch/README.md: the logs/stop/delete dry runs differ"

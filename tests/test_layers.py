@@ -18,7 +18,8 @@ PACKAGE = "knitjax"
 # name or a package prefix ending in ".*" (the package's __init__ and everything below it).
 #   0  the package itself, the mesh / logical-axis rules everything else shards by, and the
 #      codec of host records (checkpoints and Ray), fault points, how a config section is built
-#      and checked (config_fields): foundations that import no other layer.
+#      and checked (config_fields), where a run's files go (workdir: local or gs://): foundations
+#      that import no other layer.
 #   1  the parts that know nothing of RL: models, and tasks (prompts, rewards).
 #   2  RL training: losses, advantages, train step, optimizer, checkpoints.
 #   3  trajectory transfer: storage, admission, consumer plans, on-demand access.
@@ -34,6 +35,7 @@ LAYERS = (
     "knitjax.records",
     "knitjax.faultpoints",
     "knitjax.config_fields",
+    "knitjax.workdir",
   ),
   ("knitjax.models.*", "knitjax.tasks.*"),
   ("knitjax.train.*",),

@@ -1,9 +1,15 @@
 """Step-time benchmark: median seconds per full colocated GRPO step.
 
 It runs the real training loop (:func:`knitjax.runtime.colocated.run`) and
-reads each step's wall time from ``metrics.jsonl``, so what is timed is what a
+reads each step's times from ``metrics.jsonl``, so what is timed is what a
 user runs: sampling, rewards, storage, admission, batch assembly and the
 jitted update (with a reference forward when ``kl_coef > 0``).
+
+Two figures per step: ``wall_median_s``, end to end (the time between the ends of
+consecutive steps, from ``wall_s``: it includes the per-step host work outside the
+step body — metrics row, checkpoint decision, the next step's set-up), which is
+what the baseline script measures too and what the headline ``ratio`` compares;
+and ``median_s``, the step body alone (``step_s``), reported as ``ratio_step_s``.
 
 With ``config.baseline_python`` set (the python of a throwaway venv holding an
 external system, e.g. Tunix 0.1.7), each of ``config.rounds`` rounds runs the
@@ -30,14 +36,22 @@ from knitjax.runtime.metrics import read_metrics
 def _time_knitjax(config, run_config, run_dir: str) -> dict:
   shutil.rmtree(run_dir, ignore_errors=True)  # always a fresh run: no resume
   colocated.run(run_config, run_dir)
-  rows = read_metrics(run_dir)[config.warmup_steps :]
+  return step_times(read_metrics(run_dir), config.warmup_steps, run_config.runtime.steps)
+
+
+def step_times(all_rows: list[dict], warmup_steps: int, steps: int) -> dict:
+  """Medians over the steps after warm-up, end to end (``wall_s`` differences) and body."""
+  rows = all_rows[warmup_steps:]
   if not rows:
-    raise ValueError(
-      f"runtime.steps={run_config.runtime.steps} leaves no step after warmup_steps="
-      f"{config.warmup_steps}."
-    )
+    raise ValueError(f"runtime.steps={steps} leaves no step after warmup_steps={warmup_steps}.")
+  # wall_s counts from the start of this process's first step, so step k ends at wall_s[k] and
+  # the time from the end of step k-1 to the end of step k is their difference.
+  ends = np.array([0.0] + [r["wall_s"] for r in all_rows])
+  wall_step_s = np.diff(ends)[warmup_steps:]
   step_s = np.array([r["step_s"] for r in rows])
   return {
+    "wall_median_s": float(np.median(wall_step_s)),
+    "wall_p90_s": float(np.percentile(wall_step_s, 90)),
     "median_s": float(np.median(step_s)),
     "p90_s": float(np.percentile(step_s, 90)),
     "rollout_median_s": float(np.median([r["rollout_s"] for r in rows])),
@@ -80,7 +94,9 @@ def run(config, workdir: str) -> dict:
     knit = _time_knitjax(config, run_config, os.path.join(workdir, "step_time_run"))
     row.update(knit)
     if baseline:
-      row["ratio"] = row["baseline_median_s"] / row["median_s"]
+      # Both end to end: Tunix's script times from the end of one step to the end of the next.
+      row["ratio"] = row["baseline_median_s"] / row["wall_median_s"]
+      row["ratio_step_s"] = row["baseline_median_s"] / row["median_s"]
     per_round.append(row)
     print(format_table([row], list(row)))
 
@@ -106,11 +122,21 @@ def run(config, workdir: str) -> dict:
   if baseline:
     result["baseline"] = {"python": config.baseline_python, "script": config.baseline_script}
   write_json(workdir, "step_time", result)
-  columns = ["median_s", "p90_s", "rollout_median_s", "train_median_s", "sequences_per_step"]
+  columns = [
+    "wall_median_s",
+    "median_s",
+    "p90_s",
+    "rollout_median_s",
+    "train_median_s",
+    "sequences_per_step",
+  ]
   if baseline:
-    columns += ["baseline_median_s", "ratio"]
+    columns += ["baseline_median_s", "ratio", "ratio_step_s"]
   print(format_table([result], columns))
   if baseline:
     ratios = ", ".join(f"{row['ratio']:.2f}" for row in per_round)
-    print(f"knitjax is {result['ratio']:.2f}x faster than the baseline (median; rounds: {ratios}).")
+    print(
+      f"knitjax is {result['ratio']:.2f}x faster than the baseline end to end (median; rounds: "
+      f"{ratios}; step body alone: {result['ratio_step_s']:.2f}x)."
+    )
   return result

@@ -236,10 +236,10 @@ class ContinuousEngine:
         eos_ids=self.eos_ids,
         pad_id=self.pad_id,
       )
-      live = np.asarray(self._state.live)
+      live, steps = sharding.to_host((self._state.live, steps))
     self.call_s += time.perf_counter() - t0
     self.calls += 1
-    self.decode_iterations += int(np.max(np.asarray(steps)))
+    self.decode_iterations += int(np.max(steps))
     return self._harvest(live)
 
   def _harvest(self, live: np.ndarray) -> list[Finished]:
@@ -250,9 +250,8 @@ class ContinuousEngine:
     ended = [s for s, req in enumerate(self._slot_req) if req is not None and not live[s]]
     if not ended:
       return []
-    tokens = np.asarray(self._state.tokens)
-    logprobs = np.asarray(self._state.logprobs)
-    length = np.asarray(self._state.length)
+    st = self._state
+    tokens, logprobs, length = sharding.to_host((st.tokens, st.logprobs, st.length))
     out = []
     for s in ended:
       n = int(length[s])

@@ -248,6 +248,5 @@ class Sampler:
         sampling=self.sampling,
         eos_ids=self.eos_ids,
       )
-    return Samples(
-      tokens=np.asarray(tokens), lengths=np.asarray(lengths), logprobs=np.asarray(logprobs)
-    )
+    tokens, lengths, logprobs = sharding.to_host((tokens, lengths, logprobs))
+    return Samples(tokens=tokens, lengths=lengths, logprobs=logprobs)

@@ -56,7 +56,11 @@ def run(
       raise RuntimeError("a colocated checkpoint must not hold pending groups.")
   start, total = learner.version // config.admission.minibatches, config.runtime.steps
   writer = MetricsWriter(
-    workdir, total_steps=total, start_step=start, log_every=config.runtime.log_every
+    workdir,
+    total_steps=total,
+    start_step=start,
+    log_every=config.runtime.log_every,
+    checkpoint_every=config.checkpoint.every_steps,
   )
   logging.info("training steps %d..%d on mesh %s", start + 1, total, dict(mesh.shape))
   prepare = builder.build_preparer(config, rollout.storage, mesh, prompts)

@@ -79,7 +79,11 @@ def run(
   start = learner.version // m
   pipe = Pipeline(config, workdir, learner, rollout, admission, prompts, rollout_mesh, resumed)
   writer = MetricsWriter(
-    workdir, total_steps=total, start_step=start, log_every=config.runtime.log_every
+    workdir,
+    total_steps=total,
+    start_step=start,
+    log_every=config.runtime.log_every,
+    checkpoint_every=config.checkpoint.every_steps,
   )
   logging.info(
     "disaggregated: rollout on %d devices, training steps %d..%d on %d devices",

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from absl import logging
 
+from knitjax import workdir as wd
 from knitjax.rollout.worker import RolloutWorker
 from knitjax.tasks.prompts import Prompt
 
@@ -121,35 +121,31 @@ class EvalLog:
 
   def __init__(self, workdir: str, *, start_step: int, primary: bool = True):
     self.primary = primary
-    self.path = os.path.join(workdir, EVAL_FILE)
+    self.path = wd.path(workdir, EVAL_FILE)
     self._workdir = workdir
-    if primary and os.path.exists(self.path):  # a resumed run redoes evaluations after it
+    self._rows = None
+    if primary:  # a resumed run redoes evaluations after it
       kept = [r for r in read_eval(workdir) if r["step"] <= start_step]
-      with open(self.path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
+      self._rows = wd.JsonlFile(self.path, kept)
+      self._rows.flush()
 
   def done(self, step: int) -> bool:
     """Whether step ``step`` was already evaluated (kept across a resume)."""
-    return os.path.exists(self.path) and any(r["step"] == step for r in read_eval(self._workdir))
+    return any(r["step"] == step for r in read_eval(self._workdir))
 
   def write(self, step: int, metrics: dict[str, float], answers: list[dict]) -> None:
     if not self.primary:
       return
-    os.makedirs(self._workdir, exist_ok=True)
-    with open(self.path, "a") as f:
-      f.write(json.dumps({"step": step, **metrics}) + "\n")
-    with open(os.path.join(self._workdir, f"eval_answers_{step}.json"), "w") as f:
-      json.dump(answers, f, indent=1)
+    self._rows.write({"step": step, **metrics})
+    self._rows.flush()
+    wd.path(self._workdir, f"eval_answers_{step}.json").write_text(json.dumps(answers, indent=1))
 
 
 def read_eval(workdir: str) -> list[dict]:
   """The rows of ``workdir/eval.jsonl``; a torn last line (a crash mid-write) is dropped."""
-  path = os.path.join(workdir, EVAL_FILE)
-  if not os.path.exists(path):
-    return []
+  path = wd.path(workdir, EVAL_FILE)
   rows = []
-  with open(path) as f:
-    lines = [line for line in f.read().split("\n") if line.strip()]
+  lines = [line for line in wd.read_lines(path) if line.strip()]
   for i, line in enumerate(lines):
     try:
       rows.append(json.loads(line))
@@ -182,10 +178,11 @@ def plot_eval(workdir: str) -> str | None:
   ax.grid(alpha=0.3)
   ax.legend(loc="upper right")
   fig.tight_layout()
-  path = os.path.join(workdir, "eval.png")
-  fig.savefig(path, dpi=120)
+  path = wd.path(workdir, "eval.png")
+  with path.open("wb") as f:
+    fig.savefig(f, format="png", dpi=120)
   plt.close(fig)
-  return path
+  return str(path)
 
 
 class PeriodicEval:

@@ -1,14 +1,22 @@
-"""Per-step metrics: ``metrics.jsonl``, TensorBoard, terminal progress and the reward plot."""
+"""Per-step metrics: ``metrics.jsonl``, TensorBoard, terminal progress and the reward plot.
+
+The workdir may be a cloud URL (``gs://...``, see :mod:`knitjax.workdir`); then only process 0
+writes there, ``metrics.jsonl`` is rewritten whole on upload and TensorBoard's event file is
+uploaded whole on each of its flushes (object stores cannot append).
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 import time
 from collections.abc import Mapping
 
 from absl import logging
+from etils import epath
+
+from knitjax import workdir as wd
 
 
 def _jsonable(v):
@@ -25,6 +33,11 @@ class MetricsWriter:
   Resuming appends to the same ``metrics.jsonl``; rows from steps after the
   checkpoint being resumed are dropped first, so every step appears once. In a multi-host run
   only process 0 (``primary``) writes files and progress; the others' writes are no-ops.
+
+  A local ``metrics.jsonl`` is flushed after every row. A remote one is uploaded whole after
+  the row of every checkpoint step (``checkpoint_every``, and the last step), before that
+  checkpoint is saved, and otherwise at most every ``upload_every_s`` seconds: a kill -9 may
+  lose rows after the newest checkpoint, which a resume drops anyway, never one it keeps.
   """
 
   def __init__(
@@ -35,6 +48,8 @@ class MetricsWriter:
     start_step: int = 0,
     log_every: int = 10,
     primary: bool | None = None,
+    checkpoint_every: int = 1,
+    upload_every_s: float = 60.0,
   ):
     if primary is None:
       import jax
@@ -44,15 +59,20 @@ class MetricsWriter:
     self._file = self._tb = None
     if not primary:
       return
-    os.makedirs(workdir, exist_ok=True)
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    self._truncate_after(start_step)
-    self._file = open(self.path, "a")  # noqa: SIM115 (open for the run's lifetime)
+    self.path = wd.path(workdir, "metrics.jsonl")
+    kept = [r for r in _read_rows(self.path) if r.get("step", 0) <= start_step]
+    self._file = wd.JsonlFile(self.path, kept)
+    self._remote = wd.is_remote(self.path)
+    self._checkpoint_every, self._upload_every_s = checkpoint_every, upload_every_s
+    self._uploaded = time.monotonic()
     self._tb = None
     try:
       from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+      tb = wd.path(workdir, "tb")
+      if self._remote:
+        _route_tensorboard(tb)
+      self._tb = SummaryWriter(str(tb))
     except ImportError:  # TensorBoard is optional; metrics.jsonl is the record.
       logging.warning("tensorboardX is not installed; writing metrics.jsonl only.")
     self._total = total_steps
@@ -60,20 +80,16 @@ class MetricsWriter:
     self._log_every = log_every
     self._t0 = time.time()
 
-  def _truncate_after(self, step: int) -> None:
-    if not os.path.exists(self.path):
-      return
-    kept = [json.dumps(row) + "\n" for row in _read_rows(self.path) if row.get("step", 0) <= step]
-    with open(self.path, "w") as f:
-      f.writelines(kept)
-
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     """Records the metrics of train step ``step`` (1-based: steps completed)."""
     if not self.primary:
       return
     row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
+    self._file.write(row)
+    due = step % self._checkpoint_every == 0 or step == self._total
+    if not self._remote or due or time.monotonic() - self._uploaded >= self._upload_every_s:
+      self._file.flush()
+      self._uploaded = time.monotonic()
     if self._tb is not None:
       for k, v in row.items():
         if isinstance(v, int | float) and k != "step":
@@ -109,19 +125,19 @@ def mean_rows(rows: list[Mapping[str, float]]) -> dict[str, float]:
 
 def read_metrics(workdir: str) -> list[dict]:
   """Reads ``workdir/metrics.jsonl``, dropping a torn last line (see :func:`_read_rows`)."""
-  return _read_rows(os.path.join(workdir, "metrics.jsonl"))
+  return _read_rows(wd.path(workdir, "metrics.jsonl"))
 
 
-def _read_rows(path: str) -> list[dict]:
-  """The rows of a ``metrics.jsonl`` less a torn last line (a crash mid-write), with a warning.
+def _read_rows(path: epath.Path) -> list[dict]:
+  """The rows of a ``metrics.jsonl`` less a torn last line (a crash mid-write), with a warning;
+  [] when there is no such file yet.
 
   A resumed run appends after the rows it keeps, so a torn line can only be the last one.
 
   Raises:
     ValueError: a line before the last is not a JSON object.
   """
-  with open(path) as f:
-    lines = f.read().split("\n")
+  lines = wd.read_lines(path)
   numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
   rows = []
   for n, (i, line) in enumerate(numbered):
@@ -165,10 +181,49 @@ def plot_reward(workdir: str, *, window: int = 10) -> str:
   ax.grid(alpha=0.3)
   ax.legend(loc="lower right")
   fig.tight_layout()
-  path = os.path.join(workdir, "reward.png")
-  fig.savefig(path, dpi=120)
+  path = wd.path(workdir, "reward.png")
+  with path.open("wb") as f:
+    fig.savefig(f, format="png", dpi=120)
   plt.close(fig)
-  return path
+  return str(path)
+
+
+class _UploadedEventFile:
+  """A TensorBoard event file on an object store: kept in memory, uploaded whole on flush."""
+
+  def __init__(self, path: str):
+    self._path, self._buffer = epath.Path(path), io.BytesIO()
+
+  def write(self, data: bytes) -> None:
+    self._buffer.write(data)
+
+  def flush(self) -> None:
+    self._path.write_bytes(self._buffer.getvalue())
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _EpathEventFiles:
+  """tensorboardX's writer factory interface, through epath (the route of everything else)."""
+
+  def open(self, path: str) -> _UploadedEventFile:
+    return _UploadedEventFile(path)
+
+  def directory_check(self, path: str) -> None:
+    epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _route_tensorboard(logdir: epath.Path) -> None:
+  """Sends tensorboardX's files for ``logdir``'s scheme through epath.
+
+  tensorboardX picks a writer by scheme; its own ``gs://`` writer needs the google-cloud-storage
+  client and other schemes fall back to ``open()``. Registering (idempotently) an epath writer
+  for the scheme makes TensorBoard go where checkpoints and metrics.jsonl go.
+  """
+  from tensorboardX import record_writer
+
+  record_writer.register_writer_factory(str(logdir).split("://", 1)[0], _EpathEventFiles())
 
 
 def fault_counters(rollout, units: list[dict] | None = None) -> dict[str, float]:

@@ -10,7 +10,6 @@ publish); its ``snapshot`` is the rollout side of a checkpoint, taken under the 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import jax
 import numpy as np
 
 from knitjax import sharding
+from knitjax import workdir as wd
 from knitjax.runtime.learner import Learner, RunState
 from knitjax.runtime.metrics import fault_counters
 from knitjax.runtime.released import ReleasedQueue
@@ -30,27 +30,14 @@ from knitjax.transfer.snapshot import snapshot_groups
 from knitjax.transfer.storage import release_groups
 
 
-class _JsonlLog:
-  """An append-only JSON-lines record, cut back on resume to the rows the checkpoint covers."""
+def _jsonl_log(workdir: str, name: str, keep: Callable[[dict], bool]) -> wd.JsonlFile:
+  """An append-only JSON-lines record, cut back on resume to the rows the checkpoint covers.
 
-  def __init__(self, path: str, keep: Callable[[dict], bool]):
-    self.path = path
-    rows = []
-    if os.path.exists(path):
-      with open(path) as f:
-        rows = [line for line in f if line.strip() and keep(json.loads(line))]
-    with open(path, "w") as f:
-      f.writelines(rows)
-    self._file = open(path, "a")  # noqa: SIM115 (closed in close())
-
-  def write(self, row: dict) -> None:
-    self._file.write(json.dumps(row) + "\n")
-
-  def flush(self) -> None:
-    self._file.flush()
-
-  def close(self) -> None:
-    self._file.close()
+  Flushed (on a remote workdir: uploaded whole) when a checkpoint is taken, see ``snapshot``.
+  """
+  path = wd.path(workdir, name)
+  rows = [json.loads(line) for line in wd.read_lines(path) if line.strip()]
+  return wd.JsonlFile(path, [r for r in rows if keep(r)])
 
 
 def _consumed_row(mb, version: int) -> dict:
@@ -91,10 +78,8 @@ class Pipeline:
     self.weights = WeightSync(sharding.state_shardings(learner.state.params, mesh))
     self.weights.publish(learner.state.params, learner.version)
     # consumed.jsonl: one row per consumed mini-batch; offered.jsonl: one row per offered group.
-    self.log = _JsonlLog(os.path.join(workdir, "consumed.jsonl"), lambda r: r["step"] < start_step)
-    self.offered = _JsonlLog(
-      os.path.join(workdir, "offered.jsonl"), lambda r: r["seq"] <= stats0["offered"]
-    )
+    self.log = _jsonl_log(workdir, "consumed.jsonl", lambda r: r["step"] < start_step)
+    self.offered = _jsonl_log(workdir, "offered.jsonl", lambda r: r["seq"] <= stats0["offered"])
     self._seq = stats0["offered"]
     self.thread = RolloutThread(
       rollout=rollout,
@@ -238,8 +223,7 @@ class Pipeline:
       "lengths": self.thread.lengths,
       "restarts": self.restarts,
     }
-    with open(os.path.join(workdir, "timings.json"), "w") as f:
-      json.dump(out, f)
+    wd.path(workdir, "timings.json").write_text(json.dumps(out))
 
 
 def _rollout_counters(rollout: RolloutThread, now: float) -> dict:

@@ -7,37 +7,49 @@ compiling.
 
 from __future__ import annotations
 
-import os
-import tempfile
+import uuid
 
+from knitjax import workdir as wd
 from knitjax.config import Config
 
 
 def checkpoint_steps(workdir: str) -> list[int]:
   """Train steps of the finished checkpoints in ``workdir/checkpoints`` (orbax temp folders
   of an interrupted save have non-integer names and are not counted)."""
-  folder = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(folder):
+  folder = wd.path(workdir, "checkpoints")
+  if not folder.is_dir():
     return []
-  return sorted(int(n) for n in os.listdir(folder) if n.isdigit())
+  return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
 
 
 def check_workdir(config: Config, workdir: str) -> None:
   """Raises ValueError (one sentence) unless ``workdir`` can hold this run.
 
-  Checks that it is (or can become) a writable folder and that its newest checkpoint is not
-  past ``config.runtime.steps``.
+  Checks that it is (or can become) a writable folder (a local one or a cloud URL such as
+  ``gs://bucket/run``, by writing and deleting a small file) and that its newest checkpoint is
+  not past ``config.runtime.steps``.
   """
   if not workdir:
     raise ValueError("--workdir is empty; give a folder for checkpoints and metrics.")
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise ValueError(f"--workdir {workdir} is a file, not a folder.")
+  root = wd.path(workdir)
+  probe = root / f".knitjax-write-check-{uuid.uuid4().hex}"
   try:
-    os.makedirs(workdir, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".knitjax-write-check-"):
-      pass
+    is_file = root.exists() and not root.is_dir()
+    if not is_file:
+      root.mkdir(parents=True, exist_ok=True)
+      probe.write_text("")
+      probe.unlink()
+  except ImportError as e:  # e.g. fsspec's "Install gcsfs to access Google Storage"
+    raise ValueError(
+      f"--workdir {workdir} needs a storage library that is missing ({e}); for gs:// run "
+      "pip install -e '.[gcs]'."
+    ) from None
   except OSError as e:
     raise ValueError(f"--workdir {workdir} is not writable ({e.strerror or e}).") from None
+  except Exception as e:  # noqa: BLE001 (cloud clients raise their own types, e.g. HttpError)
+    raise ValueError(f"--workdir {workdir} is not writable ({type(e).__name__}: {e}).") from None
+  if is_file:
+    raise ValueError(f"--workdir {workdir} is a file, not a folder.")
   steps = checkpoint_steps(workdir)
   if steps and steps[-1] > config.runtime.steps:
     raise ValueError(

@@ -2,7 +2,7 @@
 
 Class ``"arith"``: prompt ``BOS a + b =``, answer ``(a + b) mod 10`` (one digit). The answer depends
 on both digits and every residue occurs exactly 10 times in the 100 pairs, so any constant answer
-scores exactly 0.10 and the policy has to read the prompt (NOTES.md).
+scores exactly 0.10 and the policy has to read the prompt.
 
 Class ``"sum"`` (a second quota class for later issues): prompt ``BOS a+b=`` (no spaces, so the
 policy can tell the classes apart), answer the full sum ``a + b`` (one or two digits).

@@ -1,4 +1,4 @@
-"""Per-class prompt streams: one resumable `PromptSource` per quota class (DESIGN.md)."""
+"""Per-class prompt streams: one resumable `PromptSource` per quota class (docs/glossary.md)."""
 
 from __future__ import annotations
 

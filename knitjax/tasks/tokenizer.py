@@ -1,7 +1,7 @@
 """Character-level tokenizer for the synthetic and GSM8K-style tasks.
 
 Ids: ``pad=0``, ``bos=1``, ``eos=2``, then one id per character of the alphabet in order. A tiny
-vocabulary lets a randomly initialised policy learn a task by RL alone on a CPU (NOTES.md).
+vocabulary lets a randomly initialised policy learn a task by RL alone on a CPU.
 
 The model's vocabulary may be larger than the tokenizer's (``config.model.vocab_size`` or an
 ``init_from`` checkpoint's), so the policy can sample ids the tokenizer has no character for;

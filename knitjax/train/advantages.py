@@ -83,7 +83,7 @@ def reward_metrics(rewards_gn) -> dict[str, float]:
   """Returns reward_mean, reward_std and frac_groups_with_signal (groups whose rewards differ).
 
   Groups whose rewards are all equal get zero advantages and carry no learning signal, so their
-  fraction is the first thing to watch when learning stalls (NOTES.md).
+  fraction is the first thing to watch when learning stalls.
   """
   r = np.asarray(jax.device_get(rewards_gn), dtype=np.float64)
   if r.ndim != 2 or r.size == 0:

@@ -11,18 +11,23 @@ unparseable metadata); the damaged folders are moved to
 ``workdir/checkpoints_damaged`` so that later saves and ``keep`` see only intact
 ones. A checkpoint written by a different model is refused up front, naming the
 first array that differs, before orbax tries to restore onto this run's shapes.
+
+The workdir may be a cloud URL (``gs://bucket/run``): paths go through ``etils.epath`` (see
+:mod:`knitjax.workdir`), as orbax's own do.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
+
+from knitjax import workdir as wd
 
 # Orbax's per-step metadata file; it writes it before the step folder is committed.
 _STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -32,13 +37,13 @@ class Checkpointer:
   """Saves and restores ``(state, meta)`` in ``workdir/checkpoints/<train step>``.
 
   Attributes:
-    directory: the absolute path of ``workdir/checkpoints``.
+    directory: ``workdir/checkpoints``, absolute if local (see :func:`knitjax.workdir.path`).
     restored_step: the step the last :meth:`restore` loaded (None before one).
   """
 
   def __init__(self, workdir: str, *, keep: int = 2):
-    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    self.damaged_directory = os.path.abspath(os.path.join(workdir, "checkpoints_damaged"))
+    self.directory = wd.path(workdir, "checkpoints")
+    self.damaged_directory = wd.path(workdir, "checkpoints_damaged")
     self.restored_step: int | None = None
     self._manager = ocp.CheckpointManager(
       self.directory,
@@ -50,9 +55,9 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def path(self, step: int) -> str:
+  def path(self, step: int) -> epath.Path:
     """The folder of the checkpoint of train step ``step``."""
-    return os.path.join(self.directory, str(step))
+    return self.directory / str(step)
 
   def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
     """Saves asynchronously; a crash mid-save leaves the previous checkpoint intact."""
@@ -142,12 +147,12 @@ class Checkpointer:
     """Moves a damaged step folder out of orbax's sight, keeping it for inspection."""
     folder = self.path(step)
     if jax.process_index() == 0:
-      os.makedirs(self.damaged_directory, exist_ok=True)
-      dest, n = os.path.join(self.damaged_directory, str(step)), 0
-      while os.path.exists(dest):
+      self.damaged_directory.mkdir(parents=True, exist_ok=True)
+      dest, n = self.damaged_directory / str(step), 0
+      while dest.exists():
         n += 1
-        dest = os.path.join(self.damaged_directory, f"{step}.{n}")
-      os.rename(folder, dest)
+        dest = self.damaged_directory / f"{step}.{n}"
+      folder.rename(dest)  # on an object store: a copy of each object, then a delete
       logging.warning("moved damaged checkpoint %s to %s.", folder, dest)
     ocp.multihost.sync_global_processes(f"knitjax_set_aside_{step}")
 
@@ -166,12 +171,11 @@ def _reason(e: Exception, limit: int = 200) -> str:
   return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
-def _check_step_metadata(folder: str) -> None:
+def _check_step_metadata(folder: epath.Path) -> None:
   """Orbax restores despite a torn step metadata file; a torn file means the folder is suspect."""
-  path = os.path.join(folder, _STEP_METADATA)
-  if os.path.exists(path):
-    with open(path) as f:
-      json.load(f)
+  path = folder / _STEP_METADATA
+  if path.exists():
+    json.loads(path.read_text())
 
 
 def _path_name(path) -> str:
@@ -199,7 +203,7 @@ def _more(names: list[str]) -> str:
   return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
 
-def _check_same_model(folder: str, stored_tree, target) -> None:
+def _check_same_model(folder: epath.Path, stored_tree, target) -> None:
   """Raises a one-sentence ValueError naming what differs between checkpoint and target."""
   stored, wanted = _shapes(stored_tree), _shapes(target)
   differences = []

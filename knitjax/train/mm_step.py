@@ -212,7 +212,13 @@ def mm_train_step(
   )
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **counts, **sums}
+  metrics = {
+    "loss": loss,
+    "grad_norm": optax.tree.norm(grads),
+    "param_norm": optax.tree.norm(params),  # see knitjax.train.step.train_step
+    **counts,
+    **sums,
+  }
   return TrainState(params=params, opt_state=opt_state), metrics
 
 

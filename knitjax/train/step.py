@@ -133,7 +133,14 @@ def train_step(
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   # Metric sums are finalised on the host (losses.finalize_metrics) after device_get.
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **sums}
+  # param_norm: the updated params' L2 norm; each process reads it from its own replica, so
+  # multi-host runs can check that the hosts' copies agree.
+  metrics = {
+    "loss": loss,
+    "grad_norm": optax.tree.norm(grads),
+    "param_norm": optax.tree.norm(params),
+    **sums,
+  }
   return TrainState(params=params, opt_state=opt_state), metrics
 
 

@@ -133,8 +133,28 @@ def consumer_batch(
   batch, info = fetch_minibatch(plan.minibatch_for(consumer), storage, layout)
   if "images" in batch and num_consumers > 1:
     raise ValueError("image mini-batches are laid out for one consumer (num_consumers=1) only.")
+  if num_consumers > 1:
+    # The rewards of the consumer's rows describe its share; every consumer holds the whole
+    # mini-batch's GroupMeta, so the reward metrics it reports are the mini-batch's.
+    # (``response_tokens`` stays this consumer's count of loss-carrying tokens.)
+    info.update(minibatch_reward_info(minibatch.groups))
   info.update(plan.stats())
   return batch, info
+
+
+def minibatch_reward_info(groups) -> dict[str, float]:
+  """reward_mean, reward_std (over all samples) and signal_groups of a mini-batch's groups,
+  exactly, from each group's sample count, reward mean and reward standard deviation."""
+  n = np.array([g.num_samples for g in groups], np.float64)
+  mean = np.array([g.reward_mean for g in groups], np.float64)
+  std = np.array([g.reward_std for g in groups], np.float64)
+  total_mean = float((n * mean).sum() / n.sum())
+  second_moment = float((n * (std**2 + mean**2)).sum() / n.sum())
+  return {
+    "reward_mean": total_mean,
+    "reward_std": float(np.sqrt(max(second_moment - total_mean**2, 0.0))),
+    "signal_groups": float(np.mean(std > 0)),
+  }
 
 
 def to_global(local: dict[str, np.ndarray], shardings: Mapping[str, jax.sharding.Sharding]):

@@ -1,6 +1,6 @@
 """Consumer planning: which consumer fetches which groups of a released mini-batch.
 
-A consumer is the trainer side of one host (DESIGN.md): in a multi-host JAX program, process
+A consumer is the trainer side of one host (docs/glossary.md): in a multi-host JAX program, process
 ``c`` of ``C`` holds the data-parallel shards of rows ``[c R/C, (c+1) R/C)`` of every micro-batch
 (``R`` rows per micro-batch, rows sharded over ``("data", "fsdp")``), so it must supply exactly
 those rows. The plan gives every consumer the same number of complete groups (the global array

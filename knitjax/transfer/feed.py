@@ -8,7 +8,7 @@ transfer to the devices), and Grain's thread prefetch, so preparing the next min
 the current update. Nothing is gathered centrally: each consumer reads only its own groups.
 
 Timings per mini-batch (``Prepared``) let the trainer report exposed transfer latency
-(DESIGN.md): the part of the fetch it actually waited for, and the time from a mini-batch's
+(docs/glossary.md): the part of the fetch it actually waited for, and the time from a mini-batch's
 release to its compute.
 """
 

@@ -82,7 +82,12 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
       c.checkpoint.every_steps = 2
       def on_step(step, metrics):
         if step == 3:
-          time.sleep(1.0)  # let the async step-2 checkpoint commit
+          # the async step-2 checkpoint is committed once its final folder exists (orbax
+          # writes a temporary folder and renames it): wait for that file, not for a time
+          done = os.path.join({killed!r}, "checkpoints", "2", "_CHECKPOINT_METADATA")
+          deadline = time.monotonic() + 120
+          while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.01)
           os.kill(os.getpid(), signal.SIGKILL)
       train(from_config_dict(c), {killed!r}, on_step=on_step)
   """)

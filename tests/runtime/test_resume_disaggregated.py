@@ -45,7 +45,12 @@ def test_sigkill_resume_loses_nothing_and_consumes_nothing_twice(tmp_path):
       c.runtime.steps = {STEPS}
       def on_step(step, metrics):
         if step == {KILL_AFTER}:
-          time.sleep(1.5)  # the async checkpoint commits; the rollout keeps offering groups
+          # wait for the async checkpoint to commit (its final folder appears on the rename);
+          # the rollout keeps offering groups meanwhile
+          done = os.path.join({workdir!r}, "checkpoints", str(step), "_CHECKPOINT_METADATA")
+          deadline = time.monotonic() + 120
+          while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.01)
           os.kill(os.getpid(), signal.SIGKILL)
       train(from_config_dict(c), {workdir!r}, on_step=on_step)
   """)

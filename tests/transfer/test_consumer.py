@@ -1,5 +1,7 @@
 """Consumer planning and per-consumer on-demand access."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -162,3 +164,30 @@ def test_consumers_fetch_only_their_groups_and_the_update_is_unchanged():
   np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1]), strict=True):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_consumers_report_the_whole_minibatch_rewards():
+  """Each consumer fetches only its rows, but its reward metrics are the mini-batch's."""
+  rng = np.random.default_rng(3)
+  limits = StorageLimits(vocab_size=32, max_seq_len=P_LEN + N_NEW, max_bytes=1 << 20)
+  storage = {u: InProcessStorageUnit(limits, unit_id=u) for u in range(2)}
+  metas = []
+  for gid in range(8):
+    payload = synthetic_payload(
+      rng, group_size=G, prompt_len=P_LEN, response_len=N_NEW, vocab_size=32
+    )
+    payload["rewards"] = rng.choice([0.0, 1.0], size=G).astype(np.float32)
+    if gid % 3 == 0:
+      payload["rewards"][:] = 1.0  # a group without signal
+    storage[gid % 2].put(gid, payload)
+    r = payload["rewards"].astype(np.float64)
+    meta = _group(gid, payload["response_lengths"].tolist(), gid % 2, g=G)
+    metas.append(dataclasses.replace(meta, reward_mean=r.mean(), reward_std=r.std()))
+  mb = MiniBatch(0, 0, tuple(metas))
+  _, whole = fetch_minibatch(mb, storage, LAYOUT)
+  for c in range(2):
+    _, info = consumer_batch(
+      mb, storage, layout=LAYOUT, consumer=c, num_consumers=2, locality_slack=1e9
+    )
+    for k in ("reward_mean", "reward_std", "signal_groups"):
+      assert info[k] == pytest.approx(whole[k], abs=1e-6), k

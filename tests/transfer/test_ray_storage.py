@@ -15,6 +15,7 @@ from knitjax.transfer.payload import GroupPayload, synthetic_payload  # noqa: E4
 from knitjax.transfer.ray_storage import RayStorageUnit  # noqa: E402
 from knitjax.transfer.storage import StorageFull, StorageLimits  # noqa: E402
 from knitjax.transfer.validation import PayloadError  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 VOCAB, P, N, G = 50, 4, 6, 3
 LIMITS = StorageLimits(vocab_size=VOCAB, max_seq_len=P + N, max_bytes=1 << 20)
@@ -70,7 +71,9 @@ def test_blocked_put_is_woken_by_a_release(ray_local):
   done = threading.Event()
   t = threading.Thread(target=lambda: (unit.put(1, _payload(2)), done.set()))
   t.start()
-  assert not done.wait(0.5)  # blocked: the budget holds one group
+  # blocked inside the actor: it is queued there (a counter, not a hopeful sleep)
+  wait_until(lambda: unit.stats()["waiting"] == 1, what="the put waiting in the actor")
+  assert not done.is_set() and unit.stats()["groups"] == 1
   unit.release([0])
   assert done.wait(20)
   t.join()

@@ -1,0 +1,80 @@
+"""Where a run's files go: a local folder or a cloud URL such as ``gs://bucket/runs/a``.
+
+Every path under the workdir (checkpoints, ``metrics.jsonl``, TensorBoard, plots, the pipeline
+and evaluation logs) goes through :func:`path`, an ``etils.epath.Path``: the path library Orbax
+uses, so checkpoints and everything else reach the same storage by the same route. A local
+path is made absolute (Orbax needs that, and a run should not depend on a later ``chdir``); a URL
+with a scheme is left as it is (``os.path.abspath("gs://b/x")`` would make it a local folder
+``./gs:/b/x``). ``gs://`` needs ``gcsfs`` (epath's fsspec backend) and ``google-cloud-storage``
+(Orbax lists and deletes steps with it): ``pip install -e '.[gcs]'``.
+
+Object stores cannot append to an object, so :class:`JsonlFile` keeps an append-only JSON-lines
+file in memory on a remote workdir and rewrites the whole object on ``flush``; an upload replaces
+the object whole or not at all, so a kill mid-upload leaves the previous complete version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from etils import epath
+
+
+def is_remote(workdir: str | os.PathLike) -> bool:
+  """Whether ``workdir`` is a URL with a scheme (``gs://...``) rather than a local path."""
+  return "://" in os.fspath(workdir)
+
+
+def path(workdir: str | os.PathLike, *parts: str) -> epath.Path:
+  """``workdir/parts...`` as an epath: absolute if local, the URL unchanged if remote."""
+  root = os.fspath(workdir)
+  if not is_remote(root):
+    root = os.path.abspath(root)
+  return epath.Path(root).joinpath(*parts)
+
+
+def read_lines(p: epath.Path) -> list[str]:
+  """The lines of a text file, split as ``str.split("\\n")`` does; [] when it does not exist."""
+  return p.read_text().split("\n") if p.exists() else []
+
+
+class JsonlFile:
+  """An append-only JSON-lines file that starts over from ``rows`` (the rows a resume keeps).
+
+  Rows reach storage on ``flush``. Local: the new rows are appended (a kill -9 loses nothing
+  flushed). Remote: every row is kept in memory and ``flush`` rewrites the whole object, so what
+  a kill -9 leaves is exactly what the last ``flush`` uploaded. No file is held open between
+  flushes.
+  """
+
+  def __init__(self, file: epath.Path, rows: list[dict]):
+    self.path = file
+    self._remote = is_remote(file)
+    self._written: list[str] = []  # remote: every row; local: rows not yet appended
+    self._pending = False
+    file.parent.mkdir(parents=True, exist_ok=True)
+    if self._remote:
+      self._written = [json.dumps(row) + "\n" for row in rows]
+      self._pending = True
+    else:
+      with open(file, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+
+  def write(self, row: dict) -> None:
+    self._written.append(json.dumps(row) + "\n")
+    self._pending = True
+
+  def flush(self) -> None:
+    if not self._pending:
+      return
+    if self._remote:
+      self.path.write_text("".join(self._written))
+    else:
+      with open(self.path, "a") as f:
+        f.writelines(self._written)
+      self._written = []
+    self._pending = False
+
+  def close(self) -> None:
+    self.flush()
