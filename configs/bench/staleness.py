@@ -3,6 +3,7 @@
     python -m knitjax.bench --config configs/bench/staleness.py --workdir /tmp/staleness
     python -m knitjax.bench --config configs/bench/staleness.py:quick --workdir /tmp/st_quick
     python -m knitjax.bench --config configs/bench/staleness.py:sweep --workdir /tmp/st_sweep
+    python -m knitjax.bench --config configs/bench/staleness.py:paper --workdir /tmp/st_paper
 
 Every field is overridable, e.g. ``--config.slots=1024`` or
 ``--config.classes.math.length_cv=0.5``. docs/simulator.md explains each cost-model assumption;
@@ -61,7 +62,8 @@ def _classes():
 
 
 def get_config(arg: str | None = None) -> mc.ConfigDict:
-  """Reference workload; ``arg``: None (full), ``quick`` (tiny, for tests/CI) or ``sweep``."""
+  """Reference workload; ``arg``: None (full), ``quick`` (tiny, for tests/CI), ``sweep`` or
+  ``paper`` (the paper's regime: 8 rollout waves per step, M = 16, light tail; and a sweep)."""
   c = mc.ConfigDict()
   c.bench = "staleness"
   # ---- workload (knitjax.sim.workload.Workload) ----
@@ -136,4 +138,43 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
       ("slots_1024", (("slots", 1024),)),
     )
     return c
-  raise ValueError(f"staleness config arg={arg!r} is not accepted; use '', 'quick' or 'sweep'.")
+  if arg == "paper":
+    # The paper's regime: many rollout waves per step (128 slots for a step's 64 x 16 = 1024
+    # samples: 8 waves), M = 16 mini-batches, a light length tail (math CV 0.25). Quotas stay
+    # feasible at M = 16: the 16 count groups of a step go one to each mini-batch.
+    c.slots = 128
+    c.minibatches = 16
+    c.classes.math.length_cv = 0.25
+    c.classes.count.min_per_minibatch = 1
+    c.max_depth = 1.0
+    c.num_steps = 120
+    c.warmup_steps = 8
+    c.compare_scheduling = False
+    c.compare_adoption = False
+    c.compare_weight_sync = False
+    c.speed_trajectories = 0
+    c.sweep = (
+      # Held out (not tuned on): a heavier tail, and a different mix.
+      ("heldout_math_cv_0.5", (("classes.math.length_cv", 0.5),)),
+      (
+        "heldout_mix_56_8",
+        (
+          ("classes.math.quota", 56),
+          ("classes.count.quota", 8),
+          ("classes.count.min_per_minibatch", 0),
+        ),
+      ),
+      # Waves per step (1024 samples / slots) and M: where the cut grows and where it vanishes.
+      ("slots_512_waves_2", (("slots", 512),)),
+      ("slots_256_waves_4", (("slots", 256),)),
+      ("slots_64_waves_16", (("slots", 64),)),
+      ("M_4", (("minibatches", 4),)),
+      ("M_8", (("minibatches", 8),)),
+      ("slots_512_M_4", (("slots", 512), ("minibatches", 4))),
+    )
+    c.sweep_num_steps = 120
+    c.sweep_warmup_steps = 8
+    return c
+  raise ValueError(
+    f"staleness config arg={arg!r} is not accepted; use '', 'quick', 'sweep' or 'paper'."
+  )

@@ -54,6 +54,7 @@ def summarize_result(r: SimResult) -> dict[str, float]:
 
   Keys: ``arch_staleness_{mean,p50,p99,max}`` (oldest-version convention),
   ``arch_staleness_newest_*`` (newest version used, differs only with mid-generation adoption),
+  ``arch_staleness_unclamped_mean`` (the mean of ``s - j`` without the clamp at 0),
   ``staleness_*`` (raw), ``staleness_generating_mean`` and ``staleness_waiting_mean`` (the raw
   mean split at group completion), ``generation_s_mean`` (start to completion of a group),
   ``trainer_idle_fraction``, ``rollout_idle_fraction`` (share of slot-time without a sample),
@@ -73,6 +74,9 @@ def summarize_result(r: SimResult) -> dict[str, float]:
   out = {}
   out.update(summarize(np.repeat(arch, g), "arch_staleness"))
   out.update(summarize(np.repeat(arch_new, g), "arch_staleness_newest"))
+  # Without the clamp in max(0, s - j): negative where a trajectory is fresher than colocated
+  # execution would have it (small rollout pools with many mini-batches per step do that).
+  out["arch_staleness_unclamped_mean"] = float(np.mean(s - j)) if s.size else float("nan")
   out.update(summarize(np.repeat(s, g), "staleness"))
   # Raw staleness = versions that pass while the group generates + while it waits to be
   # consumed. Admission can only shorten the wait; generation is set by lengths and throughput.

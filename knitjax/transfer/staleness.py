@@ -129,6 +129,7 @@ class StalenessTracker:
 
     Returns:
       ``staleness_*`` and ``arch_staleness_*`` (mean, p50, p99, max, count, see ``summarize``),
+      ``arch_staleness_unclamped_mean`` (mean of ``s - j`` without the clamp at 0),
       ``staleness_newest_*`` and ``arch_staleness_newest_*`` when some newest version differs
       from its gen version (or ``report_newest``), and ``minibatches`` recorded. A step never
       recorded gives count 0 and NaN statistics.
@@ -143,6 +144,8 @@ class StalenessTracker:
       j = cons = gen = newest = np.zeros(0, np.int64)
     s, arch = staleness(gen, cons, j)
     out = {**summarize(s, "staleness"), **summarize(arch, "arch_staleness")}
+    # Without the clamp: negative where trajectories are fresher than colocated would have them.
+    out["arch_staleness_unclamped_mean"] = float((s - j).mean()) if s.size else float("nan")
     if self.report_newest or (newest != gen).any():
       s_new, arch_new = staleness(newest, cons, j)
       out.update(summarize(s_new, "staleness_newest"))

@@ -116,7 +116,7 @@ def test_staleness_metrics_match_a_recount_of_the_consume_log(make_tiny):
   w = make_tiny()
   r = _run(w, max_lag_steps=1.0)
   m = summarize_result(r)
-  s, arch = [], []
+  s, arch, unclamped = [], [], []
   for k, gid in enumerate(r.consumed_id.tolist()):
     # The k-th consumed group sits in the run's mini-batch k // (B/M); with weight_sync=minibatch
     # one version is published per mini-batch, so that mini-batch is consumed at version mb.
@@ -127,6 +127,7 @@ def test_staleness_metrics_match_a_recount_of_the_consume_log(make_tiny):
       gap = mb - int(r.gen_version[gid])
       s += [gap] * w.group_size  # every sample of the group has its group's versions
       arch += [max(0, gap - j)] * w.group_size
+      unclamped += [gap - j] * w.group_size
   assert max(arch) > 0 and arch != s  # the window has pipelining staleness and the j-cut matters
   for prefix, xs in (("staleness", s), ("arch_staleness", arch)):
     assert m[f"{prefix}_count"] == len(xs) == (30 - 3) * w.groups_per_step * w.group_size
@@ -136,6 +137,7 @@ def test_staleness_metrics_match_a_recount_of_the_consume_log(make_tiny):
     assert m[f"{prefix}_p99"] == pytest.approx(_percentile(xs, 99)), prefix
   # Without mid-generation adoption the newest version is the gen version.
   assert m["arch_staleness_newest_mean"] == pytest.approx(sum(arch) / len(arch))
+  assert m["arch_staleness_unclamped_mean"] == pytest.approx(sum(unclamped) / len(unclamped))
   assert m["staleness_generating_mean"] + m["staleness_waiting_mean"] == pytest.approx(
     sum(s) / len(s)
   )

@@ -113,6 +113,8 @@ def test_tracker_m4_hand_computed():
   assert m["arch_staleness_p50"] == 0.0
   assert m["arch_staleness_p99"] == pytest.approx(3.0)
   assert m["arch_staleness_max"] == 3.0
+  # unclamped s - j: 0 0 1 | 0 0 2 | 0 -1 | 3 3 -> 8 / 10 (the -1 is fresher than colocated)
+  assert m["arch_staleness_unclamped_mean"] == pytest.approx(0.8)
   assert m["minibatches"] == 4
   assert not any("newest" in k for k in m)
 
