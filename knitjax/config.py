@@ -21,6 +21,7 @@ from knitjax.config_fields import build_section, one_of, positive, to_plain
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.rollout.continuous import ADOPTION
+from knitjax.rollout.scheduling import LAG_UNITS
 from knitjax.train.advantages import ESTIMATORS
 from knitjax.train.losses import AGGREGATIONS
 from knitjax.transfer.admission import POLICIES
@@ -193,6 +194,9 @@ class RuntimeConfig:
   log_every: int = 10
   weight_sync: str = "minibatch"
   max_lag_steps: float = 1.0
+  # How depth capacity comes back: "step" (once a step's last mini-batch is consumed) or
+  # "minibatch" (each consumed mini-batch frees its B/M groups; version-granular).
+  lag_unit: str = "step"
   # Disaggregated only: the first `rollout_devices` devices form the rollout mesh (0: half).
   rollout_devices: int = 0
   adoption: str = "new_groups"  # or "mid_generation" (partial rollout)
@@ -214,6 +218,7 @@ class RuntimeConfig:
   def __post_init__(self):
     one_of("config.runtime.mode", self.mode, MODES)
     one_of("config.runtime.weight_sync", self.weight_sync, WEIGHT_SYNC)
+    one_of("config.runtime.lag_unit", self.lag_unit, LAG_UNITS)
     one_of("config.runtime.adoption", self.adoption, ADOPTION)
     one_of("config.runtime.storage", self.storage, STORAGE)
     positive("config.runtime.rollout_workers", self.rollout_workers, allow_zero=True)

@@ -88,6 +88,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   c.weight_sync = "minibatch"
   c.adoption = "new_groups"
   c.scheduling = "plain"
+  c.lag_unit = "step"  # depth capacity back per step, or per consumed mini-batch ("minibatch")
   c.max_inflight_groups = 0
   # ---- benchmark ----
   c.max_depth = 2.0  # frontier depths 0, 1/M, ..., max_depth (train steps)
@@ -136,6 +137,8 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
       # takes to generate relative to a train step's busy time.
       ("slots_256", (("slots", 256),)),
       ("slots_1024", (("slots", 1024),)),
+      # The depth bound returning capacity per consumed mini-batch (version-granular).
+      ("lag_unit_minibatch", (("lag_unit", "minibatch"),)),
     )
     return c
   if arg == "paper":
@@ -171,6 +174,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
       ("M_4", (("minibatches", 4),)),
       ("M_8", (("minibatches", 8),)),
       ("slots_512_M_4", (("slots", 512), ("minibatches", 4))),
+      ("lag_unit_minibatch", (("lag_unit", "minibatch"),)),
     )
     c.sweep_num_steps = 120
     c.sweep_warmup_steps = 8

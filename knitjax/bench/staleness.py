@@ -54,6 +54,7 @@ def pipeline_from_config(config: mc.ConfigDict, **changes) -> Pipeline:
     weight_sync=config.weight_sync,
     adoption=config.adoption,
     scheduling=config.scheduling,
+    lag_unit=config.get("lag_unit", "step"),
     max_inflight_groups=config.max_inflight_groups,
     max_lag_steps=config.reference_depth,
   )

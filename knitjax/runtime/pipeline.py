@@ -74,6 +74,7 @@ class Pipeline:
       groups_per_step=config.admission.groups_per_step,
       minibatches=config.admission.minibatches,
       max_lag_steps=config.runtime.max_lag_steps,
+      lag_unit=config.runtime.lag_unit,
     )
     self.weights = WeightSync(sharding.state_shardings(learner.state.params, mesh))
     self.weights.publish(learner.state.params, learner.version)

@@ -4,12 +4,16 @@ Rollout may start a group only while the groups started so far, minus those dyna
 rejected, are fewer than ``B * (completed_steps + 1) + depth``, where ``completed_steps`` is the
 trainer's version divided by ``M`` and ``depth = max_lag_steps * B`` (whole mini-batches). This is
 the simulator's rule (`knitjax.sim.engine`, like AReaL's ``max_head_offpolicyness``), so the
-simulated and the measured pipelines bound staleness the same way.
+simulated and the measured pipelines bound staleness the same way. With
+``runtime.lag_unit="minibatch"`` capacity comes back per consumed mini-batch instead
+(`knitjax.rollout.scheduling.start_limit`).
 """
 
 from __future__ import annotations
 
 import threading
+
+from knitjax.rollout.scheduling import LAG_UNITS, start_limit
 
 
 def lag_groups(max_lag_steps: float, *, groups_per_step: int, minibatches: int) -> int:
@@ -31,13 +35,26 @@ class VersionClock:
     groups_per_step: ``B``.
     minibatches: ``M``.
     max_lag_steps: pipeline depth in train steps (a multiple of 1/M).
+    lag_unit: ``"step"`` or ``"minibatch"``: how capacity comes back (see `start_limit`).
   """
 
-  def __init__(self, version: int, *, groups_per_step: int, minibatches: int, max_lag_steps: float):
+  def __init__(
+    self,
+    version: int,
+    *,
+    groups_per_step: int,
+    minibatches: int,
+    max_lag_steps: float,
+    lag_unit: str = "step",
+  ):
     self._cond = threading.Condition()
     self._version = version
     self._stopped = False
-    self._b, self._m = groups_per_step, minibatches
+    if lag_unit not in LAG_UNITS:
+      raise ValueError(
+        f"config.runtime.lag_unit={lag_unit!r} is not accepted; choose one of {LAG_UNITS}."
+      )
+    self._b, self._m, self.lag_unit = groups_per_step, minibatches, lag_unit
     self.lag_groups = lag_groups(
       max_lag_steps, groups_per_step=groups_per_step, minibatches=minibatches
     )
@@ -55,7 +72,13 @@ class VersionClock:
   def limit(self) -> int:
     """Accepted groups (started minus rejected) that may have started by now."""
     with self._cond:
-      return self._b * (self._version // self._m + 1) + self.lag_groups
+      return start_limit(
+        self._version,
+        groups_per_step=self._b,
+        minibatches=self._m,
+        lag_groups=self.lag_groups,
+        lag_unit=self.lag_unit,
+      )
 
   def advance(self, version: int) -> None:
     """Records a new trainer version and wakes the rollout."""

@@ -160,6 +160,7 @@ def pipeline_of(cfg: Config, *, colocated: bool = False) -> Pipeline:
     policy=cfg.admission.policy,
     mode="colocated" if colocated else "disaggregated",
     max_lag_steps=0.0 if colocated else rt.max_lag_steps,
+    lag_unit=rt.lag_unit,
     weight_sync=rt.weight_sync,
     adoption=rt.adoption,
     scheduling="plain",

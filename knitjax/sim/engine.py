@@ -8,7 +8,9 @@ re-implemented here.
 
 Pipeline depth (`Pipeline.max_lag_steps` = D) bounds submission like AReaL's
 ``max_head_offpolicyness``, in train steps: a group may start only while the accepted groups
-started so far (started minus rejected) are fewer than ``B * (completed_steps + 1 + D)``.
+started so far (started minus rejected) are fewer than ``B * (completed_steps + 1 + D)``; with
+``Pipeline.lag_unit="minibatch"`` capacity comes back per consumed mini-batch
+(`knitjax.rollout.scheduling.start_limit`, the runtime's rule too).
 """
 
 import dataclasses
@@ -17,7 +19,7 @@ import time
 
 import numpy as np
 
-from knitjax.rollout.scheduling import make_scheduler
+from knitjax.rollout.scheduling import make_scheduler, start_limit
 from knitjax.sim.lengths import LengthSampler
 from knitjax.sim.rollout import SlotPool
 from knitjax.sim.trainer import Trainer
@@ -167,7 +169,13 @@ class _Simulation:
 
   def _try_start(self) -> None:
     pool, trainer = self.pool, self.trainer
-    limit = self.B * (trainer.version // self.M + 1) + self.lag
+    limit = start_limit(
+      trainer.version,
+      groups_per_step=self.B,
+      minibatches=self.M,
+      lag_groups=self.lag,
+      lag_unit=self.p.lag_unit,
+    )
     cap = self.p.max_inflight_groups
     while pool.free >= self.G and self.accepted_started < limit:
       if cap and pool.inflight_groups >= cap:

@@ -10,7 +10,7 @@ import math
 
 from knitjax.config import MODES, WEIGHT_SYNC
 from knitjax.rollout.continuous import ADOPTION
-from knitjax.rollout.scheduling import SCHEDULING
+from knitjax.rollout.scheduling import LAG_UNITS, SCHEDULING
 from knitjax.transfer.admission import POLICIES
 from knitjax.transfer.quota import QuotaSpec
 
@@ -159,6 +159,8 @@ class Pipeline:
       to drain).
     max_lag_steps: pipeline depth: accepted groups started so far may not exceed
       ``B * (completed_steps + 1 + max_lag_steps)``; a multiple of 1/M.
+    lag_unit: `step` (capacity comes back once a step's last mini-batch is consumed) or
+      `minibatch` (per consumed mini-batch; `knitjax.rollout.scheduling.start_limit`).
     max_inflight_groups: at most this many groups generating at once (0: only slots bound it).
     weight_sync: publish weights after every `minibatch` or every `step`.
     adoption: `new_groups` (a group keeps the weights it started with) or `mid_generation`
@@ -170,6 +172,7 @@ class Pipeline:
   policy: str = "minibatch"
   mode: str = "disaggregated"
   max_lag_steps: float = 1.0
+  lag_unit: str = "step"
   max_inflight_groups: int = 0
   weight_sync: str = "minibatch"
   adoption: str = "new_groups"
@@ -182,6 +185,7 @@ class Pipeline:
       ("weight_sync", WEIGHT_SYNC),
       ("adoption", ADOPTION),
       ("scheduling", SCHEDULING),
+      ("lag_unit", LAG_UNITS),
     ):
       v = getattr(self, name)
       _check(v in allowed, f"Pipeline.{name}={v!r} is not accepted; choose one of {allowed}.")

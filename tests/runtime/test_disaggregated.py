@@ -99,6 +99,14 @@ def test_depth_bound_and_device_split():
   assert clock.limit() == 8 + 4
   clock.advance(2)  # one step done
   assert clock.limit() == 16 + 4
+  clock = versions.VersionClock(
+    1, groups_per_step=8, minibatches=2, max_lag_steps=0.5, lag_unit="minibatch"
+  )
+  assert clock.limit() == 8 + 4 + 4  # one mini-batch consumed: its 4 groups come back
+  clock.advance(2)
+  assert clock.limit() == 16 + 4  # at a step boundary both units agree
+  with pytest.raises(ValueError, match="lag_unit='version'"):
+    versions.VersionClock(0, groups_per_step=8, minibatches=2, max_lag_steps=0, lag_unit="version")
   cfg = from_config_dict(quick_config(rollout_devices=3))
   rollout, trainer = split_devices(cfg, devices=list(range(8)))
   assert rollout == [0, 1, 2] and trainer == [3, 4, 5, 6, 7]

@@ -78,6 +78,26 @@ def test_depth_bound_limits_groups_started_ahead_of_the_trainer(make_tiny):
   assert (i + 1 == bound).any()  # the bound is reached, not just respected
 
 
+def test_minibatch_lag_unit_returns_capacity_per_consumed_minibatch(make_tiny):
+  w = make_tiny()
+  depth = 0.5
+  B, M = w.groups_per_step, w.minibatches
+  r = _run(w, policy="minibatch", max_lag_steps=depth, lag_unit="minibatch")
+  i = np.arange(r.gen_version.size)
+  # Version-granular: the i-th start needs i < B + (B / M) * v + depth * B.
+  bound = B + (B // M) * r.gen_version + depth * B
+  assert (i < bound).all()
+  assert (i + 1 == bound).any()
+  # Some group started mid-step beyond what the per-step bound allows at its version.
+  step_bound = B * (r.gen_version // M + 1 + depth)
+  assert (i >= step_bound).any()
+  # Capacity back sooner: at equal depth no staler, and no quota broken.
+  step = summarize_result(_run(w, policy="minibatch", max_lag_steps=depth))
+  m = summarize_result(r)
+  assert m["quota_violations"] == 0
+  assert m["steps_per_hour"] >= step["steps_per_hour"] * 0.999
+
+
 def test_minibatch_never_violates_quotas_greedy_does(make_tiny):
   w = make_tiny()
   for depth in (0.0, 1.0, 2.0):

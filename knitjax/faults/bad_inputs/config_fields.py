@@ -92,6 +92,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     ("runtime", "mode"): config.MODES,
     ("runtime", "weight_sync"): config.WEIGHT_SYNC,
     ("runtime", "adoption"): ADOPTION,
+    ("runtime", "lag_unit"): config.LAG_UNITS,
     ("runtime", "storage"): config.STORAGE,
     ("model", "dtype"): tuple(layers.DTYPES),
     ("vision", "dtype"): tuple(layers.DTYPES),
