@@ -76,7 +76,12 @@ class RolloutConfig:
   class_max_new_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
   slots: int = 64  # disaggregated: concurrent samples of the continuous-batching engine
   decode_steps: int = 8  # disaggregated: decode iterations per engine call, at most
-  refill_groups: int = 1  # disaggregated: groups the engine may start (prefill) per call
+  # disaggregated (continuous engine): prompts each shard prefills at once (prefill lanes)
+  refill_groups: int = 1
+  # Prompt tokens a lane prefills per decode iteration (chunked prefill; 0: the whole prompt at
+  # once, stalling the live slots for it), and one prefill per group shared by its G samples.
+  prefill_chunk: int = 64
+  share_prefix: bool = True
   # What generates behind the rollout contract: "batched" (one sampler call per wave of
   # slots // group_size groups; colocated: the whole step), "continuous" (the engine), "auto".
   engine: str = "auto"
@@ -86,6 +91,11 @@ class RolloutConfig:
     positive("config.rollout.slots", self.slots)
     positive("config.rollout.decode_steps", self.decode_steps)
     positive("config.rollout.refill_groups", self.refill_groups)
+    positive("config.rollout.prefill_chunk", self.prefill_chunk, allow_zero=True)
+    if not isinstance(self.share_prefix, bool):
+      raise ValueError(
+        f"config.rollout.share_prefix={self.share_prefix!r} is not accepted; use True or False."
+      )
     one_of("config.rollout.engine", self.engine, ENGINES)
     positive("config.rollout.max_new_tokens", self.max_new_tokens)
     for cls, n in self.class_max_new_tokens.items():

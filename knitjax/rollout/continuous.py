@@ -3,9 +3,11 @@
 Every slot holds one sample (one response of a group) with its own KV cache row, RoPE position
 and token budget; the cache is per row (the model's one-index `KVCache` vmapped over slots), so
 sequences at different positions decode together and finish out of order, as in production
-engines. Each call prefills new prompts into free slots and decodes, in fixed jitted shapes
-(`knitjax.rollout.continuous_step`); this module keeps the host side: which request holds which
-slot, the policy versions, and the finished samples.
+engines. A new prompt is prefilled in chunks by a prefill lane, interleaved with the decode
+iterations of the live slots, and once for all the samples that share it (a group's ``G``
+samples): the jitted loop is `knitjax.rollout.continuous_step`. This module keeps the host side:
+which request holds which slot, which lane prefills which prompt on which shard, the policy
+versions, and the finished samples.
 
 Weights: `load` installs a new policy version. With ``adoption="mid_generation"`` (partial
 rollout) live samples switch to it at once; the sample's gen version stays the oldest version it
@@ -20,6 +22,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +31,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from knitjax import sharding
-from knitjax.rollout.continuous_step import SlotState, engine_call, fresh_cache
+from knitjax.rollout.continuous_step import (
+  LaneState,
+  SlotState,
+  Starts,
+  fresh_cache,
+  make_engine_call,
+)
 from knitjax.rollout.sampler import SamplingConfig, eos_tuple
 
 ADOPTION = ("new_groups", "mid_generation")
@@ -54,8 +63,41 @@ class Finished:
   version_newest: int  # newest policy version used
 
 
+class Placement(NamedTuple):
+  """One prompt's share on one shard: a lane prefills it once for these slots."""
+
+  lane: int  # global lane index (shard * lanes_per_shard + local)
+  slots: list[int]  # global slot indices
+  requests: list[Request]
+
+
+def place(
+  free_slots: list[list[int]], free_lanes: list[list[int]], sizes: Sequence[int]
+) -> list[list[tuple[int, int, int]]] | None:
+  """Where prompts of ``sizes`` samples go: per prompt, ``(shard, lane, n)`` shares.
+
+  Greedy: each prompt goes to the shard with the most free slots that has a free lane; a prompt
+  larger than any shard's free slots is split over several shards (one lane each). The lists are
+  consumed. Returns None when some prompt does not fit.
+  """
+  out = []
+  for size in sizes:
+    shares, left = [], size
+    while left:
+      ok = [s for s in range(len(free_slots)) if free_lanes[s] and free_slots[s]]
+      if not ok:
+        return None
+      s = max(ok, key=lambda s: (len(free_slots[s]) >= left, len(free_slots[s]), -s))
+      n = min(left, len(free_slots[s]))
+      shares.append((s, free_lanes[s].pop(0), n))
+      del free_slots[s][:n]
+      left -= n
+    out.append(shares)
+  return out
+
+
 class ContinuousEngine:
-  """Host side of the engine: slot bookkeeping, weight versions and the jitted calls.
+  """Host side of the engine: slot and lane bookkeeping, weight versions and the jitted calls.
 
   Not thread-safe: one thread (the rollout worker) drives it.
   """
@@ -70,7 +112,9 @@ class ContinuousEngine:
     prompt_len: int,
     eos_id: int | Sequence[int],
     pad_id: int,
-    refill_rows: int,
+    prefill_lanes: int = 1,
+    prefill_chunk: int = 0,
+    share_prefix: bool = True,
     decode_steps: int = 8,
     adoption: str = "mid_generation",
     param_slots: int = 2,
@@ -79,14 +123,18 @@ class ContinuousEngine:
 
     Args:
       graphdef: the policy's graph definition.
-      mesh: the rollout mesh; slots are split over its batch axes.
+      mesh: the rollout mesh; slots and lanes are split over its batch axes.
       sampling: temperature / top-k / top-p and ``max_new_tokens`` (the widest budget).
       slots: concurrent samples (a multiple of the mesh's batch shards).
-      prompt_len: padded prompt length (prompts are left-padded to it).
+      prompt_len: prompt width (prompts are left-padded to it, rounded up to whole chunks).
       eos_id: end token, or several (a sample ends at the first of any); pad_id: padding.
-      refill_rows: prompts prefilled per call (fixed shape; e.g. a group's G samples).
-      decode_steps: decode iterations per call at most (bounds how late a new version or a new
-        group is taken up).
+      prefill_lanes: prompts each shard prefills at once (a group split over ``k`` shards takes
+        one lane on each).
+      prefill_chunk: prompt tokens a lane prefills per iteration (0: the whole prompt at once).
+      share_prefix: requests with identical prompts started in one call share one prefill (a
+        group's ``G`` samples); False prefills each request on its own lane.
+      decode_steps: iterations per call at most (bounds how late a new version or a new group is
+        taken up).
       adoption: ``"mid_generation"`` (partial rollout) or ``"new_groups"``.
       param_slots: versions held at once with ``"new_groups"`` (1 with mid-generation).
     """
@@ -95,18 +143,24 @@ class ContinuousEngine:
       raise ValueError(f"adoption={adoption!r} is not accepted; choose one of {ADOPTION}.")
     if slots < 1 or slots % shards:
       raise ValueError(f"slots={slots} must be a positive multiple of the {shards} batch shards.")
-    if not 1 <= refill_rows <= slots:
-      raise ValueError(f"refill_rows={refill_rows} must be in [1, slots={slots}].")
+    if prefill_lanes < 1:
+      raise ValueError(f"prefill_lanes={prefill_lanes} must be >= 1.")
+    if prefill_chunk < 0:
+      raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: the whole prompt).")
     if decode_steps < 1:
       raise ValueError(f"decode_steps={decode_steps} must be >= 1.")
     if adoption == "new_groups" and param_slots < 2:
       raise ValueError(f"param_slots={param_slots} must be >= 2 with adoption='new_groups'.")
     self.graphdef, self.mesh, self.sampling = graphdef, mesh, sampling
-    self.slots, self.prompt_len, self.refill_rows = slots, prompt_len, refill_rows
+    self.slots, self.prompt_len = slots, prompt_len
+    self.chunk = min(prefill_chunk or prompt_len, prompt_len)
+    self.width = -(-prompt_len // self.chunk) * self.chunk  # prompt width in whole chunks
+    self.lanes_per_shard, self.share_prefix = prefill_lanes, share_prefix
     self.decode_steps, self.adoption = decode_steps, adoption
     self.eos_ids, self.pad_id = eos_tuple(eos_id), pad_id
     self.eos_id = self.eos_ids[0]
     self.shards = shards
+    self._per_shard = slots // shards
     n_params = 1 if adoption == "mid_generation" else param_slots
     self._params: list[tuple[int, object] | None] = [None] * n_params
     self._newest = 0  # param slot new samples start with
@@ -114,9 +168,22 @@ class ContinuousEngine:
     self._slot_req: list[Request | None] = [None] * slots
     self._slot_versions: list[list[int]] = [[0, 0] for _ in range(slots)]
     self._slot_pslot = [0] * slots
+    self._lane_busy = [False] * (shards * prefill_lanes)
     self._state = None
+    self._lanes = None
+    self._call = make_engine_call(
+      graphdef=graphdef,
+      mesh=mesh,
+      sampling=sampling,
+      eos_ids=self.eos_ids,
+      pad_id=pad_id,
+      chunk=self.chunk,
+    )
     self.calls = 0
-    self.decode_iterations = 0  # per shard, summed over calls (max over shards per call)
+    self.decode_iterations = 0  # loop iterations (max over shards per call), summed over calls
+    self.decode_passes = 0  # iterations that decoded live slots (max over shards)
+    self.chunk_passes = 0  # iterations that ran a prefill chunk (max over shards)
+    self.prefills = 0  # prompts prefilled (lanes started)
     self.call_s = 0.0
 
   # ---- weights ------------------------------------------------------------------------------
@@ -144,7 +211,7 @@ class ContinuousEngine:
       self._params[free[0]], self._pending = self._pending, None
       self._newest = free[0]
 
-  # ---- slots --------------------------------------------------------------------------------
+  # ---- slots and lanes ----------------------------------------------------------------------
 
   @property
   def free_slots(self) -> int:
@@ -152,102 +219,165 @@ class ContinuousEngine:
 
   @property
   def live_samples(self) -> int:
+    """Samples started and not yet finished (prefilling or decoding)."""
     return self.slots - self.free_slots
 
-  def _init_state(self, params):
-    model = nnx.merge(self.graphdef, params)
-    s, n = self.slots, self.sampling.max_new_tokens
-    zeros = lambda dtype: jnp.zeros((s,), dtype)  # noqa: E731
-    return SlotState(
-      cache=fresh_cache(model, s, self.prompt_len + n),
-      last_token=zeros(jnp.int32),
-      position=zeros(jnp.int32),
-      tokens=jnp.full((s, n), self.pad_id, jnp.int32),
-      logprobs=jnp.zeros((s, n), jnp.float32),
-      length=zeros(jnp.int32),
-      budget=zeros(jnp.int32),
-      pslot=zeros(jnp.int32),
-      live=zeros(jnp.bool_),
-    )
+  def _free(self) -> tuple[list[list[int]], list[list[int]]]:
+    per, lanes = self._per_shard, self.lanes_per_shard
+    slots = [
+      [s for s in range(k * per, (k + 1) * per) if self._slot_req[s] is None]
+      for k in range(self.shards)
+    ]
+    free_lanes = [
+      [j for j in range(lanes) if not self._lane_busy[k * lanes + j]] for k in range(self.shards)
+    ]
+    return slots, free_lanes
 
-  def _refill_arrays(self, requests: Sequence[Request]) -> tuple:
-    r, p = self.refill_rows, self.prompt_len
-    slot = np.zeros(r, np.int32)
-    prompts = np.full((r, p), self.pad_id, np.int32)
-    plens = np.ones(r, np.int32)
-    budget = np.ones(r, np.int32)
-    valid = np.zeros(r, bool)
-    free = [s for s, q in enumerate(self._slot_req) if q is None]
-    version = self.version
+  def capacity(self, group_size: int, queued: Sequence[int] = ()) -> int:
+    """How many more prompts of ``group_size`` samples fit now, after prompts of ``queued``
+    sizes (each a prompt shared by that many samples) are placed."""
+    slots, lanes = self._free()
+    sizes = list(queued) if self.share_prefix else [1] * sum(queued)
+    if place(slots, lanes, sizes) is None:
+      return 0
+    n = 0
+    unit = [group_size] if self.share_prefix else [1] * group_size
+    while place(slots, lanes, unit) is not None:
+      n += 1
+    return n
+
+  def _plan(self, requests: Sequence[Request]) -> list[Placement]:
+    p, budget_max = self.prompt_len, self.sampling.max_new_tokens
+    prompts: dict[object, list[Request]] = {}
     for k, req in enumerate(requests):
       n = len(req.tokens)
       if not 1 <= n <= p:
         raise ValueError(f"request {req.tag}: prompt of {n} tokens; accepted: 1..{p}.")
-      if not 1 <= req.max_new_tokens <= self.sampling.max_new_tokens:
+      if not 1 <= req.max_new_tokens <= budget_max:
         raise ValueError(
-          f"request {req.tag}: max_new_tokens={req.max_new_tokens}; accepted: 1.."
-          f"{self.sampling.max_new_tokens}."
+          f"request {req.tag}: max_new_tokens={req.max_new_tokens}; accepted: 1..{budget_max}."
         )
-      s = free[k]
-      slot[k], plens[k], budget[k], valid[k] = s, n, req.max_new_tokens, True
-      prompts[k, p - n :] = req.tokens
-      self._slot_req[s] = req
-      self._slot_versions[s] = [version, version]
-      self._slot_pslot[s] = self._newest
-    return slot, prompts, plens, budget, valid, np.int32(self._newest)
+      key = np.asarray(req.tokens, np.int32).tobytes() if self.share_prefix else k
+      prompts.setdefault(key, []).append(req)
+    groups = list(prompts.values())
+    slots, lanes = self._free()
+    shares = place(slots, lanes, [len(g) for g in groups])
+    if shares is None:
+      raise ValueError(
+        f"{len(requests)} requests ({len(groups)} prompts) do not fit: free slots="
+        f"{self.free_slots}, free prefill lanes={self._lane_busy.count(False)}."
+      )
+    out = []
+    slots, _ = self._free()
+    for reqs, group_shares in zip(groups, shares, strict=True):
+      for shard, lane, n in group_shares:
+        taken, slots[shard] = slots[shard][:n], slots[shard][n:]
+        out.append(Placement(shard * self.lanes_per_shard + lane, taken, reqs[:n]))
+        reqs = reqs[n:]
+    return out
+
+  def _starts(self, requests: Sequence[Request]) -> Starts:
+    plan = self._plan(requests)
+    n_lanes = self.shards * self.lanes_per_shard
+    prompt = np.full((n_lanes, self.width), self.pad_id, np.int32)
+    plen = np.ones(n_lanes, np.int32)
+    new = np.zeros(n_lanes, bool)
+    wait = np.full(self.slots, -1, np.int32)
+    budget = np.ones(self.slots, np.int32)
+    version = self.version
+    for lane, slots, reqs in plan:
+      toks = np.asarray(reqs[0].tokens, np.int32)
+      prompt[lane, self.width - len(toks) :] = toks
+      plen[lane], new[lane] = len(toks), True
+      self._lane_busy[lane] = True
+      for s, req in zip(slots, reqs, strict=True):
+        wait[s] = lane % self.lanes_per_shard
+        budget[s] = req.max_new_tokens
+        self._slot_req[s] = req
+        self._slot_versions[s] = [version, version]
+        self._slot_pslot[s] = self._newest
+    self.prefills += len(plan)
+    return Starts(
+      prompt=prompt, plen=plen, new=new, pslot=np.int32(self._newest), wait=wait, budget=budget
+    )
+
+  def _init_state(self, params):
+    model = nnx.merge(self.graphdef, params)
+    s, n, w = self.slots, self.sampling.max_new_tokens, self.width
+    n_lanes = self.shards * self.lanes_per_shard
+    zeros = lambda rows, dtype: jnp.zeros((rows,), dtype)  # noqa: E731
+    slots = SlotState(
+      cache=fresh_cache(model, s, w + n),
+      last_token=zeros(s, jnp.int32),
+      position=zeros(s, jnp.int32),
+      tokens=jnp.full((s, n), self.pad_id, jnp.int32),
+      logprobs=jnp.zeros((s, n), jnp.float32),
+      length=zeros(s, jnp.int32),
+      budget=zeros(s, jnp.int32),
+      pslot=zeros(s, jnp.int32),
+      live=zeros(s, jnp.bool_),
+      wait=jnp.full((s,), -1, jnp.int32),
+    )
+    lanes = LaneState(
+      cache=fresh_cache(model, n_lanes, w + n),
+      prompt=jnp.full((n_lanes, w), self.pad_id, jnp.int32),
+      plen=jnp.ones((n_lanes,), jnp.int32),
+      chunk=zeros(n_lanes, jnp.int32),
+      pslot=zeros(n_lanes, jnp.int32),
+      active=zeros(n_lanes, jnp.bool_),
+    )
+    return slots, lanes
 
   def step(self, requests: Sequence[Request], *, rng: jax.Array, stop_free: int) -> list[Finished]:
-    """Starts ``requests`` in free slots, then decodes; returns the samples that finished.
+    """Starts ``requests`` (their prompts in free lanes, their samples in free slots), then runs
+    prefill chunks and decode iterations; returns the samples that finished.
 
     Args:
-      requests: at most ``refill_rows`` and at most `free_slots` new samples.
+      requests: new samples; they must fit (`capacity`), else ValueError and nothing starts.
       rng: key of this call.
-      stop_free: stop decoding once this many slots are free (0: run ``decode_steps``
-        iterations or until no sample is live).
+      stop_free: stop once this many slots are free (0: run ``decode_steps`` iterations or until
+        nothing is live or prefilling).
     """
-    if len(requests) > min(self.refill_rows, self.free_slots):
-      raise ValueError(
-        f"{len(requests)} requests do not fit: refill_rows={self.refill_rows}, "
-        f"free slots={self.free_slots}."
-      )
     self._adopt_pending()
     if self.version is None:
       raise RuntimeError("the engine has no weights; call load(params, version) first.")
+    starts = self._starts(requests)
     if self._state is None:
-      state_sharding = NamedSharding(self.mesh, PartitionSpec(sharding.BATCH_AXES))
-      init = jax.jit(self._init_state, out_shardings=state_sharding)
+      spec = NamedSharding(self.mesh, PartitionSpec(sharding.BATCH_AXES))
+      init = jax.jit(self._init_state, out_shardings=(spec, spec))
       with jax.set_mesh(self.mesh):
-        self._state = init(self._params[self._newest][1])
-    refill = self._refill_arrays(requests)
+        self._state, self._lanes = init(self._params[self._newest][1])
     params = tuple((p if p is not None else self._params[self._newest])[1] for p in self._params)
     t0 = time.perf_counter()
     with jax.set_mesh(self.mesh):
-      self._state, steps = engine_call(
+      self._state, self._lanes, stats = self._call(
         params,
-        self._params[self._newest][1],
         self._state,
-        refill,
+        self._lanes,
+        starts,
         rng,
         np.int32(stop_free),
         np.int32(self.decode_steps),
-        graphdef=self.graphdef,
-        mesh=self.mesh,
-        sampling=self.sampling,
-        eos_ids=self.eos_ids,
-        pad_id=self.pad_id,
       )
-      live, steps = sharding.to_host((self._state.live, steps))
+      live, wait, active, stats = sharding.to_host(
+        (self._state.live, self._state.wait, self._lanes.active, stats)
+      )
     self.call_s += time.perf_counter() - t0
     self.calls += 1
-    self.decode_iterations += int(np.max(steps))
-    return self._harvest(live)
+    self.decode_iterations += int(np.max(stats.iterations))
+    self.decode_passes += int(np.max(stats.decode_passes))
+    self.chunk_passes += int(np.max(stats.chunk_passes))
+    self._lane_busy = [bool(a) for a in active]
+    return self._harvest(live, wait)
 
-  def _harvest(self, live: np.ndarray) -> list[Finished]:
+  def _harvest(self, live: np.ndarray, wait: np.ndarray) -> list[Finished]:
     if self.adoption == "mid_generation":
       for s, req in enumerate(self._slot_req):
         if req is not None:
           self._slot_versions[s][1] = self.version
-    ended = [s for s, req in enumerate(self._slot_req) if req is not None and not live[s]]
+    ended = [
+      s for s, req in enumerate(self._slot_req) if req is not None and not live[s] and wait[s] < 0
+    ]
     if not ended:
       return []
     st = self._state

@@ -1,18 +1,25 @@
-"""The jitted step of continuous batching: refill free slots, then decode all of them.
+"""The jitted step of continuous batching: chunked prefill lanes interleaved with slot decoding.
 
-One call (fixed shapes) prefills up to ``refill_rows`` new prompts into free slots, sampling
-their first token from the prefill logits (skipped by `lax.cond` when nothing is refilled), then
-runs a `lax.while_loop` of decode iterations over all slots that stops after ``decode_steps``
-iterations, when no slot is live, or once ``stop_free`` slots are free (after at least one
-iteration). Each slot has its own KV cache row, RoPE position and budget: the model's one-index
-`KVCache` vmapped over slots, so sequences at different positions decode together.
+A new prompt does not stall the live slots for its whole prefill. It goes to a *prefill lane*
+(a cache row of its own) and is prefilled one chunk of ``chunk`` tokens per iteration, inside the
+same `lax.while_loop` that decodes the live slots; only chunks that hold prompt tokens run (a
+short prompt left-padded to a long width skips its padding chunks). When a lane's last chunk is
+in, its cache row is copied to every slot that waits on it and each of those slots samples its
+own first token from the lane's last logits: a group's ``G`` samples share one prefill (prefix
+sharing) and go live in the same iteration, which then decodes them with the rest.
 
-Everything runs inside `jax.shard_map` over the batch axes, so sampling never needs a
-collective; each shard owns ``slots / shards`` slots. The only collective is one scalar sum per
-iteration (live slots), so all shards stop together once the engine as a whole has
-``stop_free`` free slots. The refill rows are replicated: every shard prefills them and keeps those
-that land in its slots. With several param slots (adoption of new versions for new groups only)
-each iteration runs one decode pass per param slot with live samples.
+Everything runs inside `jax.shard_map` over the batch axes: slots and lanes are split over the
+shards (each shard prefills only the lanes whose slots it owns, nothing is replicated), and
+sampling needs no collective. The only collective is one scalar sum per iteration (busy slots and
+lanes), so all shards stop together: after ``decode_steps`` iterations, when nothing is live or
+prefilling, or once a group of ``stop_free`` samples could start (that many free slots and a
+free lane; after at least one iteration). With several param slots (adoption of new versions
+for new groups only) each iteration runs one pass per param slot that has live samples (or
+active lanes); rows take their own slot's results.
+
+Layout of a slot's cache row: positions ``[0, Pp)`` hold the left-padded prompt (``Pp``: the
+prompt width rounded up to whole chunks), decoding appends from ``Pp``; RoPE positions count real
+tokens only, so the result equals one whole-prompt prefill of the same prompt.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from knitjax import sharding
 # The batched sampler's draw (top-k / top-p / temperature, untruncated log-probs): one rule.
 from knitjax.rollout.sampler import _sample, is_eos
 
-_REFILL_KEY = 1 << 30  # fold_in data of the refill draw, apart from the decode iterations
+_FIRST_KEY = 1 << 30  # fold_in data of first-token draws, apart from the decode iterations
 
 
 @jax.tree_util.register_dataclass
@@ -47,17 +54,80 @@ class SlotState:
   budget: jax.Array  # [S] max new tokens of the slot's sample
   pslot: jax.Array  # [S] param slot the sample decodes with
   live: jax.Array  # [S] bool: holds a sample that has not finished
+  wait: jax.Array  # [S] shard-local lane the slot waits on (-1: none)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LaneState:
+  """Device state of the prefill lanes (leading axis: lane)."""
+
+  cache: object  # KVCache rows [L, 1, ...], index [L]
+  prompt: jax.Array  # [L, Pp] left-padded prompt
+  plen: jax.Array  # [L] prompt tokens
+  chunk: jax.Array  # [L] next chunk to prefill
+  pslot: jax.Array  # [L] param slot the prompt is prefilled with
+  active: jax.Array  # [L] bool: a prompt is being prefilled
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Starts:
+  """What the host starts in one call: new lane prompts and the slots that wait on them."""
+
+  prompt: jax.Array  # [L] rows of [Pp]: prompts of lanes started now
+  plen: jax.Array  # [L]
+  new: jax.Array  # [L] bool: the lane starts a prompt in this call
+  pslot: jax.Array  # [] param slot of the lanes started now
+  wait: jax.Array  # [S] shard-local lane a slot starts waiting on (-1: none)
+  budget: jax.Array  # [S] max new tokens of the slots that start waiting
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CallStats:
+  """Per shard: loop iterations, decode passes, prefill chunk passes, first tokens sampled."""
+
+  iterations: jax.Array
+  decode_passes: jax.Array
+  chunk_passes: jax.Array
+  started: jax.Array
 
 
 def fresh_cache(model, rows: int, max_len: int):
   return jax.vmap(lambda _: model.init_cache(1, max_len))(jnp.arange(rows))
 
 
+def _select(mask, new, old):
+  """Rows of ``new`` where ``mask`` (leading axis), else ``old``; works on whole pytrees."""
+
+  def pick(a, b):
+    return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+  return jax.tree.map(pick, new, old)
+
+
+def _per_param_slot(models, which, active, fn, init):
+  """``fn(model)`` for the param slot of each row: one pass per param slot that has an active
+  row (a `lax.cond` skips the others), rows keeping their own slot's result."""
+  if len(models) == 1:
+    return jax.lax.cond(jnp.any(active), lambda a: fn(models[0]), lambda a: a, init)
+  out = init
+  for v, model in enumerate(models):
+    sel = active & (which == v)
+
+    def run(acc, model=model, sel=sel):
+      return _select(sel, fn(model), acc)
+
+    out = jax.lax.cond(jnp.any(sel), run, lambda a: a, out)
+  return out
+
+
 def _engine_shard(
   params,
-  prefill_params,
   state,
-  refill,
+  lanes,
+  starts,
   rng,
   stop_free,
   decode_steps,
@@ -66,110 +136,185 @@ def _engine_shard(
   sampling,
   eos_ids,
   pad_id,
+  chunk,
 ):
-  """One engine call on one batch shard (inside shard_map: no collectives)."""
-  shard = jax.lax.axis_index(sharding.BATCH_AXES)
-  rng = jax.random.fold_in(rng, shard)
-  n_local = state.length.shape[0]
-  n_new = state.tokens.shape[1]
+  """One engine call on one batch shard (one scalar psum per iteration, nothing else)."""
+  axes = sharding.BATCH_AXES
+  rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+  n_local, n_new = state.tokens.shape
+  n_lanes, width = lanes.prompt.shape
+  n_chunks = width // chunk
   rows = jnp.arange(n_local)
-  slot_r, prompts_rp, plens_r, budget_r, valid_r, pslot = refill
-  local_r = slot_r - shard * n_local
-  keep_r = valid_r & (local_r >= 0) & (local_r < n_local)
-  idx_r = jnp.where(keep_r, local_r, n_local)  # out of range: dropped by the scatters
-
-  def do_refill(st: SlotState) -> SlotState:
-    model = nnx.merge(graphdef, prefill_params)
-    r, p = prompts_rp.shape
-    valid_rp = jnp.arange(p)[None, :] >= (p - plens_r)[:, None]
-    pos_rp = jnp.maximum(jnp.cumsum(valid_rp, axis=1) - 1, 0)
-    cache_r = fresh_cache(model, r, p + n_new)
-    prefill = lambda t, q, v, c: model.prefill(t[None], q[None], v[None], c)  # noqa: E731
-    logits_r, cache_r = jax.vmap(prefill)(prompts_rp, pos_rp, valid_rp, cache_r)
-    token_r, logp_r = _sample(logits_r[:, 0], jax.random.fold_in(rng, _REFILL_KEY), sampling)
-    put = lambda a, x: a.at[idx_r].set(x, mode="drop")  # noqa: E731
-    first_tokens = jnp.full((r, n_new), pad_id, jnp.int32).at[:, 0].set(token_r)
-    first_logps = jnp.zeros((r, n_new), jnp.float32).at[:, 0].set(logp_r)
-    return SlotState(
-      cache=jax.tree.map(put, st.cache, cache_r),
-      last_token=put(st.last_token, token_r),
-      position=put(st.position, plens_r),
-      tokens=put(st.tokens, first_tokens),
-      logprobs=put(st.logprobs, first_logps),
-      length=put(st.length, jnp.ones_like(plens_r)),
-      budget=put(st.budget, budget_r),
-      pslot=put(st.pslot, jnp.full_like(plens_r, pslot)),
-      live=put(st.live, ~is_eos(token_r, eos_ids) & (budget_r > 1)),
-    )
-
-  state = jax.lax.cond(jnp.any(keep_r), do_refill, lambda st: st, state)
-  n_total = n_local * jax.lax.axis_size(sharding.BATCH_AXES)
   models = [nnx.merge(graphdef, p) for p in params]
+
+  def varying(x):  # device-varying over the batch axes (cond branches must agree on it)
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  # ---- start: new prompts into their lanes, their slots waiting (no compute) ------------------
+  def start(args):
+    st, ln = args
+    first = (width - starts.plen) // chunk  # chunks of padding only are skipped
+    fresh = fresh_cache(models[0], n_lanes, width + n_new)
+    fresh = dataclasses.replace(jax.tree.map(varying, fresh), index=first * chunk)
+    ln = LaneState(
+      cache=_select(starts.new, fresh, ln.cache),
+      prompt=jnp.where(starts.new[:, None], starts.prompt, ln.prompt),
+      plen=jnp.where(starts.new, starts.plen, ln.plen),
+      chunk=jnp.where(starts.new, first, ln.chunk),
+      pslot=jnp.where(starts.new, starts.pslot, ln.pslot),
+      active=ln.active | starts.new,
+    )
+    joins = starts.wait >= 0
+    st = dataclasses.replace(
+      st,
+      wait=jnp.where(joins, starts.wait, st.wait),
+      budget=jnp.where(joins, starts.budget, st.budget),
+      live=st.live & ~joins,
+    )
+    return st, ln
+
+  state, lanes = jax.lax.cond(jnp.any(starts.new), start, lambda a: a, (state, lanes))
+
+  # ---- one iteration: a prefill chunk per active lane, first tokens, one decode pass ----------
+  def prefill_chunk(model, ln):
+    def one(prompt, plen, k, cache):
+      at = k * chunk + jnp.arange(chunk)
+      toks = jax.lax.dynamic_slice(prompt, (k * chunk,), (chunk,))
+      pad = width - plen
+      valid = at >= pad
+      pos = jnp.maximum(at - pad, 0)
+      logits, cache = model.prefill(toks[None], pos[None], valid[None], cache)
+      return logits[0], cache
+
+    return jax.vmap(one)(ln.prompt, ln.plen, ln.chunk, ln.cache)
+
+  def lane_pass(ln):
+    vocab = models[0].config.vocab_size
+    init = (varying(jnp.zeros((n_lanes, vocab), jnp.float32)), ln.cache)
+    logits, cache = _per_param_slot(
+      models, ln.pslot, ln.active, lambda m: prefill_chunk(m, ln), init
+    )
+    ln = dataclasses.replace(ln, cache=cache, chunk=ln.chunk + ln.active)
+    return ln, logits
+
+  def go_live(it, st, ln, logits_l, done_l):
+    lane = jnp.clip(st.wait, 0, n_lanes - 1)
+    take = (st.wait >= 0) & done_l[lane]
+
+    def run(st):
+      token, logp = _sample(logits_l[lane], jax.random.fold_in(rng, _FIRST_KEY + it), sampling)
+      first_tokens = jnp.full((n_local, n_new), pad_id, jnp.int32).at[:, 0].set(token)
+      first_logps = jnp.zeros((n_local, n_new), jnp.float32).at[:, 0].set(logp)
+      new = SlotState(
+        cache=jax.tree.map(lambda c: c[lane], ln.cache),
+        last_token=token,
+        position=ln.plen[lane],
+        tokens=first_tokens,
+        logprobs=first_logps,
+        length=jnp.ones_like(token),
+        budget=st.budget,
+        pslot=ln.pslot[lane],
+        live=~is_eos(token, eos_ids) & (st.budget > 1),
+        wait=jnp.full_like(st.wait, -1),
+      )
+      return _select(take, new, st)
+
+    return jax.lax.cond(jnp.any(take), run, lambda s: s, st), jnp.sum(take, dtype=jnp.int32)
 
   def decode_rows(model, st):
     step = lambda t, q, c: model.decode_step(t[None], q[None], c)  # noqa: E731
     logits, cache = jax.vmap(step)(st.last_token, st.position, st.cache)
     return logits[:, 0], cache
 
-  def cond(carry):
-    it, st = carry
-    # One scalar all-reduce per iteration: every shard stops at the same iteration, as soon as
-    # the whole engine has `stop_free` free slots (one shard's share would leave slots idle).
-    live = jax.lax.psum(jnp.sum(st.live, dtype=jnp.int32), sharding.BATCH_AXES)
-    # At least one iteration per call, so a caller that cannot use the free slots still moves.
-    enough = (stop_free > 0) & (n_total - live >= stop_free) & (it > 0)
-    return (it < decode_steps) & (live > 0) & ~enough
-
-  def body(carry):
-    it, st = carry
-    if len(models) == 1:
-      logits, cache = decode_rows(models[0], st)
-    else:  # one pass per param slot with live samples; rows take their own slot's results
-      logits = jnp.zeros((n_local, models[0].config.vocab_size), jnp.float32)
-      logits = jax.lax.pcast(logits, sharding.BATCH_AXES, to="varying")
-      cache = st.cache
-      for v, model in enumerate(models):
-        sel = st.live & (st.pslot == v)
-
-        def run(args, model=model, sel=sel):
-          lg, cc = decode_rows(model, st)
-          pick = lambda new, old: jnp.where(  # noqa: E731
-            sel.reshape(sel.shape + (1,) * (new.ndim - 1)), new, old
-          )
-          return pick(lg, args[0]), jax.tree.map(pick, cc, args[1])
-
-        logits, cache = jax.lax.cond(jnp.any(sel), run, lambda a: a, (logits, cache))
+  def decode(it, st):
+    vocab = models[0].config.vocab_size
+    init = (varying(jnp.zeros((n_local, vocab), jnp.float32)), st.cache)
+    logits, cache = _per_param_slot(models, st.pslot, st.live, lambda m: decode_rows(m, st), init)
     token, logp = _sample(logits, jax.random.fold_in(rng, it), sampling)
     live = st.live
     col = jnp.minimum(st.length, n_new - 1)
-    tokens = st.tokens.at[rows, col].set(jnp.where(live, token, st.tokens[rows, col]))
-    logprobs = st.logprobs.at[rows, col].set(jnp.where(live, logp, st.logprobs[rows, col]))
     length = st.length + live
     ended = is_eos(token, eos_ids) | (length >= st.budget)
-    return it + 1, SlotState(
-      cache=cache,
+    return dataclasses.replace(
+      st,
+      cache=cache,  # rows not live: their cache row is replaced before they go live again
       last_token=jnp.where(live, token, st.last_token),
       position=st.position + live,
-      tokens=tokens,
-      logprobs=logprobs,
+      tokens=st.tokens.at[rows, col].set(jnp.where(live, token, st.tokens[rows, col])),
+      logprobs=st.logprobs.at[rows, col].set(jnp.where(live, logp, st.logprobs[rows, col])),
       length=length,
-      budget=st.budget,
-      pslot=st.pslot,
       live=live & ~ended,
     )
 
-  steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-  return state, steps[None]
+  def busy(st, ln):
+    # One all-reduce: live slots, slots waiting for a lane, active lanes (engine-wide).
+    local = jnp.stack([jnp.sum(st.live), jnp.sum(st.wait >= 0), jnp.sum(ln.active)])
+    return jax.lax.psum(local.astype(jnp.int32), axes)
+
+  n_total = n_local * jax.lax.axis_size(axes)
+  n_lanes_total = n_lanes * jax.lax.axis_size(axes)
+
+  def cond(carry):
+    it, st, ln, _ = carry
+    live, waiting, active = busy(st, ln)
+    # Stop as soon as the engine as a whole could start a group of `stop_free` samples: that many
+    # free slots and a free lane (after one iteration, so a caller that cannot start one still
+    # moves; stopping while every lane is busy would only return to the host for nothing).
+    room = (n_total - live - waiting >= stop_free) & (active < n_lanes_total)
+    enough = (stop_free > 0) & room & (it > 0)
+    return (it < decode_steps) & ((live > 0) | (active > 0)) & ~enough
+
+  def body(carry):
+    it, st, ln, stats = carry
+    any_lane = jnp.any(ln.active)
+    ln, logits_l = jax.lax.cond(
+      any_lane,
+      lane_pass,
+      lambda ln: (ln, varying(jnp.zeros((n_lanes, models[0].config.vocab_size), jnp.float32))),
+      ln,
+    )
+    done_l = ln.active & (ln.chunk >= n_chunks)
+    st, started = go_live(it, st, ln, logits_l, done_l)
+    ln = dataclasses.replace(ln, active=ln.active & ~done_l)
+    any_live = jnp.any(st.live)
+    st = jax.lax.cond(any_live, lambda s: decode(it, s), lambda s: s, st)
+    stats = CallStats(
+      iterations=stats.iterations + 1,
+      decode_passes=stats.decode_passes + any_live,
+      chunk_passes=stats.chunk_passes + any_lane,
+      started=stats.started + started,
+    )
+    return it + 1, st, ln, stats
+
+  zero = varying(jnp.zeros((), jnp.int32))
+  stats0 = CallStats(zero, zero, zero, zero)
+  _, state, lanes, stats = jax.lax.while_loop(
+    cond, body, (jnp.zeros((), jnp.int32), state, lanes, stats0)
+  )
+  return state, lanes, jax.tree.map(lambda x: x[None], stats)
 
 
-@functools.partial(
-  jax.jit, static_argnames=("graphdef", "mesh", "sampling", "eos_ids", "pad_id"), donate_argnums=2
-)
+def make_engine_call(*, graphdef, mesh, sampling, eos_ids, pad_id, chunk):
+  """The jitted engine call with its static settings bound once (hashing a `GraphDef` as a
+  static argument on every call costs about a millisecond on the host)."""
+  fn = functools.partial(
+    engine_call,
+    graphdef=graphdef,
+    mesh=mesh,
+    sampling=sampling,
+    eos_ids=eos_ids,
+    pad_id=pad_id,
+    chunk=chunk,
+  )
+  return jax.jit(fn, donate_argnums=(1, 2))
+
+
 def engine_call(
   params,
-  prefill_params,
   state,
-  refill,
+  lanes,
+  starts,
   rng,
   stop_free,
   decode_steps,
@@ -179,14 +324,21 @@ def engine_call(
   sampling,
   eos_ids,
   pad_id,
+  chunk,
 ):
   batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
   fn = functools.partial(
-    _engine_shard, graphdef=graphdef, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id
+    _engine_shard,
+    graphdef=graphdef,
+    sampling=sampling,
+    eos_ids=eos_ids,
+    pad_id=pad_id,
+    chunk=chunk,
   )
+  starts_spec = Starts(prompt=batch, plen=batch, new=batch, pslot=rep, wait=batch, budget=batch)
   return jax.shard_map(
     fn,
     mesh=mesh,
-    in_specs=(rep, rep, batch, rep, rep, rep, rep),
-    out_specs=(batch, batch),
-  )(params, prefill_params, state, refill, rng, stop_free, decode_steps)
+    in_specs=(rep, batch, batch, starts_spec, rep, rep, rep),
+    out_specs=(batch, batch, batch),
+  )(params, state, lanes, starts, rng, stop_free, decode_steps)

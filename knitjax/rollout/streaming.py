@@ -69,9 +69,8 @@ class StreamingRollout:
     self.engine.load(params, version)
 
   def capacity(self) -> int:
-    queued = len(self._requests)
-    rows = min(self.engine.free_slots - queued, self.engine.refill_rows - queued)
-    return max(0, rows // self._g)
+    queued = len(self._requests) // self._g
+    return self.engine.capacity(self._g, [self._g] * queued)
 
   def start(self, prompt: Prompt, group_id: int) -> None:
     if self.engine.version is None:
@@ -127,6 +126,9 @@ class StreamingRollout:
     return RolloutStats(
       tokens=self._tokens,
       decode_iterations=self.engine.decode_iterations,
+      decode_passes=self.engine.decode_passes,
+      chunk_passes=self.engine.chunk_passes,
+      prefills=self.engine.prefills,
       live_samples=self.engine.live_samples,
       shards=self.engine.shards,
     )

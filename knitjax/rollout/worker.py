@@ -258,6 +258,7 @@ class BatchedRollout:
       # the unit written is the one a consumer fetches from (one per Ray actor)
       metas.append(dataclasses.replace(g.meta, storage_unit=self._unit.unit_id))
     self._stats.decode_iterations += self._worker.max_new_tokens
+    self._stats.decode_passes += self._worker.max_new_tokens
     self._stats.live_samples = 0
     return metas
 

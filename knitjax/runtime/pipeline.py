@@ -206,12 +206,13 @@ class Pipeline:
   def write_timings(self, workdir: str) -> None:
     """``timings.json``: measured service times (the simulator's calibration) and lengths.
 
-    ``calls``: per rollout call ``(end time, seconds, decode iterations, groups started, live
-    samples)``; ``trainer_minibatch_s``: per mini-batch ``(end time, seconds)``, from taking it
-    off the queue to publishing; times are ``time.time()``, ``t_start`` the trainer loop's start
-    (``wall_s`` of metrics.jsonl counts from it).
+    ``calls``: per rollout call ``(end time, seconds, loop iterations, groups started, live
+    samples, prefill chunk passes, decode passes)``; ``trainer_minibatch_s``: per mini-batch
+    ``(end time, seconds)``, from taking it off the queue to publishing; times are
+    ``time.time()``, ``t_start`` the trainer loop's start (``wall_s`` of metrics.jsonl counts
+    from it).
     """
-    calls = np.asarray(self.thread.calls, np.float64).reshape(-1, 5)
+    calls = np.asarray(self.thread.calls, np.float64).reshape(-1, 7)
     r = self.config.rollout
     out = {
       "t_start": self.t_start,

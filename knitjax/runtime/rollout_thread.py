@@ -88,7 +88,7 @@ class RolloutThread:
     self.groups_started = 0
     self.groups_completed = 0
     # Per rollout call: (end time, seconds, decode iterations, groups started, live samples before).
-    self.calls: list[tuple[float, float, int, int, int]] = []
+    self.calls: list[tuple[float, float, int, int, int, int, int]] = []
     self.lengths: dict[str, list[int]] = {c: [] for c in classes}
 
   # ---- control ------------------------------------------------------------------------------
@@ -148,8 +148,18 @@ class RolloutThread:
         self._offer(meta)
       dt = time.perf_counter() - t0
       self.busy_s += dt
-      iters = rollout.stats().decode_iterations - before.decode_iterations
-      self.calls.append((time.time(), dt, iters, started, before.live_samples))
+      after = rollout.stats()
+      self.calls.append(
+        (
+          time.time(),
+          dt,
+          after.decode_iterations - before.decode_iterations,
+          started,
+          before.live_samples,
+          after.chunk_passes - before.chunk_passes,
+          after.decode_passes - before.decode_passes,
+        )
+      )
 
   def _start_group(self) -> None:
     with self.lock:

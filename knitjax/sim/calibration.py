@@ -4,12 +4,15 @@ Disaggregated run (`timings.json` of `knitjax.runtime.disaggregated`), over the 
 window (after the warmup steps):
 
 * Rollout engine calls: ``b``, the seconds per decode iteration, is the least squares fit of
-  ``a + b * iterations + c * [the call started groups]`` over the calls; it is the simulator's
-  ``decode_s_per_token`` (a continuous-batching iteration, fixed shapes: ``occupancy_slowdown =
-  0``). The rest of the rollout's busy time (prefill, host work between calls) is charged to group
-  starts: ``c_g = (total call seconds - b * total iterations) / groups started``, so the simulated
-  rollout does the measured work. A start stalls every slot for ``c_g`` (the jitted call
-  prefills before it decodes), and so it does in the simulator: ``group_start_pause_s = c_g``.
+  ``a + b * decode passes + e * prefill chunk passes`` over the calls (runs recorded before the
+  chunked-prefill engine: ``a + b * iterations + c * [the call started groups]``); it is the
+  simulator's ``decode_s_per_token`` (a continuous-batching iteration, fixed shapes:
+  ``occupancy_slowdown = 0``). The rest of the rollout's busy time (prefill chunks, host work
+  between calls) is charged to group starts: ``c_g = (total call seconds - b * total decode
+  passes) / groups started``, so the simulated rollout does the measured work. On this CPU a
+  prefill chunk delays the decode pass of its iteration, so a start stalls every slot for ``c_g``
+  in all, and so it does in the simulator: ``group_start_pause_s = c_g``
+  (``group_start_stall_fraction``: that time's share of the rollout's busy time).
   (Charging the same slot-seconds to each sample's own slot instead, as for a chunked-prefill
   engine, over-predicted partially overlapped runs by ~20%.)
 * Trainer: the measured mean seconds per mini-batch (fetch, device transfer, update, weight
@@ -61,28 +64,54 @@ def _window_span(run: dict, warmup_steps: int) -> float:
   return float(wall[-1] - (wall[warmup_steps - 1] if warmup_steps else 0.0))
 
 
+def engine_call_fit(calls: np.ndarray) -> dict:
+  """Decode seconds per iteration and group-start seconds from engine calls (module docstring).
+
+  ``calls``: rows ``(end time, seconds, iterations, groups started, live samples[, prefill chunk
+  passes, decode passes])``. ``group_start_stall_fraction``: the share of the calls' seconds no
+  live sample advanced for a group start (prefill, host work): what the simulator charges as
+  group-start pauses.
+  """
+  dt, starts = calls[:, 1], calls[:, 3]
+  if calls.shape[1] >= 7:  # chunked-prefill engine: prefill runs in its own passes
+    iters, chunks = calls[:, 6], calls[:, 5]
+    x = np.stack([np.ones_like(dt), iters, chunks], 1)
+  else:  # runs recorded before: prefill happened at the start of a call
+    iters, chunks = calls[:, 2], np.zeros_like(dt)
+    x = np.stack([np.ones_like(dt), iters, (starts > 0).astype(np.float64)], 1)
+  (_, b, _), *_ = np.linalg.lstsq(x, dt, rcond=None)
+  b = max(float(b), 0.0)
+  c = max(0.0, (dt.sum() - b * iters.sum()) / max(starts.sum(), 1.0))
+  return {
+    "decode_s_per_iteration": b,
+    "group_start_s": float(c),
+    "chunk_passes": int(chunks.sum()),
+    "group_start_stall_fraction": float(c * starts.sum() / max(dt.sum(), 1e-12)),
+  }
+
+
 def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   """Service times of a disaggregated run over its window (see the module docstring)."""
   t = run["timings"]
   t0 = _window_start(run, warmup_steps)
-  calls = np.asarray(t["calls"], np.float64).reshape(-1, 5)
+  raw = np.asarray(t["calls"], np.float64)
+  calls = raw.reshape(-1, raw.shape[-1] if raw.ndim == 2 else 5)
   calls = calls[calls[:, 0] > t0]
-  dt, iters, starts = calls[:, 1], calls[:, 2], calls[:, 3]
-  x = np.stack([np.ones_like(dt), iters, (starts > 0).astype(np.float64)], 1)
-  (_, b, _), *_ = np.linalg.lstsq(x, dt, rcond=None)
-  b = max(float(b), 0.0)
-  c = max(0.0, (dt.sum() - b * iters.sum()) / max(starts.sum(), 1.0))
+  fit = engine_call_fit(calls)
+  dt, starts = calls[:, 1], calls[:, 3]
   mb = np.asarray(t["trainer_minibatch_s"], np.float64).reshape(-1, 2)
   mb = mb[mb[:, 0] > t0]
   window = run["rows"][warmup_steps:]
   idle_s = sum(r["trainer_idle_fraction"] * r["step_s"] for r in window)
   host_s = _window_span(run, warmup_steps) - idle_s - mb[:, 1].sum()
   return {
-    "decode_s_per_iteration": float(b),
-    "group_start_s": float(c),
+    "decode_s_per_iteration": fit["decode_s_per_iteration"],
+    "group_start_s": fit["group_start_s"],
     "trainer_minibatch_s": float(mb[:, 1].mean()),
     "trainer_step_overhead_s": max(0.0, float(host_s) / len(window)),
     "engine_calls": int(len(calls)),
+    "chunk_passes": fit["chunk_passes"],
+    "group_start_stall_fraction": fit["group_start_stall_fraction"],
     "rollout_busy_s": float(dt.sum()),
     "groups_started": int(starts.sum()),
     "slots": int(t["slots"]),

@@ -1,4 +1,5 @@
-"""Continuous batching engine: exact log-probs per slot, out-of-order finishes, versions."""
+"""Continuous batching engine: exact log-probs per slot, out-of-order finishes, versions, chunked
+prefill interleaved with decoding, one prefill per shared prompt, groups split over shards."""
 
 import jax
 import numpy as np
@@ -30,7 +31,7 @@ def model():
 
 def _engine(model, adoption="mid_generation", **kw):
   graphdef, _, _, mesh = model
-  args = dict(slots=8, refill_rows=4, decode_steps=3)
+  args = dict(slots=8, prefill_lanes=1, decode_steps=3)
   args.update(kw)
   return ContinuousEngine(
     graphdef,
@@ -73,7 +74,7 @@ def _teacher_forced(graphdef, params, reqs, done):
 def _drain(engine, reqs, pending, rng_seed=0, limit=200, on_call=None):
   done, call = [], 0
   while (pending or engine.live_samples) and call < limit:
-    start = pending[: min(engine.refill_rows, engine.free_slots)]
+    start = pending[: engine.capacity(1)]
     del pending[: len(start)]
     done += engine.step(start, rng=jax.random.key(rng_seed + call), stop_free=4)
     call += 1
@@ -104,7 +105,7 @@ def test_logprobs_match_the_trainer_and_budgets_hold(model):
 
 def test_slots_are_refilled_while_long_samples_run(model):
   _, params, _, _ = model
-  engine = _engine(model, slots=8, refill_rows=4, decode_steps=2)
+  engine = _engine(model, slots=8, prefill_lanes=1, decode_steps=2)
   engine.load(params, 0)
   rng = np.random.default_rng(1)
   # Four long samples, then a stream of one-token samples that must overtake them.
@@ -184,3 +185,97 @@ def test_bad_requests_and_settings_are_rejected(model):
     _engine(model, slots=6)
   with pytest.raises(ValueError, match="param_slots"):
     _engine(model, adoption="new_groups", param_slots=1)
+
+
+def _group(tag0, n, tokens, budget):
+  return [Request(tag=tag0 + k, tokens=tokens, max_new_tokens=budget) for k in range(n)]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 0])
+def test_chunked_shared_prefill_keeps_logprobs_exact(model, chunk):
+  """Groups of G samples on one prompt, prefilled in chunks once per shard share: the trainer's
+  teacher-forced log-probs of every sample agree, and each share is prefilled once."""
+  graphdef, params, _, _ = model
+  engine = _engine(model, slots=16, prefill_chunk=chunk, decode_steps=2)
+  engine.load(params, 0)
+  rng = np.random.default_rng(4)
+  prompts = [r.tokens for r in _requests(0, 6, rng)]
+  groups = [_group(10 * g, 4, prompts[g], int(rng.integers(2, N + 1))) for g in range(6)]
+  reqs = {r.tag: r for grp in groups for r in grp}
+  done, call, pending = [], 0, list(groups)
+  while (pending or engine.live_samples) and call < 200:
+    while pending and engine.capacity(4):
+      start = pending.pop(0)
+      done += engine.step(start, rng=jax.random.key(100 + call), stop_free=4)
+      call += 1
+    done += engine.step([], rng=jax.random.key(100 + call), stop_free=4)
+    call += 1
+  assert sorted(f.tag for f in done) == sorted(reqs)
+  # 4 slots per shard: each group of 4 lands on one shard and is prefilled once.
+  assert engine.prefills == 6
+  if chunk == 1:
+    assert engine.chunk_passes >= 6  # at least one chunk per prompt token of the longest
+  got, want = _teacher_forced(graphdef, params, reqs, done)
+  np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_chunked_and_whole_prefill_give_the_same_greedy_samples(model):
+  graphdef, params, _, mesh = model
+  rng = np.random.default_rng(5)
+  prompts = [r.tokens for r in _requests(0, 4, rng)]
+  out = {}
+  for chunk, share in ((0, False), (0, True), (2, True), (1, True)):
+    engine = ContinuousEngine(
+      graphdef,
+      mesh=mesh,
+      sampling=SamplingConfig(max_new_tokens=N, temperature=0.0),
+      slots=16,
+      prompt_len=P,
+      eos_id=EOS,
+      pad_id=PAD,
+      prefill_lanes=4,
+      prefill_chunk=chunk,
+      share_prefix=share,
+    )
+    engine.load(params, 0)
+    reqs = [r for g in range(4) for r in _group(10 * g, 4, prompts[g], N)]
+    done = engine.step(reqs, rng=jax.random.key(0), stop_free=0)
+    done += _drain(engine, {r.tag: r for r in reqs}, [])
+    out[chunk, share] = {f.tag: f for f in done}
+    assert engine.prefills == (16 if not share else 4)
+  ref = out[0, False]
+  for key, got in out.items():
+    for tag, f in ref.items():
+      np.testing.assert_array_equal(got[tag].tokens, f.tokens, err_msg=str(key))
+      np.testing.assert_allclose(got[tag].logprobs, f.logprobs, atol=1e-5, err_msg=str(key))
+
+
+def test_a_group_larger_than_a_shard_is_split_over_shards(model):
+  graphdef, params, _, _ = model
+  engine = _engine(model, slots=8, prefill_chunk=2)  # 2 slots on each of 4 shards
+  engine.load(params, 0)
+  rng = np.random.default_rng(6)
+  grp = _group(0, 6, _requests(0, 1, rng)[0].tokens, N)
+  assert engine.capacity(6) == 1 and engine.capacity(8) == 1 and engine.capacity(2) == 4
+  done = engine.step(grp, rng=jax.random.key(0), stop_free=0)
+  assert engine.prefills == 3  # one lane on each of 3 shards, each prefilling the prompt once
+  assert engine.capacity(2) == 1  # one shard, one lane left
+  done += _drain(engine, {r.tag: r for r in grp}, [])
+  got, want = _teacher_forced(graphdef, params, {r.tag: r for r in grp}, done)
+  np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_group_starts_do_not_stall_live_slots(model):
+  """While a new prompt is prefilled chunk by chunk, the live slots decode in every iteration."""
+  _, params, _, _ = model
+  engine = _engine(model, slots=8, prefill_chunk=1, decode_steps=3)
+  engine.load(params, 0)
+  first = _group(0, 2, np.asarray([1, 3, 4], np.int32), N)  # 3 chunks of 1 token
+  engine.step(first, rng=jax.random.key(0), stop_free=0)  # 3 iterations: 3 chunks
+  # The last chunk's iteration samples the first tokens and decodes the second in the same pass.
+  assert engine.chunk_passes == 3 and engine.decode_passes == 1
+  second = _group(10, 2, np.asarray([1, 5, 6, 7, 8, 9], np.int32), N)  # 6 chunks
+  engine.step(second, rng=jax.random.key(1), stop_free=0)
+  # The first group decodes in every iteration of the call that prefills the second.
+  assert engine.chunk_passes == 6 and engine.decode_passes == 4
+  assert engine.live_samples == 4 and engine.free_slots == 4

@@ -73,7 +73,7 @@ def _streaming(parts):
     prompt_len=prompt_len,
     eos_id=tok.eos_id,
     pad_id=tok.pad_id,
-    refill_rows=G,
+    prefill_lanes=1,
     decode_steps=2,
     adoption="new_groups",
     param_slots=2,

@@ -106,6 +106,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
 OUT_OF_RANGE = {
   **{("rollout", f): NONPOS_INT for f in ("group_size", "max_new_tokens", "slots", "decode_steps")},
   ("rollout", "refill_groups"): NONPOS_INT,
+  ("rollout", "prefill_chunk"): NEG_INT,
   ("rollout", "temperature"): NONPOS_FLOAT,
   ("rollout", "top_k"): NEG_INT,
   ("rollout", "top_p"): st.one_of(
