@@ -21,7 +21,7 @@ from configs import arith_disagg
 
 
 def get_config(arg: str | None = None) -> mc.ConfigDict:
-  """``arg``: None (full) or ``quick`` (tiny, in process, for tests)."""
+  """``arg``: None (full), ``paper`` (the paper's regime) or ``quick`` (tiny, in process)."""
   c = mc.ConfigDict()
   c.bench = "staleness_real"
   c.train = arith_disagg.get_config()
@@ -32,7 +32,9 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   c.adoption = (
     "mid_generation"  # partial rollout: what the simulator models for a fixed-slot engine
   )
-  c.depths = (0.0, 0.25, 1.0)  # 0, 1/M, 1 train steps
+  # The full 1/M grid: {0, 1/M, 1} cannot resolve the cut (interpolating across [1/M, 1] on a
+  # saturating frontier is biased toward 0).
+  c.depths = (0.0, 0.25, 0.5, 0.75, 1.0)
   c.reference_depth = 1.0
   c.frontier_steps = 40
   c.warmup_steps = 8
@@ -60,4 +62,22 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
     c.sim_seeds = 1
     c.in_process = True
     return c
-  raise ValueError(f"staleness_real config arg={arg!r} is not accepted; use '' or 'quick'.")
+  if arg == "paper":
+    # The paper's regime at CPU size: 32 groups x G=8 = 256 samples a step through 32 slots
+    # (8 rollout waves per step), M = 16 mini-batches of 2 groups (one of each class: quotas
+    # feasible at M = 16), chunked prefill with one prefill per group, the full 1/16 depth grid.
+    t = c.train
+    t.admission.minibatches = 16
+    t.admission.min_per_minibatch = {"arith": 1, "think": 1}
+    t.rollout.slots = 32
+    t.rollout.refill_groups = 2
+    c.depths = tuple(k / 16 for k in range(17))
+    c.repeats = 1
+    c.frontier_steps = 24
+    c.warmup_steps = 4
+    c.learning_depth = 1 / 16
+    c.learning_steps = 200
+    return c
+  raise ValueError(
+    f"staleness_real config arg={arg!r} is not accepted; use '', 'paper' or 'quick'."
+  )

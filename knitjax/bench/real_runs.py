@@ -123,6 +123,9 @@ def measured_point(run: dict, *, warmup_steps: int, max_lag_steps: float) -> dic
     "reward_mean",
   ):
     point[key] = _mean(window, key)
+  unclamped = "arch_staleness_unclamped_mean"
+  if any(unclamped in r for r in window):
+    point[unclamped] = _mean(window, unclamped)
   newest = "arch_staleness_newest_mean"
   point[newest] = (
     _mean(window, newest) if any(newest in r for r in window) else point["arch_staleness_mean"]

@@ -239,6 +239,7 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
     },
     "frontier": frontier,
     "reduction": cmp["reduction"],
+    "reduction_equal_config": cmp["reduction_equal_config"],
     "throughput_gain": cmp["throughput_gain"],
     "comparison": cmp,
     "disaggregated_over_colocated_throughput": measured[_key("minibatch", ref)]["steps_per_hour"]
@@ -246,6 +247,7 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
     "predicted": {
       "frontier": pred_frontier,
       "reduction": pred_cmp["reduction"],
+      "reduction_equal_config": pred_cmp["reduction_equal_config"],
       "throughput_gain": pred_cmp["throughput_gain"],
       "calibration": "each run from its own measured service times and lengths",
     },
@@ -364,13 +366,14 @@ def _table(out, measured, predicted, errors) -> str:
       }
     )
   cols = list(rows[0])
-  red = out["reduction"]
+  red, red_eq = out["reduction"], out["reduction_equal_config"]
+  pct = lambda x: "None" if x is None else f"{x:.1%}"  # noqa: E731
   lr = out["learning"]
   lines = [
     format_table(rows, cols),
     "",
-    f"reduction (arch staleness at matched throughput): "
-    f"{'None' if red is None else f'{red:.1%}'}; throughput_gain: {out['throughput_gain']:.3f}x; "
+    f"reduction (arch staleness at matched throughput): {pct(red)}; at equal configuration: "
+    f"{pct(red_eq)}; throughput_gain: {out['throughput_gain']:.3f}x; "
     f"minibatch dominates train_batch: {out['comparison']['dominates']}; "
     f"quota violations: {out['checks']['quota_violations_all_runs']}",
     f"simulator: max |rel error| {out['max_abs_rel_error']} (per-run calibration), "

@@ -46,6 +46,7 @@ PREDICTED_KEYS = (
   "arch_staleness_mean",
   "arch_staleness_p99",
   "arch_staleness_newest_mean",
+  "arch_staleness_unclamped_mean",
   "staleness_mean",
   "trainer_idle_fraction",
   "rollout_idle_fraction",

@@ -53,6 +53,11 @@ def check_saved(saved, tolerance):
   else:
     want = 1 - matched["arch_staleness_mean"] / base["arch_staleness_mean"]
     assert saved["reduction"] == pytest.approx(want)
+  if base["arch_staleness_mean"] > 0:  # both policies at the reference depth
+    want = 1 - cand["arch_staleness_mean"] / base["arch_staleness_mean"]
+    assert saved["reduction_equal_config"] == pytest.approx(want)
+  for p in frontier["minibatch"] + frontier["train_batch"]:  # clamped >= unclamped
+    assert p["arch_staleness_mean"] >= p["arch_staleness_unclamped_mean"] - 1e-9
   # Every point has the simulator's prediction, and the reported relative errors are those of
   # the measured and predicted points of the same policy and depth.
   assert set(saved["rel_error"]) == {
@@ -94,3 +99,20 @@ def test_quick_variant_measures_predicts_and_writes_learning(tmp_path):
   assert learning["version_budget"] == pytest.approx(1.1 * learning["colocated_versions"])
   assert os.path.getsize(tmp_path / "learning.png") > 10_000
   assert os.path.getsize(tmp_path / "staleness_real.png") > 10_000
+
+
+def test_paper_variant_is_the_papers_regime_on_the_full_grid():
+  from knitjax.config import from_config_dict
+
+  config = staleness_real_config.get_config("paper")
+  t = from_config_dict(config.train)
+  b = sum(t.admission.quotas.values())
+  assert t.admission.minibatches == 16
+  assert b * t.rollout.group_size // t.rollout.slots == 8  # rollout waves per step
+  # Quotas feasible at M = 16: one group of each class in every mini-batch.
+  assert all(
+    q == 16 and t.admission.min_per_minibatch[c] == 1 for c, q in t.admission.quotas.items()
+  )
+  assert config.depths == tuple(k / 16 for k in range(17))
+  assert config.reference_depth in config.depths and config.learning_depth in config.depths
+  assert staleness_real_config.get_config().depths == (0.0, 0.25, 0.5, 0.75, 1.0)
