@@ -86,12 +86,11 @@ class Starts:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CallStats:
-  """Per shard: loop iterations, decode passes, prefill chunk passes, first tokens sampled."""
+  """Per shard: loop iterations, decode passes, prefill chunk passes."""
 
   iterations: jax.Array
   decode_passes: jax.Array
   chunk_passes: jax.Array
-  started: jax.Array
 
 
 def fresh_cache(model, rows: int, max_len: int):
@@ -220,7 +219,7 @@ def _engine_shard(
       )
       return _select(take, new, st)
 
-    return jax.lax.cond(jnp.any(take), run, lambda s: s, st), jnp.sum(take, dtype=jnp.int32)
+    return jax.lax.cond(jnp.any(take), run, lambda s: s, st)
 
   def decode_rows(model, st):
     step = lambda t, q, c: model.decode_step(t[None], q[None], c)  # noqa: E731
@@ -275,7 +274,7 @@ def _engine_shard(
       ln,
     )
     done_l = ln.active & (ln.chunk >= n_chunks)
-    st, started = go_live(it, st, ln, logits_l, done_l)
+    st = go_live(it, st, ln, logits_l, done_l)
     ln = dataclasses.replace(ln, active=ln.active & ~done_l)
     any_live = jnp.any(st.live)
     st = jax.lax.cond(any_live, lambda s: decode(it, s), lambda s: s, st)
@@ -283,12 +282,11 @@ def _engine_shard(
       iterations=stats.iterations + 1,
       decode_passes=stats.decode_passes + any_live,
       chunk_passes=stats.chunk_passes + any_lane,
-      started=stats.started + started,
     )
     return it + 1, st, ln, stats
 
   zero = varying(jnp.zeros((), jnp.int32))
-  stats0 = CallStats(zero, zero, zero, zero)
+  stats0 = CallStats(zero, zero, zero)
   _, state, lanes, stats = jax.lax.while_loop(
     cond, body, (jnp.zeros((), jnp.int32), state, lanes, stats0)
   )
