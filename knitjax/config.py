@@ -30,6 +30,7 @@ from knitjax.transfer.admission import POLICIES
 MODES = ("colocated", "disaggregated")
 WEIGHT_SYNC = ("minibatch", "step")
 STORAGE = ("in_process", "ray")
+TRANSFER = ("on_demand", "centralized")
 # "auto": the continuous engine for disaggregated text runs, the batched sampler otherwise.
 ENGINES = ("auto", "batched", "continuous")
 ADVANTAGES = tuple(ESTIMATORS)
@@ -270,6 +271,23 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+  """How the trainer gets a released mini-batch's payloads (docs/multimodal.md, "Transfer").
+
+  ``on_demand`` (knitjax): each consumer fetches exactly its groups from their storage units,
+  each unique image once per mini-batch, preparing the next mini-batch while the current one
+  computes. ``centralized`` (the single-controller baseline, `knitjax.transfer.centralized`): a
+  driver gathers the whole step once its last mini-batch is released, materialises every row's
+  own image copy, and training starts when that is done (no prefetch). Same updates either way.
+  """
+
+  mode: str = "on_demand"
+
+  def __post_init__(self):
+    one_of("config.transfer.mode", self.mode, TRANSFER)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
   every_steps: int = 50
   keep: int = 2
@@ -326,6 +344,7 @@ class Config:
   mesh: MeshConfig
   checkpoint: CheckpointConfig
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
   vision: VisionConfig | None = None  # set: the policy is a VLM (knitjax.models.vlm)
   # A Hugging Face checkpoint folder (Qwen2/Qwen3/Llama, knitjax.models.hf) the policy starts
   # from: config.model then comes from its config.json (only config.model.dtype may be set).
@@ -345,6 +364,7 @@ SECTIONS = {
   "mesh": MeshConfig,
   "checkpoint": CheckpointConfig,
   "eval": EvalConfig,
+  "transfer": TransferConfig,
 }
 
 

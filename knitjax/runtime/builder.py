@@ -43,6 +43,8 @@ from knitjax.train.step import (
 )
 from knitjax.transfer.access import BatchLayout
 from knitjax.transfer.admission import AdmissionIndex
+from knitjax.transfer.centralized import CentralizedFeed, CentralizedPreparer
+from knitjax.transfer.feed import OnDemandFeed
 from knitjax.transfer.prepare import MiniBatchPreparer
 from knitjax.transfer.quota import QuotaSpec
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits, StorageUnit
@@ -482,16 +484,23 @@ def _ensure_ray(config: Config) -> None:
   2.60 maps a loopback address to the node's own); what keeps a local cluster closed is Ray's
   token authentication, so a local Ray is refused when ``RAY_AUTH_MODE=disabled``.
   """
+  ensure_ray(
+    config.runtime.ray_address,
+    needed_by="config.runtime.storage='ray' / rollout_workers > 0",
+  )
+
+
+def ensure_ray(address: str = "", *, needed_by: str = "this run") -> None:
+  """:func:`_ensure_ray` for callers without a run config (benchmarks): joins ``address``, or
+  starts a local Ray that only accepts authenticated calls."""
   try:
     import ray
   except ImportError:
-    raise ValueError(
-      "config.runtime.storage='ray' / rollout_workers > 0 need Ray: pip install -e '.[ray]'."
-    ) from None
+    raise ValueError(f"{needed_by} needs Ray: pip install -e '.[ray]'.") from None
   if ray.is_initialized():
     return
-  if config.runtime.ray_address:
-    ray.init(address=config.runtime.ray_address, include_dashboard=False)
+  if address:
+    ray.init(address=address, include_dashboard=False)
     return
   if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
     raise ValueError(
@@ -506,14 +515,30 @@ def rng_for(seed: int, step: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def build_preparer(config: Config, storage, mesh, prompts: ClassStreams) -> MiniBatchPreparer:
-  """This consumer's on-demand access: fetch its groups, lay out, place on the train mesh."""
+def build_feed(config: Config, take, prepare, *, count: int):
+  """The trainer's feed of prepared mini-batches (``config.transfer.mode``).
+
+  ``take``: the source of released mini-batches; ``prepare``: `build_preparer`'s.
+  """
+  if config.transfer.mode == "centralized":
+    return CentralizedFeed(take, prepare, count=count, minibatches=config.admission.minibatches)
+  return OnDemandFeed(take, prepare, count=count, prefetch=config.runtime.prefetch)
+
+
+def build_preparer(config: Config, storage, mesh, prompts: ClassStreams):
+  """This consumer's access to released mini-batches: on demand (fetch its groups, lay out,
+  place on the train mesh, one mini-batch at a time) or the centralized baseline (a whole step
+  gathered by one driver)."""
   layout = BatchLayout(
     estimator=config.train.advantage,
     prompt_len=prompts.prompt_len,
     max_new_tokens=config.rollout.max_new_tokens,
     pad_id=prompts.tokenizer.pad_id,
   )
+  if config.transfer.mode == "centralized":
+    return CentralizedPreparer(
+      storage, layout=layout, mesh=mesh, micro_batches=config.train.micro_batches
+    )
   return MiniBatchPreparer(
     storage,
     layout=layout,

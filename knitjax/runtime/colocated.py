@@ -23,7 +23,7 @@ from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.learner import RunState
 from knitjax.runtime.metrics import MetricsWriter, fault_counters, mean_rows, plot_reward
 from knitjax.transfer.admission import MiniBatch
-from knitjax.transfer.feed import OnDemandFeed, exposed_transfer
+from knitjax.transfer.feed import exposed_transfer
 from knitjax.transfer.storage import release_groups
 
 
@@ -76,9 +76,7 @@ def run(
         config, rollout, admission, prompts, learner, step, next_group_id
       )
       t_train = time.time()
-      feed = OnDemandFeed(
-        _from_list(released), prepare, count=len(released), prefetch=config.runtime.prefetch
-      )
+      feed = builder.build_feed(config, _from_list(released), prepare, count=len(released))
       rows = []
       for _ in released:
         t_want = time.perf_counter()

@@ -30,7 +30,6 @@ from knitjax.runtime import builder
 from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.metrics import MetricsWriter, mean_rows, plot_reward
 from knitjax.runtime.pipeline import Pipeline
-from knitjax.transfer.feed import OnDemandFeed
 from knitjax.transfer.snapshot import restore_groups
 from knitjax.transfer.storage import release_groups
 
@@ -92,11 +91,11 @@ def run(
     total,
     len(train_devices),
   )
-  feed = OnDemandFeed(
+  feed = builder.build_feed(
+    config,
     pipe.take,
     builder.build_preparer(config, rollout.storage, train_mesh, prompts),
     count=(total - start) * m,
-    prefetch=config.runtime.prefetch,
   )
   # Evaluation runs on the train mesh in this thread, with the trainer's current parameters.
   evals = builder.build_periodic_eval(config, graphdef, train_mesh, prompts, workdir, start)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -30,7 +30,7 @@ import numpy as np
 from knitjax.train.advantages import ESTIMATORS, compute_advantages
 from knitjax.train.batch import make_batch
 from knitjax.transfer.admission import MiniBatch
-from knitjax.transfer.consumer import plan_consumers
+from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
 from knitjax.transfer.payload import GroupPayload, stack_rows
 from knitjax.transfer.storage import StorageUnit
 
@@ -82,8 +82,19 @@ def fetch_minibatch(
   fetched: dict[int, GroupPayload] = {}
   for unit, ids in by_unit.items():
     fetched.update(zip(ids, storage[unit].get(ids), strict=True))
-  payloads = [fetched[g.group_id] for g in minibatch.groups]
+  batch, info = layout_groups([fetched[g.group_id] for g in minibatch.groups], layout)
+  if any(g.image_hashes for g in minibatch.groups):
+    batch["images"], batch["image_index"] = _fetch_images(minibatch, fetched, storage)
+  if "images" in batch:
+    info["unique_images"] = float(len(batch["images"]))
+    info["image_bytes"] = float(batch["images"].nbytes)
+  return batch, info
 
+
+def layout_groups(
+  payloads: Sequence[GroupPayload], layout: BatchLayout
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+  """The groups' rows as trainer arrays (advantages per group) and their reward metrics."""
   # Advantages are per group (its G samples), so they are computed before the rows are stacked.
   advantages = [
     np.asarray(compute_advantages(p.rewards[None], layout.estimator), np.float32)[0]
@@ -96,8 +107,6 @@ def fetch_minibatch(
     max_new_tokens=layout.max_new_tokens,
     pad_id=layout.pad_id,
   )
-  if any(g.image_hashes for g in minibatch.groups):
-    batch["images"], batch["image_index"] = _fetch_images(minibatch, fetched, storage)
   rewards = np.concatenate([p.rewards for p in payloads])
   info = {
     "reward_mean": float(rewards.mean()),
@@ -105,8 +114,6 @@ def fetch_minibatch(
     "response_tokens": float(batch["loss_mask"].sum()),  # masked-off tokens are not counted
     "signal_groups": float(np.mean([p.rewards.std() > 0 for p in payloads])),
   }
-  if "images" in batch:
-    info["unique_images"] = float(len(batch["images"]))
   return batch, info
 
 
@@ -118,8 +125,14 @@ def consumer_batch(
   consumer: int,
   num_consumers: int,
   locality_slack: float = 0.5,
+  image_multiple: int = 1,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """This consumer's rows of the mini-batch (``[rows / num_consumers, ...]``, unsplit).
+
+  Image mini-batches: the consumer fetches each unique image of its own groups once and pads
+  them with blank images to ``S`` (:func:`image_slots`, the same for every consumer, so the
+  global images array is every consumer's ``S`` images in consumer order); ``image_index`` points
+  into that global array (offset ``consumer * S``; -1: no image).
 
   Args:
     minibatch: a released mini-batch.
@@ -128,11 +141,20 @@ def consumer_batch(
     consumer: this consumer's index (``jax.process_index()``).
     num_consumers: consumers sharing the mini-batch (``jax.process_count()``).
     locality_slack: see :func:`knitjax.transfer.consumer.plan_consumers`.
+    image_multiple: ``S`` is rounded up to a multiple of this (a consumer's image shards).
   """
   plan = plan_consumers(minibatch, num_consumers, locality_slack=locality_slack)
   batch, info = fetch_minibatch(plan.minibatch_for(consumer), storage, layout)
-  if "images" in batch and num_consumers > 1:
-    raise ValueError("image mini-batches are laid out for one consumer (num_consumers=1) only.")
+  if any(g.image_hashes for g in minibatch.groups):
+    slots = image_slots(plan, multiple=image_multiple)
+    if "images" not in batch:  # none of this consumer's groups has an image: blanks only
+      g = next(g for g in minibatch.groups if g.image_hashes)
+      (like,) = storage[g.storage_unit].get_images(g.image_hashes[:1])
+      rows = len(batch["loss_mask"])
+      batch = {**batch, "images": np.zeros((0, *like.shape), like.dtype)}
+      batch["image_index"] = np.full(rows, -1, np.int32)
+    batch = _consumer_images(batch, slots, offset=consumer * slots)
+    info["image_slots"] = float(slots)
   if num_consumers > 1:
     # The rewards of the consumer's rows describe its share; every consumer holds the whole
     # mini-batch's GroupMeta, so the reward metrics it reports are the mini-batch's.
@@ -140,6 +162,28 @@ def consumer_batch(
     info.update(minibatch_reward_info(minibatch.groups))
   info.update(plan.stats())
   return batch, info
+
+
+def image_slots(plan: ConsumerPlan, *, multiple: int = 1) -> int:
+  """``S``: images each consumer lays out for a mini-batch, padded (a static shape per step).
+
+  The most images any consumer's groups name (``GroupMeta.image_hashes``, an upper bound of the
+  unique images it fetches), at least 1, rounded up to ``multiple``.
+  """
+  most = max(sum(len(g.image_hashes) for g in groups) for groups in plan.groups)
+  return -(-max(most, 1) // multiple) * multiple
+
+
+def _consumer_images(batch: dict[str, np.ndarray], slots: int, *, offset: int) -> dict:
+  """Pads the consumer's images to ``slots`` blanks and moves its indices to the global array."""
+  images = batch["images"]
+  u = len(images)
+  if u > slots:
+    raise ValueError(f"a consumer fetched {u} unique images but lays out only {slots}.")
+  if u < slots:
+    images = np.concatenate([images, np.zeros((slots - u, *images.shape[1:]), images.dtype)])
+  index = batch["image_index"]
+  return {**batch, "images": images, "image_index": np.where(index >= 0, index + offset, -1)}
 
 
 def minibatch_reward_info(groups) -> dict[str, float]:
@@ -158,14 +202,19 @@ def minibatch_reward_info(groups) -> dict[str, float]:
 
 
 def to_global(local: dict[str, np.ndarray], shardings: Mapping[str, jax.sharding.Sharding]):
-  """Global device arrays from each process's local slices (axis 1, the rows, is sharded)."""
+  """Global device arrays from each process's local slices (axis 1, the rows, is sharded;
+  ``images``: axis 0, each process's image slots)."""
   if jax.process_count() == 1:
     return jax.device_put(dict(local), dict(shardings))
-  n = jax.process_count()  # every process holds an equal share of the rows
+  n = jax.process_count()  # every process holds an equal share of the rows (and image slots)
+
+  def global_shape(k, v):
+    if k == "images":  # [S, H, W, C] per process: its slots, in process order
+      return (v.shape[0] * n, *v.shape[1:])
+    return (v.shape[0], v.shape[1] * n, *v.shape[2:])
+
   return {
-    k: jax.make_array_from_process_local_data(
-      shardings[k], v, (v.shape[0], v.shape[1] * n, *v.shape[2:])
-    )
+    k: jax.make_array_from_process_local_data(shardings[k], v, global_shape(k, v))
     for k, v in local.items()
   }
 

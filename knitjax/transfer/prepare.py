@@ -62,9 +62,10 @@ class MiniBatchPreparer:
       consumer=self._consumer,
       num_consumers=self._consumers,
       locality_slack=self._slack,
+      image_multiple=max(1, mm_step.batch_shards(self._mesh) // self._consumers),
     )
     faultpoints.point("fetch")
-    if "images" in local:  # unique images padded to a static count per mini-batch
-      n = sum(len(g.image_hashes) for g in minibatch.groups)
-      return mm_step.device_batch(local, self._k, self._mesh, num_images=n), info
+    if "images" in local:  # this consumer's unique images, padded to the same count everywhere
+      host = mm_step.prepare_batch(local, self._k)
+      return to_global(host, mm_step.batch_shardings(self._mesh)), info
     return to_global(split_micro_batches(local, self._k), self._shardings), info

@@ -114,21 +114,26 @@ def test_depth_bound_and_device_split():
     split_devices(from_config_dict(quick_config(rollout_devices=8)), devices=list(range(8)))
 
 
-def test_vlm_runs_disaggregated_through_the_batched_rollout(tmp_path):
-  """A VLM policy in disaggregated mode: same contract, images stored once, encoder dedup."""
+@pytest.mark.parametrize("transfer", ["on_demand", "centralized"])
+def test_vlm_runs_disaggregated_through_the_batched_rollout(tmp_path, transfer):
+  """A VLM policy in disaggregated mode: same contract, images stored once, encoder dedup;
+  the centralized baseline hands the trainer every row's own image copy instead."""
   from configs import count_vlm_tiny
 
   c = count_vlm_tiny.get_config("quick")
   c.runtime.update(mode="disaggregated", steps=2, max_lag_steps=0.5)
   c.admission.update(quotas={"count": 8}, minibatches=2)
   c.rollout.slots = 4 * c.rollout.group_size  # waves of 4 groups
+  c.transfer = {"mode": transfer}
   cfg = from_config_dict(c)
   assert cfg.rollout.engine == "batched"
   train(cfg, str(tmp_path))
   rows = check_run(str(tmp_path), c)
-  for r in rows:  # each mini-batch's 4 groups bring 4 images, each encoded once
-    assert r["unique_images"] == 4
-    assert r["encoder_images_encoded"] == 4 and r["encoder_backward_passes"] == 1
+  # Each mini-batch's 4 groups bring 4 images, each encoded once; centralized: 32 row copies.
+  images = 4 if transfer == "on_demand" else 4 * c.rollout.group_size
+  for r in rows:
+    assert r["unique_images"] == images
+    assert r["encoder_images_encoded"] == images and r["encoder_backward_passes"] == 1
 
 
 def test_text_runs_disaggregated_with_the_batched_sampler(tmp_path):

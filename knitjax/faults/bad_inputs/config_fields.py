@@ -94,6 +94,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     ("runtime", "adoption"): ADOPTION,
     ("runtime", "lag_unit"): config.LAG_UNITS,
     ("runtime", "storage"): config.STORAGE,
+    ("transfer", "mode"): config.TRANSFER,
     ("model", "dtype"): tuple(layers.DTYPES),
     ("vision", "dtype"): tuple(layers.DTYPES),
     ("vision", "mlp_act"): tuple(vision.ACTIVATIONS),

@@ -1,0 +1,608 @@
+"""Multimodal transfer + training: the centralized baseline against on-demand access with dedup.
+
+One run, both modes side by side on the same stored groups, model and initial params:
+
+- ``centralized`` + naive encoding (what single-controller systems do): a driver (a Ray actor,
+  its own process) waits for the step, gathers every payload of it from the storage-unit
+  actors, materialises one sample per row (each row's own image as the processor's float32
+  pixel array, ``row_format``), splits each mini-batch into the consumers' contiguous shares and
+  keeps them for the consumers, which take them (bytes cross driver -> trainer process). Training
+  of the step starts when that is done; nothing is prefetched. The trainer encodes every row.
+- ``on_demand`` + encoder dedup (knitjax): each consumer fetches exactly its groups of a
+  mini-batch from the storage-unit actors, each unique image once, as stored (uint8), and
+  prepares the next mini-batch while the current one computes (prefetch 1). One encoder pass per
+  unique image per mini-batch.
+
+Consumers are threads of the trainer process (one per data-parallel shard of the train mesh,
+as the hosts of a multi-host trainer each supply their rows); storage units are Ray actors;
+the train step is one jitted step on the whole mesh, fed with every consumer's rows. A step's
+mini-batches are all released when the trainer starts the step (rollout ahead of training, the
+conservative choice for on-demand: in a pipelined run the next step's mini-batches are often
+released before, and its first fetch hides too).
+
+Reported per mode: bytes moved (total, image bytes, through the busiest endpoint), transfer
+latency per mini-batch (p50/p99: until a consumer had its rows, from when it could start) and
+its exposed part (the trainer's wait for data), release-to-first-compute, the encoder's images
+and backward passes (the step's own counts), seconds per train step split into transfer
+(exposed) and compute; ``latency_ratio`` = centralized / on-demand exposed transfer per
+mini-batch; ``speedup`` = centralized step / on-demand step. Counts are checked: every stored
+group is consumed once per mode (group ids and row counts), no payload lost or duplicated.
+
+A per-link bandwidth model (``bandwidths_gbps``) puts next to the measured local figures the
+transfer seconds the same bytes would take through network endpoints of that bandwidth
+(busiest endpoint's bytes / bandwidth; the centralized driver receives, then sends), labelled
+``modelled``. Locally, "transfer" crosses process boundaries through Ray's shared-memory object
+store, not a network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from knitjax import sharding
+from knitjax.bench.report import format_table, write_json
+from knitjax.models.transformer import TransformerConfig
+from knitjax.models.vision import VisionConfig
+from knitjax.models.vlm import VLM
+from knitjax.train import losses, mm_step
+from knitjax.train.step import StepHParams, host_metrics, init_train_state
+from knitjax.transfer import centralized
+from knitjax.transfer.access import BatchLayout, consumer_batch
+from knitjax.transfer.admission import MiniBatch
+from knitjax.transfer.group import GroupMeta
+from knitjax.transfer.storage import StorageLimits, image_hash
+
+IMAGE_TOKEN = 3
+MODES = ("centralized", "on_demand")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+  """One point: the step's shape, the images, the text lengths (see configs/bench/multimodal.py)."""
+
+  name: str
+  group_size: int
+  groups_per_step: int
+  minibatches: int
+  micro_batches: int
+  image_size: int
+  text_tokens: int
+  response_tokens: int
+  row_format: str  # the centralized rows' images: "float32" (processor output) or "uint8"
+
+  @property
+  def groups_per_minibatch(self) -> int:
+    return self.groups_per_step // self.minibatches
+
+
+def _workloads(config) -> list[Workload]:
+  base = dict(config.workload)
+  out = [Workload(name="main", **base)]
+  for name, overrides in dict(config.sweep).items():
+    out.append(Workload(name=name, **{**base, **dict(overrides)}))
+  for w in out:
+    if w.groups_per_step % w.minibatches or w.groups_per_minibatch % config.consumers:
+      raise ValueError(
+        f"workload {w.name!r}: {w.groups_per_step} groups per step must split into "
+        f"{w.minibatches} mini-batches of a multiple of {config.consumers} consumers' groups."
+      )
+    if w.row_format not in ("float32", "uint8"):
+      raise ValueError(
+        f"workload {w.name!r}: row_format={w.row_format!r}; accepted: float32, uint8."
+      )
+  return out
+
+
+def _configs(config, w: Workload) -> tuple[TransformerConfig, VisionConfig]:
+  vision = VisionConfig(**{**dict(config.vision), "image_size": w.image_size})
+  return TransformerConfig(**dict(config.model)), vision
+
+
+def row_flops(model: TransformerConfig, vision: VisionConfig, w: Workload) -> dict[str, float]:
+  """Forward FLOPs per row (2 x matmul params x tokens + attention scores), encoder vs decoder."""
+  d, dv = model.d_model, vision.d_model
+  hd, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+  dec_layer = d * hd * 2 + d * kv * 2 + 3 * d * model.ffn_dim
+  tokens = 1 + vision.num_image_tokens + w.text_tokens + w.response_tokens
+  dec = 2 * (model.num_layers * dec_layer + d * model.vocab_size) * tokens
+  dec += model.num_layers * 4 * tokens**2 * hd
+  patch = vision.patch_size**2 * vision.channels
+  vh = vision.num_heads * vision.head_dim
+  enc_layer = 4 * dv * vh + 2 * dv * vision.mlp_dim
+  proj = dv * vision.projector_dim + vision.projector_dim * d
+  n = vision.num_patches
+  enc = 2 * (patch * dv + vision.num_layers * enc_layer + proj) * n
+  enc += vision.num_layers * 4 * n**2 * vh
+  return {"encoder": float(enc), "decoder": float(dec), "encoder_share": enc / (enc + dec)}
+
+
+class _Counted:
+  """A storage unit that counts the bytes each ``get`` / ``get_images`` returns (per caller)."""
+
+  def __init__(self, unit):
+    self.unit, self.unit_id = unit, unit.unit_id
+    self.lock, self.bytes, self.image_bytes = threading.Lock(), {}, {}
+
+  def _add(self, table, n):
+    who = threading.current_thread().name
+    with self.lock:
+      table[who] = table.get(who, 0) + n
+
+  def get(self, ids):
+    out = self.unit.get(ids)
+    self._add(self.bytes, sum(p.nbytes for p in out))
+    return out
+
+  def get_images(self, hashes):
+    out = self.unit.get_images(hashes)
+    self._add(self.image_bytes, sum(x.nbytes for x in out))
+    return out
+
+
+class _Driver:
+  """The centralized baseline's single controller (a Ray actor: its own process)."""
+
+  def __init__(self, storage, layout: BatchLayout, consumers: int, row_format: str):
+    self._storage, self._layout, self._consumers = storage, layout, consumers
+    self._dtype = np.float32 if row_format == "float32" else np.uint8
+    self._parts: dict[int, list] = {}
+
+  def gather(self, minibatches: Sequence[MiniBatch]) -> dict:
+    """Gathers and splits one train step; returns the bytes it received and will send."""
+    t = time.perf_counter()
+    step = centralized.gather_step(minibatches, self._storage, self._layout)
+    parts: dict[int, list] = {c: [] for c in range(self._consumers)}
+    for batch in step.batches:
+      if "images" in batch:  # the processor's pixel array per row (float32: 4 bytes a value)
+        batch = {**batch, "images": batch["images"].astype(self._dtype)}
+      for c in range(self._consumers):
+        parts[c].append(centralized.split_rows(batch, self._consumers, c))
+    self._parts = parts
+    sent = {c: sum(centralized.batch_bytes(p) for p in ps) for c, ps in parts.items()}
+    sent_images = {
+      c: sum(p["images"].nbytes for p in ps if "images" in p) for c, ps in parts.items()
+    }
+    return {
+      "received": dict(step.fetched_bytes),
+      "sent": sent,
+      "sent_images": sent_images,
+      "gather_s": time.perf_counter() - t,
+    }
+
+  def take(self, consumer: int) -> list:
+    return self._parts.pop(consumer)
+
+
+def _write_groups(storage, w: Workload, vision: VisionConfig, steps: int, vocab: int, seed: int):
+  """The rollout side: ``steps`` train steps of groups, one image each, written round-robin to
+  the storage units. Returns per step its mini-batches (GroupMeta only)."""
+  rng = np.random.default_rng(seed)
+  g = w.group_size
+  plen = 1 + vision.num_image_tokens + w.text_tokens
+  out = []
+  gid = 0
+  for s in range(steps):
+    metas = []
+    for _ in range(w.groups_per_step):
+      image = rng.integers(0, 256, (w.image_size, w.image_size, vision.channels), dtype=np.uint8)
+      prompt = np.concatenate(
+        [[1], [IMAGE_TOKEN] * vision.num_image_tokens, rng.integers(4, vocab, w.text_tokens)]
+      ).astype(np.int32)
+      lens = rng.integers(max(1, w.response_tokens // 2), w.response_tokens + 1, g).astype(np.int32)
+      mask = np.arange(w.response_tokens)[None] < lens[:, None]
+      payload = {
+        "prompt_tokens": np.tile(prompt, (g, 1)),
+        "response_tokens": rng.integers(4, vocab, (g, w.response_tokens)).astype(np.int32),
+        "response_lengths": lens,
+        "logprobs": np.where(mask, -rng.exponential(2.0, mask.shape), 0).astype(np.float32),
+        "rewards": rng.integers(0, 2, g).astype(np.float32),
+        "image_index": np.zeros(g, np.int32),
+      }
+      unit = gid % len(storage)
+      storage[unit].put(gid, payload, images=[image])
+      metas.append(
+        GroupMeta(
+          group_id=gid,
+          cls="image",
+          gen_version=s,
+          num_samples=g,
+          prompt_tokens=(plen,) * g,
+          response_tokens=tuple(int(x) for x in lens),
+          storage_unit=unit,
+          image_hashes=(image_hash(image),),
+          reward_mean=float(payload["rewards"].mean()),
+          reward_std=float(payload["rewards"].std()),
+        )
+      )
+      gid += 1
+    k = w.groups_per_minibatch
+    out.append([MiniBatch(s, j, tuple(metas[j * k : (j + 1) * k])) for j in range(w.minibatches)])
+  return out
+
+
+def _assemble(parts: Sequence[Mapping[str, np.ndarray]], k: int, shardings) -> dict:
+  """The global batch from every consumer's rows (micro-batch k: each consumer's k-th slice)."""
+  split = [mm_step.prepare_batch(dict(p), k) for p in parts]
+  host = {
+    f: np.concatenate([s[f] for s in split], axis=0 if f == "images" else 1) for f in split[0]
+  }
+  return jax.device_put(host, shardings)
+
+
+def _trainer(config, model, vision, mesh, dedup: bool):
+  graphdef, params = sharding.init_sharded(
+    lambda: VLM(model, vision, image_token_id=IMAGE_TOKEN, rngs=nnx.Rngs(config.seed)), mesh
+  )
+  opt = optax.adamw(1e-4)
+  state, shardings = init_train_state(params, opt, mesh)
+  step = mm_step.compile_mm_train_step(
+    graphdef=graphdef,
+    optimizer=opt,
+    hparams=StepHParams(loss=losses.LossConfig(), max_new_tokens=config.workload.response_tokens),
+    state_shardings=shardings,
+    mesh=mesh,
+    encoder_dedup=dedup,
+  )
+  return state, step
+
+
+def _on_demand_step(state, step_fn, minibatches, storage, layout, w, consumers, shardings):
+  """One train step with on-demand access: consumer threads fetch ahead, the trainer computes."""
+  t_release = time.perf_counter()
+  queues = [queue.Queue(maxsize=1) for _ in range(consumers)]  # prefetch 1: one ready ahead
+
+  def fetch(c):
+    for mb in minibatches:
+      t = time.perf_counter()
+      part, info = consumer_batch(
+        mb, storage, layout=layout, consumer=c, num_consumers=consumers, locality_slack=0.0
+      )
+      queues[c].put((part, info, t, time.perf_counter()))
+
+  threads = [
+    threading.Thread(target=fetch, args=(c,), name=f"consumer-{c}", daemon=True)
+    for c in range(consumers)
+  ]
+  for t in threads:
+    t.start()
+  rows = []
+  for _mb in minibatches:
+    t_want = time.perf_counter()
+    got = [q.get() for q in queues]
+    batch = _assemble([p for p, *_ in got], w.micro_batches, shardings)
+    t_got = time.perf_counter()
+    state, metrics = step_fn(state, batch)
+    m = host_metrics(metrics)
+    t_done = time.perf_counter()
+    rows.append(
+      {
+        "transfer_s": max(end - start for *_, start, end in got),
+        "exposed_s": t_got - t_want,
+        "compute_s": t_done - t_got,
+        "release_to_compute_s": t_got - t_release,
+        "groups": [g.group_id for g in _mb.groups],
+        "unique_images": sum(info["unique_images"] for _, info, *_ in got),
+        **{k: m[k] for k in ("encoder_images_encoded", "encoder_backward_passes", "num_seqs")},
+      }
+    )
+  for t in threads:
+    t.join()
+  return state, rows
+
+
+def _centralized_step(state, step_fn, minibatches, driver, w, consumers, shardings):
+  """One train step through the driver: gather, split, send; then train the mini-batches."""
+  import ray
+
+  t_release = time.perf_counter()
+  sizes = ray.get(driver.gather.remote(minibatches))
+  parts: list = [None] * consumers
+
+  def take(c):
+    parts[c] = ray.get(driver.take.remote(c))
+
+  threads = [
+    threading.Thread(target=take, args=(c,), name=f"consumer-{c}") for c in range(consumers)
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  t_have = time.perf_counter()
+  rows = []
+  for j, mb in enumerate(minibatches):
+    t_want = time.perf_counter()
+    batch = _assemble([parts[c][j] for c in range(consumers)], w.micro_batches, shardings)
+    t_got = time.perf_counter()
+    state, metrics = step_fn(state, batch)
+    m = host_metrics(metrics)
+    t_done = time.perf_counter()
+    first = j == 0
+    rows.append(
+      {
+        "transfer_s": (t_have - t_release) + (t_got - t_want),
+        "exposed_s": (t_have - t_release if first else 0.0) + (t_got - t_want),
+        "compute_s": t_done - t_got,
+        "release_to_compute_s": t_got - t_release,
+        "groups": [g.group_id for g in mb.groups],
+        "unique_images": float(sum(len(parts[c][j]["images"]) for c in range(consumers))),
+        **{k: m[k] for k in ("encoder_images_encoded", "encoder_backward_passes", "num_seqs")},
+      }
+    )
+  return state, rows, sizes
+
+
+def _endpoint_bytes(mode: str, counted, sizes_per_step, consumers: int) -> dict[str, float]:
+  """Bytes per endpoint over the measured steps (units, consumers, driver)."""
+  ep: dict[str, float] = {}
+  if mode == "on_demand":
+    for u in counted:
+      for who, n in {**u.bytes}.items():
+        ep[f"unit{u.unit_id}"] = ep.get(f"unit{u.unit_id}", 0) + n
+        ep[who] = ep.get(who, 0) + n
+      for who, n in u.image_bytes.items():
+        ep[f"unit{u.unit_id}"] = ep.get(f"unit{u.unit_id}", 0) + n
+        ep[who] = ep.get(who, 0) + n
+    return ep
+  for sizes in sizes_per_step:
+    for u, n in sizes["received"].items():
+      ep[f"unit{u}"] = ep.get(f"unit{u}", 0) + n
+      ep["driver"] = ep.get("driver", 0) + n
+    for c, n in sizes["sent"].items():
+      ep[f"consumer-{c}"] = ep.get(f"consumer-{c}", 0) + n
+      ep["driver"] = ep.get("driver", 0) + n
+  return ep
+
+
+def _summary(rows, steps: int) -> dict:
+  t = np.array([r["transfer_s"] for r in rows])
+  e = np.array([r["exposed_s"] for r in rows])
+  c = np.array([r["compute_s"] for r in rows])
+  first = np.array([r["release_to_compute_s"] for r in rows[:: max(1, len(rows) // steps)]])
+  return {
+    "transfer_p50_s": float(np.percentile(t, 50)),
+    "transfer_p99_s": float(np.percentile(t, 99)),
+    "exposed_p50_s": float(np.percentile(e, 50)),
+    "exposed_p99_s": float(np.percentile(e, 99)),
+    "exposed_mean_s": float(e.mean()),
+    "release_to_first_compute_p50_s": float(np.percentile(first, 50)),
+    "step_transfer_s": float(e.sum() / steps),
+    "step_compute_s": float(c.sum() / steps),
+    "step_s": float((e.sum() + c.sum()) / steps),
+    "encoder_images_per_minibatch": float(np.mean([r["encoder_images_encoded"] for r in rows])),
+    "encoder_backward_passes_per_minibatch": float(
+      np.mean([r["encoder_backward_passes"] for r in rows])
+    ),
+    "unique_images_per_minibatch": float(np.mean([r["unique_images"] for r in rows])),
+  }
+
+
+def _check_counts(mode: str, rows, steps_mbs, w: Workload) -> dict:
+  """No group lost or consumed twice; every row trained once (rows counted by the step)."""
+  want = sorted(g.group_id for mbs in steps_mbs for mb in mbs for g in mb.groups)
+  got = sorted(gid for r in rows for gid in r["groups"])
+  seqs = sum(r["num_seqs"] for r in rows)
+  ok = got == want and seqs == len(want) * w.group_size
+  if not ok:
+    raise RuntimeError(
+      f"{mode}: consumed {len(got)} groups / {seqs} rows; want {len(want)} / "
+      f"{len(want) * w.group_size} (lost or duplicated payloads)."
+    )
+  return {"groups": len(got), "rows": int(seqs), "lost": 0, "duplicated": 0}
+
+
+def _run_steps(config, w, trainers, steps_mbs, counted, driver, layout, shardings):
+  """``warmup + steps`` train steps of each mode, interleaved; returns the measured ones."""
+  rows = {m: [] for m in MODES}
+  sizes: list = []
+  measured_mbs = {m: [] for m in MODES}
+  for s in range(config.warmup + config.steps):
+    if s == config.warmup:  # byte counters start with the measured steps
+      for c in counted.values():
+        c.bytes.clear()
+        c.image_bytes.clear()
+    order = MODES if s % 2 == 0 else MODES[::-1]  # interleaved: a busy machine slows both
+    for mode in order:
+      mbs = steps_mbs[2 * s + (mode == "on_demand")]  # each mode its own groups, same shapes
+      state, fn = trainers[mode]
+      if mode == "on_demand":
+        state, r = _on_demand_step(state, fn, mbs, counted, layout, w, config.consumers, shardings)
+      else:
+        state, r, sz = _centralized_step(state, fn, mbs, driver, w, config.consumers, shardings)
+        if s >= config.warmup:
+          sizes.append(sz)
+      trainers[mode] = (state, fn)
+      if s >= config.warmup:
+        rows[mode] += r
+        measured_mbs[mode].append(mbs)
+  return rows, sizes, measured_mbs
+
+
+def measure(config, w: Workload, mesh) -> dict:
+  """Both modes on one workload; returns its JSON entry."""
+  import ray
+
+  from knitjax.transfer.ray_storage import RayStorageUnit
+
+  model, vision = _configs(config, w)
+  flops = row_flops(model, vision, w)
+  plen = 1 + vision.num_image_tokens + w.text_tokens
+  layout = BatchLayout(
+    estimator="grpo", prompt_len=plen, max_new_tokens=w.response_tokens, pad_id=0
+  )
+  total_steps = config.warmup + config.steps
+  limits = StorageLimits(
+    vocab_size=model.vocab_size, max_seq_len=plen + w.response_tokens, max_bytes=1 << 34
+  )
+  units = [RayStorageUnit(limits, unit_id=u) for u in range(config.storage_units)]
+  try:
+    raw = {u.unit_id: u for u in units}
+    steps_mbs = _write_groups(raw, w, vision, 2 * total_steps, model.vocab_size, config.seed)
+    counted = {u: _Counted(unit) for u, unit in raw.items()}
+    driver = (
+      ray.remote(_Driver).options(num_cpus=0).remote(raw, layout, config.consumers, w.row_format)
+    )
+    shardings = mm_step.batch_shardings(mesh)
+    trainers = {
+      "centralized": _trainer(config, model, vision, mesh, dedup=False),
+      "on_demand": _trainer(config, model, vision, mesh, dedup=True),
+    }
+    with jax.set_mesh(mesh):
+      rows, sizes, measured_mbs = _run_steps(
+        config, w, trainers, steps_mbs, counted, driver, layout, shardings
+      )
+    out = {"workload": dataclasses.asdict(w), "row_flops": flops}
+    for mode in MODES:
+      ep = _endpoint_bytes(mode, counted.values(), sizes, config.consumers)
+      counts = _check_counts(mode, rows[mode], measured_mbs[mode], w)
+      if mode == "on_demand":
+        image_bytes = sum(sum(c.image_bytes.values()) for c in counted.values())
+        total = sum(sum(c.bytes.values()) for c in counted.values()) + image_bytes
+      else:
+        image_bytes = sum(sum(z["sent_images"].values()) for z in sizes)
+        total = sum(sum(z["received"].values()) + sum(z["sent"].values()) for z in sizes)
+      out[mode] = {
+        **_summary(rows[mode], config.steps),
+        "bytes_per_step": total / config.steps,
+        "image_bytes_per_step": image_bytes / config.steps,
+        "busiest_endpoint": max(ep, key=ep.get),
+        "busiest_endpoint_bytes_per_step": max(ep.values()) / config.steps,
+        "endpoint_bytes_per_step": {k: v / config.steps for k, v in sorted(ep.items())},
+        "counts": counts,
+      }
+    c, o = out["centralized"], out["on_demand"]
+    out["latency_ratio"] = c["exposed_mean_s"] / max(o["exposed_mean_s"], 1e-9)
+    out["speedup"] = c["step_s"] / o["step_s"]
+    out["image_bytes_cut"] = c["image_bytes_per_step"] / max(o["image_bytes_per_step"], 1)
+    out["modelled"] = _modelled(out, config, w)
+    return out
+  finally:
+    for u in units:
+      u.close()
+
+
+def _modelled(out: dict, config, w: Workload) -> dict:
+  """Transfer seconds the measured bytes would take through network endpoints (modelled).
+
+  Centralized: the driver receives the step, then sends it (its endpoint's bytes in series).
+  On demand: the busiest consumer's bytes of a step's first mini-batch are exposed; a later
+  mini-batch's fetch hides behind the previous compute where it fits (the excess is exposed).
+  """
+  c, o = out["centralized"], out["on_demand"]
+  consumers = [k for k in o["endpoint_bytes_per_step"] if k.startswith("consumer")]
+  busiest = max(o["endpoint_bytes_per_step"][k] for k in consumers) if consumers else 0.0
+  per_mb = busiest / w.minibatches
+  compute_mb = o["step_compute_s"] / w.minibatches
+  res = {}
+  for gbps in config.bandwidths_gbps:
+    bw = gbps * 1e9 / 8
+    cen = c["endpoint_bytes_per_step"].get("driver", 0.0) / bw
+    fetch = per_mb / bw
+    ond = fetch + (w.minibatches - 1) * max(0.0, fetch - compute_mb)
+    res[f"{gbps:g}gbps"] = {
+      "centralized_transfer_s": cen,
+      "on_demand_exposed_s": ond,
+      "latency_ratio": (cen / w.minibatches) / max(ond / w.minibatches, 1e-12),
+      "speedup_with_measured_compute": (cen + c["step_compute_s"]) / (ond + o["step_compute_s"]),
+    }
+  return res
+
+
+def _plot(results: list[dict], path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  names = [r["workload"]["name"] for r in results]
+  x = np.arange(len(names))
+  for i, mode in enumerate(MODES):
+    tr = [r[mode]["step_transfer_s"] for r in results]
+    co = [r[mode]["step_compute_s"] for r in results]
+    xs = x + (i - 0.5) * 0.38
+    axes[0].bar(xs, co, 0.38, label=f"{mode} compute", color=("C0", "C2")[i])
+    axes[0].bar(xs, tr, 0.38, bottom=co, label=f"{mode} transfer (exposed)", color=("C1", "C3")[i])
+    axes[1].bar(xs, [r[mode]["bytes_per_step"] / 2**20 for r in results], 0.38, label=mode)
+  axes[0].set_ylabel("seconds per train step")
+  axes[0].set_title("transfer + training (measured)")
+  axes[1].set_ylabel("MiB moved per train step")
+  axes[1].set_yscale("log")
+  axes[1].set_title("bytes moved")
+  axes[2].bar(x - 0.2, [r["speedup"] for r in results], 0.4, label="speedup")
+  axes[2].bar(x + 0.2, [r["latency_ratio"] for r in results], 0.4, label="latency ratio")
+  axes[2].set_yscale("log")
+  axes[2].axhline(5.8, color="k", lw=0.8, ls="--")
+  axes[2].axhline(100, color="k", lw=0.8, ls=":")
+  axes[2].set_title("centralized / on demand (dashed 5.8x, dotted 100x: the paper)")
+  for ax in axes:
+    ax.set_xticks(x)
+    ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def run(config, workdir: str) -> dict:
+  from knitjax.runtime.builder import ensure_ray
+
+  ensure_ray(config.get("ray_address", ""), needed_by="the multimodal benchmark")
+  devices = jax.devices()[: config.consumers]
+  if len(devices) < config.consumers:
+    raise ValueError(f"{config.consumers} consumers need {config.consumers} devices.")
+  mesh = sharding.make_mesh((config.consumers, 1, 1), devices=devices)
+  results = []
+  for w in _workloads(config):
+    t = time.time()
+    r = measure(config, w, mesh)
+    r["wall_s"] = time.time() - t
+    results.append(r)
+    print(
+      f"{w.name}: speedup {r['speedup']:.2f}x, latency ratio {r['latency_ratio']:.0f}x "
+      f"({r['wall_s']:.0f} s)",
+      flush=True,
+    )
+  out = {
+    "bench": "multimodal",
+    "consumers": config.consumers,
+    "storage_units": config.storage_units,
+    "steps": config.steps,
+    "warmup": config.warmup,
+    "vision": dict(config.vision),
+    "model": dict(config.model),
+    "results": results,
+    "main": results[0],
+  }
+  write_json(workdir, "multimodal", out)
+  _plot(results, os.path.join(workdir, "multimodal.png"))
+  table = [
+    {
+      "workload": r["workload"]["name"],
+      "G": r["workload"]["group_size"],
+      "image": r["workload"]["image_size"],
+      "resp": r["workload"]["response_tokens"],
+      "enc share": f"{r['row_flops']['encoder_share']:.0%}",
+      "MiB cen": r["centralized"]["bytes_per_step"] / 2**20,
+      "MiB od": r["on_demand"]["bytes_per_step"] / 2**20,
+      "cen xfer s": r["centralized"]["step_transfer_s"],
+      "cen comp s": r["centralized"]["step_compute_s"],
+      "od xfer s": r["on_demand"]["step_transfer_s"],
+      "od comp s": r["on_demand"]["step_compute_s"],
+      "latency": r["latency_ratio"],
+      "speedup": r["speedup"],
+    }
+    for r in results
+  ]
+  print(format_table(table, list(table[0])))
+  return out
