@@ -19,8 +19,13 @@ Main workload, shaped like a small VLM (Qwen2.5-VL-3B-like ratios, scaled to a C
   encoder's share of a row's forward FLOPs is 43% (row_flops in the JSON), Qwen2.5-VL-3B's is
   about 37% with 128-token answers and 15% with 1,024-token ones (a 0.67B ViT on 1,024 patches
   beside a 3B decoder on 256 + text tokens).
+A step's mini-batches are released when the trainer starts the step (rollout ahead of training;
+the conservative choice for on demand, whose first fetch of a step is then exposed).
 Sweep (each a change of the main workload): G 16, 224x224 images, 512-token responses, uint8
-rows (the driver sends stored bytes instead of the processor's floats).
+rows (the driver sends stored bytes instead of the processor's floats), and pipelined release
+(a step's mini-batches complete while the previous step trains, as minibatch admission makes
+them in a disaggregated run: on demand fetches the next step's first mini-batch ahead; the
+centralized driver still gathers when the step starts).
 """
 
 import ml_collections
@@ -45,6 +50,7 @@ def get_config(arg=None):
     text_tokens=32,
     response_tokens=128,
     row_format="float32",
+    release="step_start",
   )
   c.vision = dict(
     image_size=448,
@@ -72,6 +78,7 @@ def get_config(arg=None):
     image224=dict(image_size=224),
     long_response=dict(response_tokens=512),
     uint8_rows=dict(row_format="uint8"),
+    pipelined=dict(release="pipelined"),
   )
   if arg == "quick":
     c.warmup = 1

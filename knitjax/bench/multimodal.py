@@ -79,6 +79,9 @@ class Workload:
   text_tokens: int
   response_tokens: int
   row_format: str  # the centralized rows' images: "float32" (processor output) or "uint8"
+  # When a step's mini-batches are released: "step_start" (when the trainer starts the step) or
+  # "pipelined" (when it starts the previous step's last mini-batch: on demand fetches ahead).
+  release: str = "step_start"
 
   @property
   def groups_per_minibatch(self) -> int:
@@ -95,6 +98,10 @@ def _workloads(config) -> list[Workload]:
       raise ValueError(
         f"workload {w.name!r}: {w.groups_per_step} groups per step must split into "
         f"{w.minibatches} mini-batches of a multiple of {config.consumers} consumers' groups."
+      )
+    if w.release not in ("step_start", "pipelined"):
+      raise ValueError(
+        f"workload {w.name!r}: release={w.release!r}; accepted: step_start, pipelined."
       )
     if w.row_format not in ("float32", "uint8"):
       raise ValueError(
@@ -230,13 +237,23 @@ def _write_groups(storage, w: Workload, vision: VisionConfig, steps: int, vocab:
   return out
 
 
-def _assemble(parts: Sequence[Mapping[str, np.ndarray]], k: int, shardings) -> dict:
-  """The global batch from every consumer's rows (micro-batch k: each consumer's k-th slice)."""
-  split = [mm_step.prepare_batch(dict(p), k) for p in parts]
-  host = {
-    f: np.concatenate([s[f] for s in split], axis=0 if f == "images" else 1) for f in split[0]
-  }
-  return jax.device_put(host, shardings)
+def _place(part: Mapping[str, np.ndarray], k: int, device) -> dict:
+  """A consumer's rows split into micro-batches and put on its own device (as each host of a
+  multi-host trainer places its shard)."""
+  return jax.device_put(mm_step.prepare_batch(dict(part), k), device)
+
+
+def _global(placed: Sequence[Mapping[str, jax.Array]], shardings) -> dict:
+  """The global batch from every consumer's placed rows, without copying (micro-batch k of the
+  global batch: each consumer's k-th slice in consumer order; images: each consumer's slots)."""
+  out = {}
+  for f, sh in shardings.items():
+    parts = [p[f] for p in placed]
+    axis = 0 if f == "images" else 1
+    shape = list(parts[0].shape)
+    shape[axis] *= len(parts)
+    out[f] = jax.make_array_from_single_device_arrays(tuple(shape), sh, parts)
+  return out
 
 
 def _trainer(config, model, vision, mesh, dedup: bool):
@@ -256,30 +273,67 @@ def _trainer(config, model, vision, mesh, dedup: bool):
   return state, step
 
 
-def _on_demand_step(state, step_fn, minibatches, storage, layout, w, consumers, shardings):
-  """One train step with on-demand access: consumer threads fetch ahead, the trainer computes."""
-  t_release = time.perf_counter()
-  queues = [queue.Queue(maxsize=1) for _ in range(consumers)]  # prefetch 1: one ready ahead
+class _OnDemandConsumers:
+  """One fetch thread per consumer over all of a run's on-demand mini-batches, prefetch 1.
 
-  def fetch(c):
+  Consumer ``c`` fetches its groups of each mini-batch once the mini-batch is released
+  (``release``), each unique image once, places its rows on device ``c`` and hands them over
+  through a one-slot queue (like the runtime's Grain thread prefetch: one ready, one being
+  prepared). The trainer thread takes every consumer's part and computes.
+  """
+
+  def __init__(self, minibatches, storage, layout, w: Workload, devices):
+    self._mbs = list(minibatches)
+    self._released = {(mb.step, mb.index): threading.Event() for mb in self._mbs}
+    self.queues = [queue.Queue(maxsize=1) for _ in devices]
+    self._threads = [
+      threading.Thread(
+        target=self._fetch,
+        args=(c, d, storage, layout, w, len(devices)),
+        name=f"consumer-{c}",
+        daemon=True,
+      )
+      for c, d in enumerate(devices)
+    ]
+    for t in self._threads:
+      t.start()
+
+  def release(self, minibatches) -> None:
     for mb in minibatches:
+      self._released[(mb.step, mb.index)].set()
+
+  def _fetch(self, c, device, storage, layout, w, consumers):
+    for mb in self._mbs:
+      self._released[(mb.step, mb.index)].wait()
       t = time.perf_counter()
       part, info = consumer_batch(
         mb, storage, layout=layout, consumer=c, num_consumers=consumers, locality_slack=0.0
       )
-      queues[c].put((part, info, t, time.perf_counter()))
+      placed = _place(part, w.micro_batches, device)
+      jax.block_until_ready(placed)
+      self.queues[c].put((placed, info, t, time.perf_counter()))
 
-  threads = [
-    threading.Thread(target=fetch, args=(c,), name=f"consumer-{c}", daemon=True)
-    for c in range(consumers)
-  ]
-  for t in threads:
-    t.start()
+  def join(self) -> None:
+    for t in self._threads:
+      t.join()
+
+
+def _on_demand_step(state, step_fn, minibatches, consumers, shardings, *, next_step, pipelined):
+  """One train step with on-demand access: the consumers fetch ahead, the trainer computes.
+
+  The step's mini-batches are released when it starts, unless ``pipelined`` released them
+  already (during the previous step's last mini-batch; it then releases ``next_step``'s).
+  """
+  t_release = time.perf_counter()
+  if not pipelined:
+    consumers.release(minibatches)
   rows = []
-  for _mb in minibatches:
+  for j, mb in enumerate(minibatches):
+    if pipelined and j == len(minibatches) - 1 and next_step:
+      consumers.release(next_step)  # the next step's mini-batches are complete: fetch ahead
     t_want = time.perf_counter()
-    got = [q.get() for q in queues]
-    batch = _assemble([p for p, *_ in got], w.micro_batches, shardings)
+    got = [q.get() for q in consumers.queues]
+    batch = _global([p for p, *_ in got], shardings)
     t_got = time.perf_counter()
     state, metrics = step_fn(state, batch)
     m = host_metrics(metrics)
@@ -290,29 +344,30 @@ def _on_demand_step(state, step_fn, minibatches, storage, layout, w, consumers, 
         "exposed_s": t_got - t_want,
         "compute_s": t_done - t_got,
         "release_to_compute_s": t_got - t_release,
-        "groups": [g.group_id for g in _mb.groups],
+        "groups": [g.group_id for g in mb.groups],
         "unique_images": sum(info["unique_images"] for _, info, *_ in got),
         **{k: m[k] for k in ("encoder_images_encoded", "encoder_backward_passes", "num_seqs")},
       }
     )
-  for t in threads:
-    t.join()
   return state, rows
 
 
-def _centralized_step(state, step_fn, minibatches, driver, w, consumers, shardings):
-  """One train step through the driver: gather, split, send; then train the mini-batches."""
+def _centralized_step(state, step_fn, minibatches, driver, w, devices, shardings):
+  """One train step through the driver: gather, split, send, place; then train the mini-batches.
+  Nothing is prefetched: the step's transfer starts when the trainer starts the step."""
   import ray
 
   t_release = time.perf_counter()
   sizes = ray.get(driver.gather.remote(minibatches))
-  parts: list = [None] * consumers
+  placed: list = [None] * len(devices)
 
   def take(c):
-    parts[c] = ray.get(driver.take.remote(c))
+    parts = ray.get(driver.take.remote(c))
+    placed[c] = [_place(p, w.micro_batches, devices[c]) for p in parts]
+    jax.block_until_ready(placed[c])
 
   threads = [
-    threading.Thread(target=take, args=(c,), name=f"consumer-{c}") for c in range(consumers)
+    threading.Thread(target=take, args=(c,), name=f"consumer-{c}") for c in range(len(devices))
   ]
   for t in threads:
     t.start()
@@ -322,20 +377,19 @@ def _centralized_step(state, step_fn, minibatches, driver, w, consumers, shardin
   rows = []
   for j, mb in enumerate(minibatches):
     t_want = time.perf_counter()
-    batch = _assemble([parts[c][j] for c in range(consumers)], w.micro_batches, shardings)
+    batch = _global([placed[c][j] for c in range(len(devices))], shardings)
     t_got = time.perf_counter()
     state, metrics = step_fn(state, batch)
     m = host_metrics(metrics)
     t_done = time.perf_counter()
-    first = j == 0
     rows.append(
       {
         "transfer_s": (t_have - t_release) + (t_got - t_want),
-        "exposed_s": (t_have - t_release if first else 0.0) + (t_got - t_want),
+        "exposed_s": (t_have - t_release if j == 0 else 0.0) + (t_got - t_want),
         "compute_s": t_done - t_got,
         "release_to_compute_s": t_got - t_release,
         "groups": [g.group_id for g in mb.groups],
-        "unique_images": float(sum(len(parts[c][j]["images"]) for c in range(consumers))),
+        "unique_images": float(sum(len(placed[c][j]["images"]) for c in range(len(devices)))),
         **{k: m[k] for k in ("encoder_images_encoded", "encoder_backward_passes", "num_seqs")},
       }
     )
@@ -401,30 +455,45 @@ def _check_counts(mode: str, rows, steps_mbs, w: Workload) -> dict:
   return {"groups": len(got), "rows": int(seqs), "lost": 0, "duplicated": 0}
 
 
-def _run_steps(config, w, trainers, steps_mbs, counted, driver, layout, shardings):
+def _run_steps(config, w, trainers, steps_mbs, storage, driver, layout, mesh):
   """``warmup + steps`` train steps of each mode, interleaved; returns the measured ones."""
+  devices = list(mesh.devices.flat)
+  shardings = mm_step.batch_shardings(mesh)
+  total = config.warmup + config.steps
+  pipelined = w.release == "pipelined"
+  ond_steps = [steps_mbs[2 * s + 1] for s in range(total)]  # each mode its own groups
+  consumers = _OnDemandConsumers(
+    [mb for mbs in ond_steps for mb in mbs], storage, layout, w, devices
+  )
+  if pipelined:
+    consumers.release(ond_steps[0])
   rows = {m: [] for m in MODES}
   sizes: list = []
   measured_mbs = {m: [] for m in MODES}
-  for s in range(config.warmup + config.steps):
+  for s in range(total):
     if s == config.warmup:  # byte counters start with the measured steps
-      for c in counted.values():
+      for c in storage.values():
         c.bytes.clear()
         c.image_bytes.clear()
     order = MODES if s % 2 == 0 else MODES[::-1]  # interleaved: a busy machine slows both
     for mode in order:
-      mbs = steps_mbs[2 * s + (mode == "on_demand")]  # each mode its own groups, same shapes
       state, fn = trainers[mode]
       if mode == "on_demand":
-        state, r = _on_demand_step(state, fn, mbs, counted, layout, w, config.consumers, shardings)
+        mbs = ond_steps[s]
+        nxt = ond_steps[s + 1] if s + 1 < total else None
+        state, r = _on_demand_step(
+          state, fn, mbs, consumers, shardings, next_step=nxt, pipelined=pipelined
+        )
       else:
-        state, r, sz = _centralized_step(state, fn, mbs, driver, w, config.consumers, shardings)
+        mbs = steps_mbs[2 * s]
+        state, r, sz = _centralized_step(state, fn, mbs, driver, w, devices, shardings)
         if s >= config.warmup:
           sizes.append(sz)
       trainers[mode] = (state, fn)
       if s >= config.warmup:
         rows[mode] += r
         measured_mbs[mode].append(mbs)
+  consumers.join()
   return rows, sizes, measured_mbs
 
 
@@ -452,14 +521,13 @@ def measure(config, w: Workload, mesh) -> dict:
     driver = (
       ray.remote(_Driver).options(num_cpus=0).remote(raw, layout, config.consumers, w.row_format)
     )
-    shardings = mm_step.batch_shardings(mesh)
     trainers = {
       "centralized": _trainer(config, model, vision, mesh, dedup=False),
       "on_demand": _trainer(config, model, vision, mesh, dedup=True),
     }
     with jax.set_mesh(mesh):
       rows, sizes, measured_mbs = _run_steps(
-        config, w, trainers, steps_mbs, counted, driver, layout, shardings
+        config, w, trainers, steps_mbs, counted, driver, layout, mesh
       )
     out = {"workload": dataclasses.asdict(w), "row_flops": flops}
     for mode in MODES:
