@@ -39,10 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
-import threading
 import time
-from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -50,14 +47,14 @@ import optax
 from flax import nnx
 
 from knitjax import sharding
+from knitjax.bench import multimodal_modes as modes
 from knitjax.bench.report import format_table, write_json
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.models.vlm import VLM
 from knitjax.train import losses, mm_step
-from knitjax.train.step import StepHParams, host_metrics, init_train_state
-from knitjax.transfer import centralized
-from knitjax.transfer.access import BatchLayout, consumer_batch
+from knitjax.train.step import StepHParams, init_train_state
+from knitjax.transfer.access import BatchLayout
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.storage import StorageLimits, image_hash
@@ -133,63 +130,6 @@ def row_flops(model: TransformerConfig, vision: VisionConfig, w: Workload) -> di
   return {"encoder": float(enc), "decoder": float(dec), "encoder_share": enc / (enc + dec)}
 
 
-class _Counted:
-  """A storage unit that counts the bytes each ``get`` / ``get_images`` returns (per caller)."""
-
-  def __init__(self, unit):
-    self.unit, self.unit_id = unit, unit.unit_id
-    self.lock, self.bytes, self.image_bytes = threading.Lock(), {}, {}
-
-  def _add(self, table, n):
-    who = threading.current_thread().name
-    with self.lock:
-      table[who] = table.get(who, 0) + n
-
-  def get(self, ids):
-    out = self.unit.get(ids)
-    self._add(self.bytes, sum(p.nbytes for p in out))
-    return out
-
-  def get_images(self, hashes):
-    out = self.unit.get_images(hashes)
-    self._add(self.image_bytes, sum(x.nbytes for x in out))
-    return out
-
-
-class _Driver:
-  """The centralized baseline's single controller (a Ray actor: its own process)."""
-
-  def __init__(self, storage, layout: BatchLayout, consumers: int, row_format: str):
-    self._storage, self._layout, self._consumers = storage, layout, consumers
-    self._dtype = np.float32 if row_format == "float32" else np.uint8
-    self._parts: dict[int, list] = {}
-
-  def gather(self, minibatches: Sequence[MiniBatch]) -> dict:
-    """Gathers and splits one train step; returns the bytes it received and will send."""
-    t = time.perf_counter()
-    step = centralized.gather_step(minibatches, self._storage, self._layout)
-    parts: dict[int, list] = {c: [] for c in range(self._consumers)}
-    for batch in step.batches:
-      if "images" in batch:  # the processor's pixel array per row (float32: 4 bytes a value)
-        batch = {**batch, "images": batch["images"].astype(self._dtype)}
-      for c in range(self._consumers):
-        parts[c].append(centralized.split_rows(batch, self._consumers, c))
-    self._parts = parts
-    sent = {c: sum(centralized.batch_bytes(p) for p in ps) for c, ps in parts.items()}
-    sent_images = {
-      c: sum(p["images"].nbytes for p in ps if "images" in p) for c, ps in parts.items()
-    }
-    return {
-      "received": dict(step.fetched_bytes),
-      "sent": sent,
-      "sent_images": sent_images,
-      "gather_s": time.perf_counter() - t,
-    }
-
-  def take(self, consumer: int) -> list:
-    return self._parts.pop(consumer)
-
-
 def _write_groups(storage, w: Workload, vision: VisionConfig, steps: int, vocab: int, seed: int):
   """The rollout side: ``steps`` train steps of groups, one image each, written round-robin to
   the storage units. Returns per step its mini-batches (GroupMeta only)."""
@@ -237,25 +177,6 @@ def _write_groups(storage, w: Workload, vision: VisionConfig, steps: int, vocab:
   return out
 
 
-def _place(part: Mapping[str, np.ndarray], k: int, device) -> dict:
-  """A consumer's rows split into micro-batches and put on its own device (as each host of a
-  multi-host trainer places its shard)."""
-  return jax.device_put(mm_step.prepare_batch(dict(part), k), device)
-
-
-def _global(placed: Sequence[Mapping[str, jax.Array]], shardings) -> dict:
-  """The global batch from every consumer's placed rows, without copying (micro-batch k of the
-  global batch: each consumer's k-th slice in consumer order; images: each consumer's slots)."""
-  out = {}
-  for f, sh in shardings.items():
-    parts = [p[f] for p in placed]
-    axis = 0 if f == "images" else 1
-    shape = list(parts[0].shape)
-    shape[axis] *= len(parts)
-    out[f] = jax.make_array_from_single_device_arrays(tuple(shape), sh, parts)
-  return out
-
-
 def _trainer(config, model, vision, mesh, dedup: bool):
   graphdef, params = sharding.init_sharded(
     lambda: VLM(model, vision, image_token_id=IMAGE_TOKEN, rngs=nnx.Rngs(config.seed)), mesh
@@ -271,129 +192,6 @@ def _trainer(config, model, vision, mesh, dedup: bool):
     encoder_dedup=dedup,
   )
   return state, step
-
-
-class _OnDemandConsumers:
-  """One fetch thread per consumer over all of a run's on-demand mini-batches, prefetch 1.
-
-  Consumer ``c`` fetches its groups of each mini-batch once the mini-batch is released
-  (``release``), each unique image once, places its rows on device ``c`` and hands them over
-  through a one-slot queue (like the runtime's Grain thread prefetch: one ready, one being
-  prepared). The trainer thread takes every consumer's part and computes.
-  """
-
-  def __init__(self, minibatches, storage, layout, w: Workload, devices):
-    self._mbs = list(minibatches)
-    self._released = {(mb.step, mb.index): threading.Event() for mb in self._mbs}
-    self.queues = [queue.Queue(maxsize=1) for _ in devices]
-    self._threads = [
-      threading.Thread(
-        target=self._fetch,
-        args=(c, d, storage, layout, w, len(devices)),
-        name=f"consumer-{c}",
-        daemon=True,
-      )
-      for c, d in enumerate(devices)
-    ]
-    for t in self._threads:
-      t.start()
-
-  def release(self, minibatches) -> None:
-    for mb in minibatches:
-      self._released[(mb.step, mb.index)].set()
-
-  def _fetch(self, c, device, storage, layout, w, consumers):
-    for mb in self._mbs:
-      self._released[(mb.step, mb.index)].wait()
-      t = time.perf_counter()
-      part, info = consumer_batch(
-        mb, storage, layout=layout, consumer=c, num_consumers=consumers, locality_slack=0.0
-      )
-      placed = _place(part, w.micro_batches, device)
-      jax.block_until_ready(placed)
-      self.queues[c].put((placed, info, t, time.perf_counter()))
-
-  def join(self) -> None:
-    for t in self._threads:
-      t.join()
-
-
-def _on_demand_step(state, step_fn, minibatches, consumers, shardings, *, next_step, pipelined):
-  """One train step with on-demand access: the consumers fetch ahead, the trainer computes.
-
-  The step's mini-batches are released when it starts, unless ``pipelined`` released them
-  already (during the previous step's last mini-batch; it then releases ``next_step``'s).
-  """
-  t_release = time.perf_counter()
-  if not pipelined:
-    consumers.release(minibatches)
-  rows = []
-  for j, mb in enumerate(minibatches):
-    if pipelined and j == len(minibatches) - 1 and next_step:
-      consumers.release(next_step)  # the next step's mini-batches are complete: fetch ahead
-    t_want = time.perf_counter()
-    got = [q.get() for q in consumers.queues]
-    batch = _global([p for p, *_ in got], shardings)
-    t_got = time.perf_counter()
-    state, metrics = step_fn(state, batch)
-    m = host_metrics(metrics)
-    t_done = time.perf_counter()
-    rows.append(
-      {
-        "transfer_s": max(end - start for *_, start, end in got),
-        "exposed_s": t_got - t_want,
-        "compute_s": t_done - t_got,
-        "release_to_compute_s": t_got - t_release,
-        "groups": [g.group_id for g in mb.groups],
-        "unique_images": sum(info["unique_images"] for _, info, *_ in got),
-        **{k: m[k] for k in ("encoder_images_encoded", "encoder_backward_passes", "num_seqs")},
-      }
-    )
-  return state, rows
-
-
-def _centralized_step(state, step_fn, minibatches, driver, w, devices, shardings):
-  """One train step through the driver: gather, split, send, place; then train the mini-batches.
-  Nothing is prefetched: the step's transfer starts when the trainer starts the step."""
-  import ray
-
-  t_release = time.perf_counter()
-  sizes = ray.get(driver.gather.remote(minibatches))
-  placed: list = [None] * len(devices)
-
-  def take(c):
-    parts = ray.get(driver.take.remote(c))
-    placed[c] = [_place(p, w.micro_batches, devices[c]) for p in parts]
-    jax.block_until_ready(placed[c])
-
-  threads = [
-    threading.Thread(target=take, args=(c,), name=f"consumer-{c}") for c in range(len(devices))
-  ]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  t_have = time.perf_counter()
-  rows = []
-  for j, mb in enumerate(minibatches):
-    t_want = time.perf_counter()
-    batch = _global([placed[c][j] for c in range(len(devices))], shardings)
-    t_got = time.perf_counter()
-    state, metrics = step_fn(state, batch)
-    m = host_metrics(metrics)
-    t_done = time.perf_counter()
-    rows.append(
-      {
-        "transfer_s": (t_have - t_release) + (t_got - t_want),
-        "exposed_s": (t_have - t_release if j == 0 else 0.0) + (t_got - t_want),
-        "compute_s": t_done - t_got,
-        "release_to_compute_s": t_got - t_release,
-        "groups": [g.group_id for g in mb.groups],
-        "unique_images": float(sum(len(placed[c][j]["images"]) for c in range(len(devices)))),
-        **{k: m[k] for k in ("encoder_images_encoded", "encoder_backward_passes", "num_seqs")},
-      }
-    )
-  return state, rows, sizes
 
 
 def _endpoint_bytes(mode: str, counted, sizes_per_step, consumers: int) -> dict[str, float]:
@@ -462,8 +260,8 @@ def _run_steps(config, w, trainers, steps_mbs, storage, driver, layout, mesh):
   total = config.warmup + config.steps
   pipelined = w.release == "pipelined"
   ond_steps = [steps_mbs[2 * s + 1] for s in range(total)]  # each mode its own groups
-  consumers = _OnDemandConsumers(
-    [mb for mbs in ond_steps for mb in mbs], storage, layout, w, devices
+  consumers = modes.OnDemandConsumers(
+    [mb for mbs in ond_steps for mb in mbs], storage, layout, w.micro_batches, devices
   )
   if pipelined:
     consumers.release(ond_steps[0])
@@ -477,12 +275,14 @@ def _run_steps(config, w, trainers, steps_mbs, storage, driver, layout, mesh):
       if mode == "on_demand":
         mbs = ond_steps[s]
         nxt = ond_steps[s + 1] if s + 1 < total else None
-        state, r = _on_demand_step(
+        state, r = modes.on_demand_step(
           state, fn, mbs, consumers, shardings, next_step=nxt, pipelined=pipelined
         )
       else:
         mbs = steps_mbs[2 * s]
-        state, r, sz = _centralized_step(state, fn, mbs, driver, w, devices, shardings)
+        state, r, sz = modes.centralized_step(
+          state, fn, mbs, driver, w.micro_batches, devices, shardings
+        )
         sizes.append(sz)  # bytes of every step (the same each step; prefetch crosses steps)
       trainers[mode] = (state, fn)
       if s >= config.warmup:
@@ -512,10 +312,9 @@ def measure(config, w: Workload, mesh) -> dict:
   try:
     raw = {u.unit_id: u for u in units}
     steps_mbs = _write_groups(raw, w, vision, 2 * total_steps, model.vocab_size, config.seed)
-    counted = {u: _Counted(unit) for u, unit in raw.items()}
-    driver = (
-      ray.remote(_Driver).options(num_cpus=0).remote(raw, layout, config.consumers, w.row_format)
-    )
+    counted = {u: modes.Counted(unit) for u, unit in raw.items()}
+    driver = ray.remote(modes.Driver).options(num_cpus=0)
+    driver = driver.remote(raw, layout, config.consumers, w.row_format)
     trainers = {
       "centralized": _trainer(config, model, vision, mesh, dedup=False),
       "on_demand": _trainer(config, model, vision, mesh, dedup=True),
