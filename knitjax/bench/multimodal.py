@@ -345,6 +345,17 @@ def measure(config, w: Workload, mesh) -> dict:
         "counts": counts,
       }
     c, o = out["centralized"], out["on_demand"]
+    # What one group weighs: as stored (payload + its image, what on demand fetches) and as the
+    # driver hands it to the consumers (G rows, each with its own image copy).
+    out["payload_bytes_per_group"] = {
+      "stored": o["bytes_per_step"] / w.groups_per_step,
+      "centralized_rows": sum(
+        c["endpoint_bytes_per_step"][k]
+        for k in c["endpoint_bytes_per_step"]
+        if k.startswith("consumer")
+      )
+      / w.groups_per_step,
+    }
     out["latency_ratio"] = c["exposed_mean_s"] / max(o["exposed_mean_s"], 1e-9)
     out["speedup"] = c["step_s"] / o["step_s"]
     out["image_bytes_cut"] = c["image_bytes_per_step"] / max(o["image_bytes_per_step"], 1)

@@ -53,3 +53,5 @@ def test_quick_run_moves_fewer_image_bytes_and_loses_nothing(tmp_path):
   assert r["centralized"]["busiest_endpoint"] == "driver"
   assert set(r["modelled"]) == {"25gbps", "100gbps"}
   assert r["speedup"] > 0 and r["latency_ratio"] > 0
+  per_group = r["payload_bytes_per_group"]
+  assert per_group["centralized_rows"] > w["group_size"] * per_group["stored"]
