@@ -23,7 +23,9 @@ from knitjax.models.vision import VisionConfig
 from knitjax.rollout.continuous import ADOPTION
 from knitjax.rollout.scheduling import LAG_UNITS
 from knitjax.train.advantages import ESTIMATORS
-from knitjax.train.losses import AGGREGATIONS
+from knitjax.train.kl import KL_ESTIMATORS
+from knitjax.train.losses import AGGREGATIONS, OBJECTIVES
+from knitjax.train.ratios import RATIO_LEVELS
 from knitjax.transfer.admission import POLICIES
 
 # Choices the runtime implements; runtime sits above config, so config owns their names.
@@ -127,9 +129,14 @@ class TrainConfig:
   advantage: str = "grpo"
   eps_low: float = 0.2
   eps_high: float = 0.2
-  aggregation: str = "token_mean"
+  aggregation: str = "token_mean"  # see docs/algorithms.md for the loss menu
+  objective: str = "ppo"  # "cispo": clipped stop-gradient IS weights (MiniMax-M1)
+  ratio_level: str = "token"  # "sequence": GSPO, "sequence_token": GSPO-token
   tis_cap: float = 0.0  # 0: off
+  eps_c: float = 0.0  # dual-clip constant (> 1); 0: off
   kl_coef: float = 0.0
+  kl_estimator: str = "k3"  # "k1", "k2", "k3" (Schulman 2020)
+  kl_clamp: float = 0.0  # clamp each token's KL estimate to [-kl_clamp, kl_clamp]; 0: off
   entropy_coef: float = 0.0
   encoder_dedup: bool = True  # VLM: encode each unique image once per mini-batch
   remat_encoder: bool = False  # VLM dedup: recompute the encoder in its backward
@@ -143,6 +150,10 @@ class TrainConfig:
     positive("config.train.kl_coef", self.kl_coef, allow_zero=True)
     positive("config.train.weight_decay", self.weight_decay, allow_zero=True)
     positive("config.train.eps_low", self.eps_low, allow_zero=True)
+    if not self.eps_low < 1.0:
+      raise ValueError(
+        f"config.train.eps_low={self.eps_low!r} is not accepted; it must be in [0, 1)."
+      )
     positive("config.train.eps_high", self.eps_high, allow_zero=True)
     for name in ("b1", "b2"):
       if not 0.0 <= getattr(self, name) < 1.0:
@@ -151,6 +162,26 @@ class TrainConfig:
         )
     one_of("config.train.advantage", self.advantage, ADVANTAGES)
     one_of("config.train.aggregation", self.aggregation, AGGREGATIONS)
+    one_of("config.train.objective", self.objective, OBJECTIVES)
+    one_of("config.train.ratio_level", self.ratio_level, RATIO_LEVELS)
+    one_of("config.train.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+    positive("config.train.kl_clamp", self.kl_clamp, allow_zero=True)
+    if not (self.eps_c == 0 or self.eps_c > 1.0):
+      raise ValueError(
+        f"config.train.eps_c={self.eps_c!r} is not accepted; it must be 0 (off) or > 1."
+      )
+    if self.tis_cap and not self.tis_cap >= 1.0 + self.eps_high:
+      raise ValueError(
+        f"config.train.tis_cap={self.tis_cap!r} is not accepted; it must be 0 (off) or >= 1 + "
+        f"config.train.eps_high = {1.0 + self.eps_high}."
+      )
+    if self.objective == "cispo":
+      for name in ("tis_cap", "eps_c"):
+        if getattr(self, name):
+          raise ValueError(
+            f"config.train.{name}={getattr(self, name)!r} is not accepted with "
+            "config.train.objective='cispo'; it applies to objective 'ppo' only, set it to 0."
+          )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

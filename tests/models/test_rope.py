@@ -69,8 +69,9 @@ def test_frequencies_match_transformers(name, head_dim):
   expected, scale = _transformers_inv_freq(scaling, theta, head_dim)
   got = scaling.inv_freq(head_dim, theta)
   assert got.dtype == np.float32 and got.shape == (head_dim // 2,)
-  # Same float32 steps; at most the last bit of a pow differs.
-  np.testing.assert_allclose(got, expected, rtol=3e-7, atol=0)
+  # Same float32 steps; at most the last bits differ (transformers 5.25 orders llama3's
+  # smoothing ops differently from 5.24: up to 3.4e-7 relative, 3 float32 ulps).
+  np.testing.assert_allclose(got, expected, rtol=5e-7, atol=0)
   assert scaling.cos_sin_scale == pytest.approx(scale, rel=1e-12)
 
 

@@ -23,6 +23,8 @@ LIMITS = StorageLimits(vocab_size=VOCAB, max_seq_len=P + N, max_bytes=1 << 20)
 
 @pytest.fixture(scope="module")
 def ray_local():
+  if ray.is_initialized():  # another test of this worker process left its Ray running
+    ray.shutdown()
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=1 << 28)
   yield
   ray.shutdown()

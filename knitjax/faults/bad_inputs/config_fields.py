@@ -79,7 +79,9 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
   from knitjax.rollout.continuous import ADOPTION
   from knitjax.tasks.registry import TASKS
   from knitjax.tasks.rewards import REWARDS
-  from knitjax.train.losses import AGGREGATIONS
+  from knitjax.train.kl import KL_ESTIMATORS
+  from knitjax.train.losses import AGGREGATIONS, OBJECTIVES
+  from knitjax.train.ratios import RATIO_LEVELS
   from knitjax.transfer.admission import POLICIES
 
   return {
@@ -88,6 +90,9 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     ("rollout", "engine"): config.ENGINES,
     ("train", "advantage"): config.ADVANTAGES,
     ("train", "aggregation"): AGGREGATIONS,
+    ("train", "objective"): OBJECTIVES,
+    ("train", "ratio_level"): RATIO_LEVELS,
+    ("train", "kl_estimator"): KL_ESTIMATORS,
     ("admission", "policy"): POLICIES,
     ("runtime", "mode"): config.MODES,
     ("runtime", "weight_sync"): config.WEIGHT_SYNC,
@@ -117,7 +122,11 @@ OUT_OF_RANGE = {
   ("train", "lr"): NONPOS_FLOAT,
   ("train", "warmup_steps"): NEG_INT,
   ("train", "micro_batches"): NONPOS_INT,
-  **{("train", f): NEG_FLOAT for f in ("grad_clip", "tis_cap", "kl_coef")},
+  **{("train", f): NEG_FLOAT for f in ("grad_clip", "tis_cap", "kl_coef", "kl_clamp")},
+  # 0 is off; a dual-clip constant must exceed 1.
+  ("train", "eps_c"): st.one_of(
+    NEG_FLOAT, st.floats(min_value=0.0, max_value=1.0, exclude_min=True, allow_infinity=False)
+  ),
   ("admission", "minibatches"): NONPOS_INT,
   **{("runtime", f): NONPOS_INT for f in ("steps", "log_every")},
   **{

@@ -195,7 +195,7 @@ def _cfg_cross_field(draw: Draw, ctx: dict) -> BadInput:
         "class_budget_out_of_range",
         "micro_batches_indivisible",
         "kv_heads_indivisible",
-        "patch_size_indivisible",
+        "patch_size_over_image",
         "file_task_without_path",
       ]
     )
@@ -203,7 +203,7 @@ def _cfg_cross_field(draw: Draw, ctx: dict) -> BadInput:
   vision = {
     "vision_on_text_task": False,
     "vision_continuous_engine": True,
-    "patch_size_indivisible": True,
+    "patch_size_over_image": True,
     "file_task_without_path": False,
   }.get(how)
   name, d = _config_input(draw, ctx, vision=vision)
@@ -237,9 +237,12 @@ def _cfg_cross_field(draw: Draw, ctx: dict) -> BadInput:
     heads = d["model"]["num_heads"]
     d["model"]["num_kv_heads"] = kv = draw(st.integers(1, 64).filter(lambda k: heads % k))
     return _config_bad(name, d, f"num_heads={heads} num_kv_heads={kv}", "num_kv_heads")
-  if how == "patch_size_indivisible":
+  if how == "patch_size_over_image":
     size = d["vision"]["image_size"]
-    d["vision"]["patch_size"] = p = draw(st.integers(1, 64).filter(lambda p: size % p))
+    # A patch larger than the image: refused. (A patch that does not divide the image is
+    # accepted: the last rows / columns are dropped, as a stride-p convolution does, which is
+    # how SigLIP checkpoints such as 384 px with 14 px patches are read.)
+    d["vision"]["patch_size"] = p = draw(st.integers(size + 1, size + 64))
     return _config_bad(name, d, f"vision image_size={size} patch_size={p}", "patch_size")
   d["task"].update(name="gsm8k", reward="numeric_match", path="")
   return _config_bad(name, d, "task gsm8k without config.task.path", "config.task.path")
