@@ -37,6 +37,7 @@ store, not a network.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
@@ -194,26 +195,23 @@ def _trainer(config, model, vision, mesh, dedup: bool):
   return state, step
 
 
-def _endpoint_bytes(mode: str, counted, sizes_per_step, consumers: int) -> dict[str, float]:
-  """Bytes per endpoint over the measured steps (units, consumers, driver)."""
-  ep: dict[str, float] = {}
-  if mode == "on_demand":
+def _endpoint_bytes(mode: str, counted, sizes_per_step) -> dict[str, float]:
+  """Bytes through each endpoint (units, consumers, driver) over every step, warm-up included."""
+  ep: collections.Counter = collections.Counter()
+  if mode == "on_demand":  # unit -> consumer
     for u in counted:
-      for who, n in {**u.bytes}.items():
-        ep[f"unit{u.unit_id}"] = ep.get(f"unit{u.unit_id}", 0) + n
-        ep[who] = ep.get(who, 0) + n
-      for who, n in u.image_bytes.items():
-        ep[f"unit{u.unit_id}"] = ep.get(f"unit{u.unit_id}", 0) + n
-        ep[who] = ep.get(who, 0) + n
-    return ep
-  for sizes in sizes_per_step:
+      for who, n in [*u.bytes.items(), *u.image_bytes.items()]:
+        ep[f"unit{u.unit_id}"] += n
+        ep[who] += n
+    return dict(ep)
+  for sizes in sizes_per_step:  # unit -> driver -> consumer
     for u, n in sizes["received"].items():
-      ep[f"unit{u}"] = ep.get(f"unit{u}", 0) + n
-      ep["driver"] = ep.get("driver", 0) + n
+      ep[f"unit{u}"] += n
+      ep["driver"] += n
     for c, n in sizes["sent"].items():
-      ep[f"consumer-{c}"] = ep.get(f"consumer-{c}", 0) + n
-      ep["driver"] = ep.get("driver", 0) + n
-  return ep
+      ep[f"consumer-{c}"] += n
+      ep["driver"] += n
+  return dict(ep)
 
 
 def _summary(rows, steps: int) -> dict:
@@ -326,8 +324,7 @@ def measure(config, w: Workload, mesh) -> dict:
     out = {"workload": dataclasses.asdict(w), "row_flops": flops}
     for mode in MODES:
       # Bytes over all steps, warm-up included (on demand prefetches across step boundaries).
-      ep = _endpoint_bytes(mode, counted.values(), sizes, config.consumers)
-      total_steps = config.warmup + config.steps
+      ep = _endpoint_bytes(mode, counted.values(), sizes)
       counts = _check_counts(mode, rows[mode], measured_mbs[mode], w)
       if mode == "on_demand":
         image_bytes = sum(sum(c.image_bytes.values()) for c in counted.values())

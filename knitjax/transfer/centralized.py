@@ -34,11 +34,9 @@ from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import batch_shardings
 from knitjax.transfer.access import BatchLayout, layout_groups
 from knitjax.transfer.admission import MiniBatch
-from knitjax.transfer.feed import Prepared
+from knitjax.transfer.feed import POLL_S, Prepared
 from knitjax.transfer.payload import GroupPayload
 from knitjax.transfer.storage import StorageUnit
-
-_POLL_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +226,7 @@ class CentralizedFeed:
     while len(step) < self._m:
       if self._stop.is_set():
         raise StopIteration
-      mb = self._take(_POLL_S)
+      mb = self._take(POLL_S)
       if mb is not None:
         step.append(mb)
     self._taken += len(step)

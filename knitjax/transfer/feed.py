@@ -25,7 +25,7 @@ from grain.experimental import ThreadPrefetchIterDataset
 
 from knitjax.transfer.admission import MiniBatch
 
-_POLL_S = 0.5
+POLL_S = 0.5  # seconds a feed waits on its source before checking for a stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ class _ReleasedIterator(grain.DatasetIterator):
     if self._taken >= self._count:
       raise StopIteration
     while not self._stop.is_set():
-      mb = self._take(_POLL_S)
+      mb = self._take(POLL_S)
       if mb is not None:
         self._taken += 1
         return mb, time.perf_counter()

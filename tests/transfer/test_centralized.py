@@ -13,8 +13,6 @@ import pytest
 from flax import nnx
 
 from knitjax import sharding
-from knitjax.models.transformer import TransformerConfig
-from knitjax.models.vision import VisionConfig
 from knitjax.models.vlm import VLM
 from knitjax.train import losses, mm_step
 from knitjax.train.step import StepHParams, host_metrics, init_train_state
@@ -25,20 +23,8 @@ from knitjax.transfer.feed import exposed_transfer
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.prepare import MiniBatchPreparer
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits, image_hash
+from tests.train.test_dedup import LM, VC  # the tiny VLM the dedup tests use
 
-LM = TransformerConfig(
-  vocab_size=32, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
-)
-VC = VisionConfig(
-  image_size=8,
-  patch_size=4,
-  d_model=32,
-  num_layers=1,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=64,
-  projector_dim=64,
-)
 IMG, N_NEW, G = 3, 4, 4
 P_LEN = 1 + VC.num_patches + 2
 LAYOUT = BatchLayout(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
@@ -104,9 +90,7 @@ def test_the_driver_materialises_every_rows_image_and_lays_out_the_same_rows():
     has = want["image_index"] >= 0
     np.testing.assert_array_equal(batch["image_index"], np.where(has, np.arange(rows), -1))
     # Row r's own copy is the image the on-demand layout points row r at.
-    np.testing.assert_array_equal(
-      batch["images"][has], want["images"][want["image_index"][has]]
-    )
+    np.testing.assert_array_equal(batch["images"][has], want["images"][want["image_index"][has]])
     assert not batch["images"][~has].any()  # rows without image: blanks
     assert info["unique_images"] == rows and want_info["unique_images"] < rows
     assert info["reward_mean"] == pytest.approx(want_info["reward_mean"])
