@@ -88,9 +88,18 @@ class RolloutConfig:
   # What generates behind the rollout contract: "batched" (one sampler call per wave of
   # slots // group_size groups; colocated: the whole step), "continuous" (the engine), "auto".
   engine: str = "auto"
+  # DAPO's soft overlong penalty (knitjax.train.reward_shaping): the last ``overlong_buffer``
+  # tokens of a sample's budget ramp its reward down by up to 1 (0: off).
+  overlong_buffer: int = 0
 
   def __post_init__(self):
     positive("config.rollout.group_size", self.group_size)
+    positive("config.rollout.overlong_buffer", self.overlong_buffer, allow_zero=True)
+    if self.overlong_buffer > min([self.max_new_tokens, *self.class_max_new_tokens.values()]):
+      raise ValueError(
+        f"config.rollout.overlong_buffer={self.overlong_buffer} is not accepted; it must be at "
+        "most every token budget (max_new_tokens and each class_max_new_tokens)."
+      )
     positive("config.rollout.slots", self.slots)
     positive("config.rollout.decode_steps", self.decode_steps)
     positive("config.rollout.refill_groups", self.refill_groups)

@@ -35,6 +35,7 @@ from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train import losses, mm_step
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
+from knitjax.train.reward_shaping import with_overlong_penalty
 from knitjax.train.step import (
   StepHParams,
   TrainState,
@@ -287,6 +288,21 @@ def _sampling(config: Config) -> SamplingConfig:
   )
 
 
+def training_reward(config: Config):
+  """The reward training rollouts score samples with: the task's verifier, plus DAPO's overlong
+  penalty when ``config.rollout.overlong_buffer`` is set (evaluation scores the verifier alone)."""
+  fn = get_reward_fn(config.task.reward)
+  r = config.rollout
+  if not r.overlong_buffer:
+    return fn
+  return with_overlong_penalty(
+    fn,
+    max_new_tokens=r.max_new_tokens,
+    class_max_new_tokens=r.class_max_new_tokens,
+    buffer=r.overlong_buffer,
+  )
+
+
 def build_worker(
   config: Config,
   graphdef,
@@ -312,7 +328,7 @@ def build_worker(
   return RolloutWorker(
     sampler=sampler,
     tokenizer=prompts.tokenizer,
-    reward_fn=get_reward_fn(reward or config.task.reward),
+    reward_fn=get_reward_fn(reward) if reward else training_reward(config),
     group_size=r.group_size,
     prompt_len=prompt_len,
     class_max_new_tokens=r.class_max_new_tokens,
@@ -401,7 +417,7 @@ def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: 
     return StreamingRollout(
       build_engine(config, graphdef, mesh, prompts),
       unit,
-      reward_fn=get_reward_fn(config.task.reward),
+      reward_fn=training_reward(config),
       tokenizer=prompts.tokenizer,
       group_size=r.group_size,
       budgets=r.class_max_new_tokens,
