@@ -35,6 +35,7 @@ def get_config(arg=None):
   c.prefill_chunk = 64
   c.lanes = 1
   c.rounds = 3
+  c.version_every = 4  # new_groups engines get a new version every 4 calls (0: skip them)
   if arg in (None, ""):
     return c
   if arg == "quick":

@@ -17,8 +17,17 @@ compile round:
 Per rollout: generated tokens per second (median over rounds), and for the engines the
 group-start stall fraction: the share of engine seconds no live sample advanced for a group
 start, from the same least-squares fit the simulator's calibration uses
-(`knitjax.sim.calibration.engine_call_fit`), and prefills run. Writes ``DIR/engine.json`` and
-``DIR/engine.png``.
+(`knitjax.sim.calibration.engine_call_fit`), and prefills run.
+
+Version transitions (``version_every`` > 0): two more engines with ``adoption="new_groups"`` and
+two param slots get a new policy version every ``version_every`` calls (as weight sync after each
+mini-batch does), so old groups finish on their version while new groups start on the next:
+
+* ``versions_split``: each version's live rows decoded in their own bucket (the engine now);
+* ``versions_unsplit``: one pass over every slot per version with live rows (the engine before).
+
+For these: tokens/s and the slot rows the decode passes computed (deterministic, unlike time).
+Writes ``DIR/engine.json`` and ``DIR/engine.png``.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from knitjax.sim.calibration import engine_call_fit
 
 BOS, EOS, PAD = 1, 2, 0
 ROLLOUTS = ("before", "after", "batched")
+VERSIONED = ("versions_split", "versions_unsplit")
 
 
 def _prompts(config: mc.ConfigDict, rng: np.random.Generator) -> list[tuple[np.ndarray, int]]:
@@ -52,7 +62,8 @@ def _prompts(config: mc.ConfigDict, rng: np.random.Generator) -> list[tuple[np.n
 
 
 def _engine(config, graphdef, mesh, sampling, which: str) -> ContinuousEngine:
-  after = which == "after"
+  after = which != "before"
+  versioned = which in VERSIONED
   return ContinuousEngine(
     graphdef,
     mesh=mesh,
@@ -65,15 +76,21 @@ def _engine(config, graphdef, mesh, sampling, which: str) -> ContinuousEngine:
     prefill_chunk=config.prefill_chunk if after else 0,
     share_prefix=after,
     decode_steps=config.decode_steps,
-    adoption="mid_generation",
+    adoption="new_groups" if versioned else "mid_generation",
+    split_versions=which != "versions_unsplit",
   )
 
 
-def _drive_engine(engine: ContinuousEngine, prompts, G: int, seed: int) -> dict:
-  """Starts groups as room frees up (as `StreamingRollout` does) until every sample is done."""
+def _drive_engine(
+  engine: ContinuousEngine, prompts, G: int, seed: int, versions=None, every: int = 0
+) -> dict:
+  """Starts groups as room frees up (as `StreamingRollout` does) until every sample is done;
+  with ``versions`` (param sets), loads the next one every ``every`` calls."""
   pending, calls, tokens, samples = list(prompts), [], 0, 0
   t_start, call = time.perf_counter(), 0
   while pending or engine.live_samples:
+    if versions and call % every == every - 1:
+      engine.load(versions[(engine.version + 1) % len(versions)], engine.version + 1)
     requests, n = [], 0
     while pending and engine.capacity(G, [G] * n):
       toks, budget = pending.pop(0)
@@ -147,24 +164,32 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
   )
   wave = config.slots // G
 
-  engines = {w: _engine(config, graphdef, mesh, sampling, w) for w in ROLLOUTS[:2]}
+  rollouts = ROLLOUTS + (VERSIONED if config.version_every else ())
+  engines = {w: _engine(config, graphdef, mesh, sampling, w) for w in rollouts if w != "batched"}
   for e in engines.values():
     e.load(params, 0)
+  # A second policy version, measurably different (new_groups engines alternate between them).
+  versions = (params, jax.tree.map(lambda x: x * 1.01, params))
 
   def once(which: str, items, seed: int) -> dict:
     if which == "batched":
       return _drive_batched(sampler, params, items, G, wave, seed)
     engine = engines[which]  # drained after each run; reused so nothing compiles again
-    prefills = engine.prefills
-    out = _drive_engine(engine, items, G, seed)
-    out["prefills"] = engine.prefills - prefills
+    before = (engine.prefills, engine.rows_decoded, engine.rows_unsplit)
+    if which in VERSIONED:
+      out = _drive_engine(engine, items, G, seed, versions, config.version_every)
+    else:
+      out = _drive_engine(engine, items, G, seed)
+    out["prefills"] = engine.prefills - before[0]
+    out["rows_decoded"] = engine.rows_decoded - before[1]
+    out["rows_unsplit"] = engine.rows_unsplit - before[2]
     return out
 
-  for which in ROLLOUTS:  # compile (every call shape) on a few groups
+  for which in rollouts:  # compile (every call shape) on a few groups
     once(which, prompts[: 2 * wave], seed=10_000)
-  runs = {w: [] for w in ROLLOUTS}
+  runs = {w: [] for w in rollouts}
   for r in range(config.rounds):
-    order = ROLLOUTS if r % 2 == 0 else ROLLOUTS[::-1]
+    order = rollouts if r % 2 == 0 else rollouts[::-1]
     for which in order:
       runs[which].append(once(which, prompts, seed=r))
       print(
@@ -185,12 +210,18 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
       entry.update(engine_call_fit(calls))
       entry["prefills"] = rs[0]["prefills"]
       entry["engine_calls"] = len(calls)
+      entry["rows_decoded"] = rs[0]["rows_decoded"]
+      entry["rows_unsplit"] = rs[0]["rows_unsplit"]
     out["rollouts"][which] = entry
   ro = out["rollouts"]
   out["after_vs_before"] = ro["after"]["tokens_per_s"] / ro["before"]["tokens_per_s"]
   out["after_vs_batched"] = ro["after"]["tokens_per_s"] / ro["batched"]["tokens_per_s"]
   out["stall_fraction_before"] = ro["before"]["group_start_stall_fraction"]
   out["stall_fraction_after"] = ro["after"]["group_start_stall_fraction"]
+  if config.version_every:
+    split, unsplit = ro["versions_split"], ro["versions_unsplit"]
+    out["versions_split_vs_unsplit"] = split["tokens_per_s"] / unsplit["tokens_per_s"]
+    out["versions_rows_split_vs_unsplit"] = split["rows_decoded"] / unsplit["rows_decoded"]
   with open(os.path.join(workdir, "engine.json"), "w") as f:
     json.dump(out, f, indent=1)
   _plot(os.path.join(workdir, "engine.png"), out)
@@ -209,6 +240,11 @@ def _table(out: dict) -> str:
   lines.append(
     f"after / before {out['after_vs_before']:.2f}x, after / batched {out['after_vs_batched']:.2f}x"
   )
+  if "versions_split_vs_unsplit" in out:
+    lines.append(
+      f"version transitions: split / unsplit {out['versions_split_vs_unsplit']:.2f}x tokens/s, "
+      f"{out['versions_rows_split_vs_unsplit']:.2f}x rows decoded"
+    )
   return "\n".join(lines)
 
 

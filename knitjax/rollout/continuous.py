@@ -118,6 +118,7 @@ class ContinuousEngine:
     decode_steps: int = 8,
     adoption: str = "mid_generation",
     param_slots: int = 2,
+    split_versions: bool = True,
   ):
     """Builds an idle engine; call `load` before the first `step`.
 
@@ -137,6 +138,8 @@ class ContinuousEngine:
         taken up).
       adoption: ``"mid_generation"`` (partial rollout) or ``"new_groups"``.
       param_slots: versions held at once with ``"new_groups"`` (1 with mid-generation).
+      split_versions: decode each version's live rows in their own bucket (default); False runs
+        one pass over every slot per version with live rows (the engine benchmark's baseline).
     """
     shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
     if adoption not in ADOPTION:
@@ -178,12 +181,15 @@ class ContinuousEngine:
       eos_ids=self.eos_ids,
       pad_id=pad_id,
       chunk=self.chunk,
+      split_versions=split_versions,
     )
     self.calls = 0
     self.decode_iterations = 0  # loop iterations (max over shards per call), summed over calls
     self.decode_passes = 0  # iterations that decoded live slots (max over shards)
     self.chunk_passes = 0  # iterations that ran a prefill chunk (max over shards)
     self.prefills = 0  # prompts prefilled (lanes started)
+    self.rows_decoded = 0  # slot rows the decode passes computed, summed over shards and passes
+    self.rows_unsplit = 0  # the same with one pass over every slot per live version (old rule)
     self.call_s = 0.0
 
   # ---- weights ------------------------------------------------------------------------------
@@ -367,6 +373,8 @@ class ContinuousEngine:
     self.decode_iterations += int(np.max(stats.iterations))
     self.decode_passes += int(np.max(stats.decode_passes))
     self.chunk_passes += int(np.max(stats.chunk_passes))
+    self.rows_decoded += int(np.sum(stats.rows))
+    self.rows_unsplit += int(np.sum(stats.rows_unsplit))
     self._lane_busy = [bool(a) for a in active]
     return self._harvest(live, wait)
 

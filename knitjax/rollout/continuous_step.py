@@ -14,8 +14,11 @@ sampling needs no collective. The only collective is one scalar sum per iteratio
 lanes), so all shards stop together: after ``decode_steps`` iterations, when nothing is live or
 prefilling, or once a group of ``stop_free`` samples could start (that many free slots and a
 free lane; after at least one iteration). With several param slots (adoption of new versions
-for new groups only) each iteration runs one pass per param slot that has live samples (or
-active lanes); rows take their own slot's results.
+for new groups only) each iteration decodes the live rows of each param slot with that slot's
+parameters, split by version: a slot's rows are gathered into the smallest bucket (a power-of-two
+fraction of the shard's slots) that holds them, so a version transition that leaves a few rows on
+the old version costs a pass over a few rows, not a second pass over every slot (``rows``
+counts what the passes computed). Prefill lanes run one pass per param slot with active lanes.
 
 Layout of a slot's cache row: positions ``[0, Pp)`` hold the left-padded prompt (``Pp``: the
 prompt width rounded up to whole chunks), decoding appends from ``Pp``; RoPE positions count real
@@ -86,11 +89,13 @@ class Starts:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CallStats:
-  """Per shard: loop iterations, decode passes, prefill chunk passes."""
+  """Per shard: loop iterations, decode passes, prefill chunk passes, slot rows decoded."""
 
   iterations: jax.Array
   decode_passes: jax.Array
   chunk_passes: jax.Array
+  rows: jax.Array  # slot rows the decode passes computed (live or not), summed over passes
+  rows_unsplit: jax.Array  # what one pass over every slot per live version would have computed
 
 
 def fresh_cache(model, rows: int, max_len: int):
@@ -122,6 +127,57 @@ def _per_param_slot(models, which, active, fn, init):
   return out
 
 
+def buckets(rows: int, levels: int = 4) -> tuple[int, ...]:
+  """Row counts a version's decode pass may run on: ``rows / 2^k`` for ``k < levels``, rounded
+  up, ascending and distinct (the last is ``rows``: every slot)."""
+  return tuple(sorted({max(1, -(-rows // (1 << k))) for k in range(levels)}))
+
+
+def _gather_rows(idx, tree):
+  return jax.tree.map(lambda x: x[idx], tree)
+
+
+def _split_by_version(models, which, active, fn, init):
+  """``fn(model, rows)`` for the live rows of each param slot, each slot's rows gathered into its
+  smallest bucket; returns the rows' results (``init`` where no slot ran), the rows computed, and
+  the rows one pass over every row per slot with live rows would have computed (the old rule).
+
+  ``fn(model, rows)`` maps a pytree of row arrays (leading axis: rows) to results with the same
+  leading axis. A slot whose rows need every slot runs on all rows, without gathering.
+  """
+  n = which.shape[0]
+  sizes = buckets(n)
+  out, computed, unsplit = init, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+  for v, model in enumerate(models):
+    sel = active & (which == v)
+    count = jnp.sum(sel)
+    # The slot's rows first (stable), then the others: idx[:size] holds all of them.
+    idx = jnp.argsort(~sel, stable=True)
+
+    def bucket(acc, size, model=model, sel=sel, idx=idx):
+      if size == n:
+        return _select(sel, fn(model, None), acc)
+      rows = idx[:size]
+      got = fn(model, rows)
+      mine = sel[rows]
+      return jax.tree.map(
+        lambda a, g: a.at[rows].set(
+          jnp.where(mine.reshape(mine.shape + (1,) * (g.ndim - 1)), g, a[rows])
+        ),
+        acc,
+        got,
+      )
+
+    branches = [functools.partial(bucket, size=size) for size in sizes]
+    pick = jnp.sum(jnp.asarray(sizes) < count)  # the smallest bucket holding `count` rows
+    out = jax.lax.cond(
+      count > 0, lambda a, pick=pick, br=branches: jax.lax.switch(pick, br, a), lambda a: a, out
+    )
+    computed += jnp.where(count > 0, jnp.asarray(sizes)[jnp.minimum(pick, len(sizes) - 1)], 0)
+    unsplit += jnp.where(count > 0, n, 0)
+  return out, computed, unsplit
+
+
 def _engine_shard(
   params,
   state,
@@ -136,8 +192,13 @@ def _engine_shard(
   eos_ids,
   pad_id,
   chunk,
+  split_versions=True,
 ):
-  """One engine call on one batch shard (one scalar psum per iteration, nothing else)."""
+  """One engine call on one batch shard (one scalar psum per iteration, nothing else).
+
+  ``split_versions=False`` decodes every slot once per param slot with live rows (the rule
+  before version splitting; kept for the engine benchmark's A/B).
+  """
   axes = sharding.BATCH_AXES
   rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
   n_local, n_new = state.tokens.shape
@@ -221,15 +282,29 @@ def _engine_shard(
 
     return jax.lax.cond(jnp.any(take), run, lambda s: s, st)
 
-  def decode_rows(model, st):
+  def decode_rows(model, st, rows=None):
+    """Logits and caches of the slot ``rows`` (None: every slot) after one decode step."""
     step = lambda t, q, c: model.decode_step(t[None], q[None], c)  # noqa: E731
-    logits, cache = jax.vmap(step)(st.last_token, st.position, st.cache)
+    args = (st.last_token, st.position, st.cache)
+    logits, cache = jax.vmap(step)(*(args if rows is None else _gather_rows(rows, args)))
     return logits[:, 0], cache
 
   def decode(it, st):
     vocab = models[0].config.vocab_size
     init = (varying(jnp.zeros((n_local, vocab), jnp.float32)), st.cache)
-    logits, cache = _per_param_slot(models, st.pslot, st.live, lambda m: decode_rows(m, st), init)
+    if len(models) == 1:
+      logits, cache = decode_rows(models[0], st)
+      computed = unsplit = jnp.asarray(n_local, jnp.int32)
+    elif not split_versions:
+      logits, cache = _per_param_slot(models, st.pslot, st.live, lambda m: decode_rows(m, st), init)
+      computed = unsplit = n_local * sum(
+        jnp.any(st.live & (st.pslot == v)) for v in range(len(models))
+      ).astype(jnp.int32)
+    else:
+      (logits, cache), computed, unsplit = _split_by_version(
+        models, st.pslot, st.live, lambda m, rows: decode_rows(m, st, rows), init
+      )
+    counts = jnp.stack([computed, unsplit])
     token, logp = _sample(logits, jax.random.fold_in(rng, it), sampling)
     live = st.live
     col = jnp.minimum(st.length, n_new - 1)
@@ -244,7 +319,7 @@ def _engine_shard(
       logprobs=st.logprobs.at[rows, col].set(jnp.where(live, logp, st.logprobs[rows, col])),
       length=length,
       live=live & ~ended,
-    )
+    ), varying(counts)
 
   def busy(st, ln):
     # One all-reduce: live slots, slots waiting for a lane, active lanes (engine-wide).
@@ -277,23 +352,27 @@ def _engine_shard(
     st = go_live(it, st, ln, logits_l, done_l)
     ln = dataclasses.replace(ln, active=ln.active & ~done_l)
     any_live = jnp.any(st.live)
-    st = jax.lax.cond(any_live, lambda s: decode(it, s), lambda s: s, st)
+    st, counts = jax.lax.cond(
+      any_live, lambda s: decode(it, s), lambda s: (s, varying(jnp.zeros(2, jnp.int32))), st
+    )
     stats = CallStats(
       iterations=stats.iterations + 1,
       decode_passes=stats.decode_passes + any_live,
       chunk_passes=stats.chunk_passes + any_lane,
+      rows=stats.rows + counts[0],
+      rows_unsplit=stats.rows_unsplit + counts[1],
     )
     return it + 1, st, ln, stats
 
   zero = varying(jnp.zeros((), jnp.int32))
-  stats0 = CallStats(zero, zero, zero)
+  stats0 = CallStats(zero, zero, zero, zero, zero)
   _, state, lanes, stats = jax.lax.while_loop(
     cond, body, (jnp.zeros((), jnp.int32), state, lanes, stats0)
   )
   return state, lanes, jax.tree.map(lambda x: x[None], stats)
 
 
-def make_engine_call(*, graphdef, mesh, sampling, eos_ids, pad_id, chunk):
+def make_engine_call(*, graphdef, mesh, sampling, eos_ids, pad_id, chunk, split_versions=True):
   """The jitted engine call with its static settings bound once (hashing a `GraphDef` as a
   static argument on every call costs about a millisecond on the host)."""
   fn = functools.partial(
@@ -304,6 +383,7 @@ def make_engine_call(*, graphdef, mesh, sampling, eos_ids, pad_id, chunk):
     eos_ids=eos_ids,
     pad_id=pad_id,
     chunk=chunk,
+    split_versions=split_versions,
   )
   return jax.jit(fn, donate_argnums=(1, 2))
 
@@ -323,6 +403,7 @@ def engine_call(
   eos_ids,
   pad_id,
   chunk,
+  split_versions=True,
 ):
   batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
   fn = functools.partial(
@@ -332,6 +413,7 @@ def engine_call(
     eos_ids=eos_ids,
     pad_id=pad_id,
     chunk=chunk,
+    split_versions=split_versions,
   )
   starts_spec = Starts(prompt=batch, plen=batch, new=batch, pslot=rep, wait=batch, budget=batch)
   return jax.shard_map(

@@ -37,6 +37,7 @@ class RolloutStats:
   decode_iterations: int = 0  # decode iterations run (per shard, summed over calls)
   decode_passes: int = 0  # iterations that decoded live samples (continuous engine)
   chunk_passes: int = 0  # iterations that ran a prefill chunk (continuous engine)
+  rows_decoded: int = 0  # slot rows decode passes computed (continuous engine; >= tokens)
   prefills: int = 0  # prompts prefilled (continuous engine: once per group share)
   live_samples: int = 0  # samples generating now
   shards: int = 1  # independent decode shards (data-parallel rollout devices)

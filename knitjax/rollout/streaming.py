@@ -128,6 +128,7 @@ class StreamingRollout:
       decode_iterations=self.engine.decode_iterations,
       decode_passes=self.engine.decode_passes,
       chunk_passes=self.engine.chunk_passes,
+      rows_decoded=self.engine.rows_decoded,
       prefills=self.engine.prefills,
       live_samples=self.engine.live_samples,
       shards=self.engine.shards,

@@ -18,11 +18,16 @@ def test_quick_run_generates_every_sample_in_each_rollout(tmp_path):
   assert (tmp_path / "engine.png").exists()
   samples = config.groups * config.group_size
   ro = out["rollouts"]
-  assert {w: e["samples"] for w, e in ro.items()} == dict.fromkeys(engine.ROLLOUTS, samples)
+  rollouts = engine.ROLLOUTS + engine.VERSIONED
+  assert {w: e["samples"] for w, e in ro.items()} == dict.fromkeys(rollouts, samples)
   # One prefill per group after (each group fits one shard), one per sample before.
   assert ro["after"]["prefills"] == config.groups
   assert ro["before"]["prefills"] == samples
   assert ro["after"]["chunk_passes"] > 0
+  # Version transitions: the split engine never computes more rows than one pass per version.
+  split, unsplit = ro["versions_split"], ro["versions_unsplit"]
+  assert split["rows_decoded"] <= split["rows_unsplit"]
+  assert unsplit["rows_decoded"] == unsplit["rows_unsplit"]
   assert out["after_vs_before"] == pytest.approx(
     ro["after"]["tokens_per_s"] / ro["before"]["tokens_per_s"]
   )

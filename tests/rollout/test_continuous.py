@@ -279,3 +279,51 @@ def test_group_starts_do_not_stall_live_slots(model):
   # The first group decodes in every iteration of the call that prefills the second.
   assert engine.chunk_passes == 6 and engine.decode_passes == 4
   assert engine.live_samples == 4 and engine.free_slots == 4
+
+
+def test_split_by_version_runs_each_versions_rows_in_its_smallest_bucket():
+  from knitjax.rollout.continuous_step import _split_by_version, buckets
+
+  assert buckets(16) == (2, 4, 8, 16)
+  assert buckets(3) == (1, 2, 3)
+
+  def fn(scale, rows):
+    x = jax.numpy.arange(16.0)
+    return ((x if rows is None else x[rows]) * scale,)
+
+  which = np.array([0] * 13 + [1] * 3)
+  active = np.arange(16) != 5
+  (out,), rows, unsplit = jax.jit(
+    lambda w, a: _split_by_version([10.0, 100.0], w, a, fn, (np.full(16, -1.0),))
+  )(which, active)
+  want = np.where(which == 0, np.arange(16.0) * 10, np.arange(16.0) * 100)
+  want[5] = -1.0  # not active: untouched
+  np.testing.assert_array_equal(out, want)
+  assert int(rows) == 16 + 4  # 12 rows of version 0: every slot; 3 of version 1: a bucket of 4
+  assert int(unsplit) == 16 + 16  # the old rule: a pass over every slot per version
+
+
+def test_a_version_transition_decodes_each_versions_rows_once(model):
+  """Mostly version-0 rows and a few version-1 rows: log-probs exact per version, and the decode
+  computes far fewer rows than one full pass per version."""
+  graphdef, params, params2, _ = model
+  rng = np.random.default_rng(5)
+  first = _requests(0, 14, rng, budget=N)
+  second = _requests(100, 2, rng, budget=N)
+  reqs = {r.tag: r for r in first + second}
+  engine = _engine(
+    model, adoption="new_groups", param_slots=2, slots=16, prefill_lanes=4, decode_steps=2
+  )
+  engine.load(params, 0)
+  done = engine.step(first, rng=jax.random.key(0), stop_free=0)
+  engine.load(params2, 1)
+  before = (engine.rows_decoded, engine.rows_unsplit)
+  done += _drain(engine, reqs, list(second))
+  by_version = {v: [f for f in done if f.version == v] for v in (0, 1)}
+  assert sorted(f.tag for f in by_version[1]) == [100, 101]
+  for v, p in ((0, params), (1, params2)):
+    got, want = _teacher_forced(graphdef, p, reqs, by_version[v])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+  rows, unsplit = engine.rows_decoded - before[0], engine.rows_unsplit - before[1]
+  print(f"rows decoded {rows}; one pass per live version: {unsplit}")
+  assert rows < 0.8 * unsplit, (rows, unsplit)
