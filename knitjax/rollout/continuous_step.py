@@ -151,22 +151,18 @@ def _split_by_version(models, which, active, fn, init):
   for v, model in enumerate(models):
     sel = active & (which == v)
     count = jnp.sum(sel)
-    # The slot's rows first (stable), then the others: idx[:size] holds all of them.
+    # The slot's rows first (stable), then the others: idx[:size] holds all of them, and row r's
+    # result sits at inv[r] of the bucket. Results come back by a gather and a select (XLA's
+    # scatter into the full cache is much slower on the CPU).
     idx = jnp.argsort(~sel, stable=True)
+    inv = jnp.argsort(idx)
 
-    def bucket(acc, size, model=model, sel=sel, idx=idx):
+    def bucket(acc, size, model=model, sel=sel, idx=idx, inv=inv):
       if size == n:
         return _select(sel, fn(model, None), acc)
-      rows = idx[:size]
-      got = fn(model, rows)
-      mine = sel[rows]
-      return jax.tree.map(
-        lambda a, g: a.at[rows].set(
-          jnp.where(mine.reshape(mine.shape + (1,) * (g.ndim - 1)), g, a[rows])
-        ),
-        acc,
-        got,
-      )
+      got = fn(model, idx[:size])
+      back = jnp.minimum(inv, size - 1)  # rows not in the bucket: any index, not selected
+      return _select(sel, _gather_rows(back, got), acc)
 
     branches = [functools.partial(bucket, size=size) for size in sizes]
     pick = jnp.sum(jnp.asarray(sizes) < count)  # the smallest bucket holding `count` rows
