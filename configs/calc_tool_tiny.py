@@ -31,12 +31,13 @@ def get_config(arg=None):
   )
   c.train = common.grpo_train()
   c.admission = dict(policy="minibatch", quotas={"calc": 32}, minibatches=1)
-  c.runtime = dict(mode="colocated", steps=400, log_every=25, prefetch=1)
+  c.runtime = dict(mode="colocated", steps=600, log_every=25, prefetch=1)
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)
   c.checkpoint = dict(every_steps=100, keep=2)
   if arg in ("disagg", "disagg_quick"):
-    # 4 fake devices: 2 sample, 2 train; waves of slots / G = 8 groups; M = 2 mini-batches.
-    c.runtime.update(mode="disaggregated", rollout_devices=2, max_lag_steps=1.0, steps=150)
+    # 4 fake devices: 2 sample, 2 train; up to slots / G = 16 live groups; M = 2 mini-batches.
+    c.runtime.update(mode="disaggregated", rollout_devices=2, max_lag_steps=1.0, steps=200)
+    c.rollout.slots = 128
     c.admission.minibatches = 2
     c.mesh.cpu_devices = 4
   if arg in ("quick", "disagg_quick"):

@@ -68,7 +68,7 @@ class _Group:
   prompt: Prompt
   group_id: int
   version: int  # the policy version its next turn uses
-  oldest: int
+  oldest: int  # the version it started with: its gen version
   trajectories: list[Trajectory]
 
   @property
@@ -125,7 +125,7 @@ class MultiTurnRollout:
       raise ValueError(f"MultiTurnRollout adoption is {adoption!r}; accepted: one of {ADOPTION}.")
     self._sampler, self._unit, self._env = sampler, storage, environment
     self._tokenizer, self._g = tokenizer, group_size
-    self._prompt_len, self._n, self._max_turns = prompt_len, max_new_tokens, max_turns
+    self._n, self._max_turns = max_new_tokens, max_turns
     self._max, self._adoption = max_groups, adoption
     self._params: dict[int, object] = {}
     self._version: int | None = None

@@ -312,6 +312,11 @@ def sampled():
   return graphdef, params, payload, batch, info
 
 
+def _trainer_logprobs(graphdef, params, batch):
+  """The train step's teacher-forced log-probs and entropies of the targets (jitted)."""
+  return jax.jit(sequence_logprobs, static_argnums=(0, 3))(graphdef, params, batch, TEMPERATURE)
+
+
 def optax_norm(tree):
   return optax.tree.norm(tree)
 
@@ -324,6 +329,7 @@ def _env_positions(payload):
   return env
 
 
+@pytest.mark.slow
 def test_behaviour_logprobs_equal_the_trainers_on_the_multi_turn_sequence(sampled):
   graphdef, params, payload, batch, info = sampled
   env = _env_positions(payload)
@@ -333,7 +339,7 @@ def test_behaviour_logprobs_equal_the_trainers_on_the_multi_turn_sequence(sample
   assert payload.rewards.tolist() == [1.5] * 8 and (env.sum(axis=1) == 4).all()
   last_env = np.array([np.flatnonzero(row).max() for row in env])
   assert (batch["loss_mask"][np.arange(8), last_env + 1] == 1).all()
-  logp, _ = sequence_logprobs(graphdef, params, jax.tree.map(jnp.asarray, batch), TEMPERATURE)
+  logp, _ = _trainer_logprobs(graphdef, params, jax.tree.map(jnp.asarray, batch))
   on = batch["loss_mask"] > 0
   assert on.sum() > 8 and (batch["loss_mask"][env] == 0).all()
   assert (on | env).sum() == payload.response_lengths.sum()  # every response token is one of both
@@ -344,6 +350,7 @@ def test_behaviour_logprobs_equal_the_trainers_on_the_multi_turn_sequence(sample
   ).all()
 
 
+@pytest.mark.slow
 def test_environment_tokens_never_get_a_gradient(sampled):
   graphdef, params, payload, batch, _ = sampled
   env = _env_positions(payload)
@@ -373,7 +380,7 @@ def test_environment_tokens_never_get_a_gradient(sampled):
   loss2, grads2 = grad_fn(params, perturbed)
   assert float(loss) == float(loss2) and float(optax_norm(grads)) > 0
   jax.tree.map(np.testing.assert_array_equal, grads, grads2)
-  logp, entropy = sequence_logprobs(graphdef, params, mb, TEMPERATURE)
+  logp, entropy = _trainer_logprobs(graphdef, params, mb)
   d_logp = jax.grad(
     lambda lp: losses.policy_loss(
       lp,
