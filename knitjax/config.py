@@ -508,7 +508,6 @@ def _check_multiturn(sections: dict, engine: str) -> None:
     return
   refused = {
     "config.rollout.class_max_new_tokens": bool(rollout.class_max_new_tokens),
-    "config.runtime.rollout_workers": sections["runtime"].rollout_workers > 0,
     "config.eval.every_steps": sections["eval"].every_steps > 0,
   }
   for key, set_ in refused.items():

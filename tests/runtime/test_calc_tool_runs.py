@@ -34,7 +34,6 @@ def test_auto_picks_the_multiturn_rollout_for_a_task_with_an_environment():
     ("calc", "rollout.turn_tokens", 17, "config.rollout.turn_tokens=17 is not accepted"),
     ("calc", "task.reward", "arith_exact", "config.task.reward='arith_exact' is not accepted"),
     ("calc", "eval.every_steps", 10, "config.eval.every_steps is not accepted with"),
-    ("calc", "runtime.rollout_workers", 2, "config.runtime.rollout_workers is not accepted"),
     ("calc", "rollout.class_max_new_tokens", {"calc": 4}, "class_max_new_tokens is not accepted"),
   ],
 )
@@ -78,3 +77,25 @@ def test_disaggregated_quick_run(tmp_path):
     consumed = [json.loads(line) for line in f if line.strip()]
   assert [(c["step"], c["index"]) for c in consumed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
   assert all(v <= c["consume_version"] for c in consumed for v in c["gen_versions"])
+
+
+@pytest.fixture
+def local_ray():
+  ray = pytest.importorskip("ray")
+  if ray.is_initialized():  # another test of this worker process left its Ray running
+    ray.shutdown()
+  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=1 << 28)
+  yield
+  ray.shutdown()
+
+
+@pytest.mark.slow
+def test_colocated_quick_run_with_a_ray_rollout_worker(local_ray, tmp_path):
+  """The multi-turn rollout inside a Ray actor (HostedRollout drives it turn by turn)."""
+  c = calc_tool_tiny.get_config("quick")
+  c.runtime.rollout_workers = 1
+  train(from_config_dict(c), str(tmp_path))
+  rows = _rows(tmp_path)
+  assert [r["version"] for r in rows] == [1, 2]
+  assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+  assert any(r["env_token_rows"] > 0 for r in rows)
