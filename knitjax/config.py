@@ -33,8 +33,9 @@ MODES = ("colocated", "disaggregated")
 WEIGHT_SYNC = ("minibatch", "step")
 STORAGE = ("in_process", "ray")
 TRANSFER = ("on_demand", "centralized")
-# "auto": the continuous engine for disaggregated text runs, the batched sampler otherwise.
-ENGINES = ("auto", "batched", "continuous")
+# "auto": the multi-turn rollout for tasks with an environment, else the continuous engine for
+# disaggregated text runs and the batched sampler otherwise.
+ENGINES = ("auto", "batched", "continuous", "multiturn")
 ADVANTAGES = tuple(ESTIMATORS)
 CHAT = ("auto", "on", "off")
 
@@ -53,11 +54,13 @@ class TaskConfig:
   system_prompt: str = ""  # the system message of chat prompts ("" = none)
 
   def __post_init__(self):
-    from knitjax.tasks.registry import FILE_TASKS, TASKS
+    from knitjax.tasks.registry import ENVIRONMENT_REWARDS, FILE_TASKS, TASKS
     from knitjax.tasks.rewards import REWARDS
 
     one_of("config.task.name", self.name, tuple(TASKS))
     one_of("config.task.reward", self.reward, tuple(REWARDS))
+    if self.name in ENVIRONMENT_REWARDS:  # the environment scores; the config names its reward
+      one_of("config.task.reward", self.reward, (ENVIRONMENT_REWARDS[self.name],))
     one_of("config.task.chat", self.chat, CHAT)
     positive("config.task.prompt_len", self.prompt_len, allow_zero=True)
     if self.name in FILE_TASKS and not self.path:
@@ -86,11 +89,16 @@ class RolloutConfig:
   prefill_chunk: int = 64
   share_prefix: bool = True
   # What generates behind the rollout contract: "batched" (one sampler call per wave of
-  # slots // group_size groups; colocated: the whole step), "continuous" (the engine), "auto".
+  # slots // group_size groups; colocated: the whole step), "continuous" (the engine),
+  # "multiturn" (model and environment turns, tasks with an environment), "auto".
   engine: str = "auto"
   # DAPO's soft overlong penalty (knitjax.train.reward_shaping): the last ``overlong_buffer``
   # tokens of a sample's budget ramp its reward down by up to 1 (0: off).
   overlong_buffer: int = 0
+  # Multi-turn rollouts: model turns per trajectory, at most, and each turn's token budget
+  # (0: max_new_tokens); max_new_tokens bounds a whole response, environment tokens included.
+  max_turns: int = 1
+  turn_tokens: int = 0
 
   def __post_init__(self):
     positive("config.rollout.group_size", self.group_size)
@@ -110,6 +118,13 @@ class RolloutConfig:
       )
     one_of("config.rollout.engine", self.engine, ENGINES)
     positive("config.rollout.max_new_tokens", self.max_new_tokens)
+    positive("config.rollout.max_turns", self.max_turns)
+    positive("config.rollout.turn_tokens", self.turn_tokens, allow_zero=True)
+    if self.turn_tokens > self.max_new_tokens:
+      raise ValueError(
+        f"config.rollout.turn_tokens={self.turn_tokens!r} is not accepted; it must be in "
+        f"[0, max_new_tokens={self.max_new_tokens}] (0: max_new_tokens)."
+      )
     for cls, n in self.class_max_new_tokens.items():
       if not isinstance(n, int) or not 1 <= n <= self.max_new_tokens:
         raise ValueError(
@@ -458,11 +473,16 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
 
 def _resolve_engine(sections: dict, vision: VisionConfig | None) -> RolloutConfig:
   """Resolves ``rollout.engine="auto"`` and checks the rollout can run the policy."""
+  from knitjax.tasks.registry import ENVIRONMENTS
+
   rollout, runtime, task = sections["rollout"], sections["runtime"], sections["task"]
   engine = rollout.engine
-  if engine == "auto":
+  if engine == "auto" and task.name in ENVIRONMENTS:
+    engine = "multiturn"
+  elif engine == "auto":
     text_disagg = runtime.mode == "disaggregated" and vision is None
     engine = "continuous" if text_disagg else "batched"
+  _check_multiturn(sections, engine)
   if vision is not None:
     if engine == "continuous":
       raise ValueError(
@@ -475,6 +495,37 @@ def _resolve_engine(sections: dict, vision: VisionConfig | None) -> RolloutConfi
         "count_images."
       )
   return dataclasses.replace(rollout, engine=engine)
+
+
+def _check_multiturn(sections: dict, engine: str) -> None:
+  """Tasks with an environment run on the multi-turn rollout, and only they do."""
+  from knitjax.tasks.registry import ENVIRONMENTS
+
+  rollout, task = sections["rollout"], sections["task"]
+  if (engine == "multiturn") != (task.name in ENVIRONMENTS):
+    raise ValueError(
+      f"config.rollout.engine={engine!r} does not fit config.task.name={task.name!r}; "
+      f"engine 'multiturn' (or 'auto') runs exactly the tasks with an environment: "
+      f"{', '.join(ENVIRONMENTS)}."
+    )
+  if engine != "multiturn":
+    if rollout.max_turns != 1 or rollout.turn_tokens:
+      raise ValueError(
+        "config.rollout.max_turns / turn_tokens apply to config.rollout.engine='multiturn' only; "
+        "leave them at 1 / 0."
+      )
+    return
+  refused = {
+    "config.rollout.class_max_new_tokens": bool(rollout.class_max_new_tokens),
+    "config.rollout.overlong_buffer": rollout.overlong_buffer > 0,
+    "config.eval.every_steps": sections["eval"].every_steps > 0,
+  }
+  for key, set_ in refused.items():
+    if set_:
+      raise ValueError(
+        f"{key} is not accepted with config.rollout.engine='multiturn' (not supported yet); "
+        "leave it at its default."
+      )
 
 
 def _check_class_budgets(sections: dict) -> None:

@@ -6,6 +6,8 @@ Every rollout implements :class:`Rollout`, whatever generates the samples:
   every started group in one jitted call (a "wave");
 - :class:`knitjax.rollout.streaming.StreamingRollout`: the continuous-batching engine; groups
   start as slots free up and finish out of order;
+- :class:`knitjax.rollout.multiturn.MultiTurnRollout`: model turns and environment turns (tool
+  results) alternate inside each trajectory; one ``step`` is one model turn of every live one;
 - :class:`knitjax.rollout.ray_worker.RayRollout`: either of them inside Ray actors, one per
   rollout host, each writing into a storage unit on its own node.
 

@@ -21,6 +21,7 @@ from knitjax.models.transformer import Transformer
 from knitjax.models.vlm import VLM, make_prompt_embedder
 from knitjax.rollout.continuous import ContinuousEngine
 from knitjax.rollout.contract import Rollout
+from knitjax.rollout.multiturn import MultiTurnRollout, stop_ids
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.rollout.streaming import StreamingRollout
 from knitjax.rollout.worker import BatchedRollout, RolloutWorker
@@ -28,7 +29,7 @@ from knitjax.runtime.evaluation import EvalLog, Evaluator, PeriodicEval
 from knitjax.runtime.learner import Learner
 from knitjax.tasks import count_images
 from knitjax.tasks.prompts import Prompt, PromptSource
-from knitjax.tasks.registry import make_prompt_source
+from knitjax.tasks.registry import make_environment, make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.tasks.streams import ClassStreams
 from knitjax.tasks.tokenizer import CharTokenizer
@@ -413,6 +414,8 @@ def _groups_per_call(config: Config) -> int | None:
 def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: StorageUnit):
   """The in-process rollout of ``rollout.engine`` on ``mesh``, writing into ``unit``."""
   r = config.rollout
+  if r.engine == "multiturn":
+    return build_multiturn(config, graphdef, mesh, prompts, unit)
   if r.engine == "continuous":
     return StreamingRollout(
       build_engine(config, graphdef, mesh, prompts),
@@ -424,6 +427,38 @@ def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: 
     )
   worker = build_worker(config, graphdef, mesh, prompts)
   return BatchedRollout(worker, unit, max_groups=_groups_per_call(config))
+
+
+def build_multiturn(
+  config: Config, graphdef, mesh, prompts: ClassStreams, unit: StorageUnit
+) -> MultiTurnRollout:
+  """The multi-turn rollout (``rollout.engine="multiturn"``): a sampler whose prompt is a turn's
+  whole context (``P + N``), ``turn_tokens`` per turn, stopping also at the environment's stop
+  texts; waves of ``slots // group_size`` live groups in disaggregated runs."""
+  r = config.rollout
+  environment = make_environment(config.task.name)
+  sampler = Sampler(
+    graphdef,
+    mesh=mesh,
+    sampling=dataclasses.replace(
+      _sampling(config), max_new_tokens=r.turn_tokens or r.max_new_tokens
+    ),
+    eos_id=stop_ids(environment, prompts.tokenizer),
+    pad_id=prompts.tokenizer.pad_id,
+    prompt_len=prompts.prompt_len + r.max_new_tokens,
+  )
+  return MultiTurnRollout(
+    sampler,
+    unit,
+    environment=environment,
+    tokenizer=prompts.tokenizer,
+    group_size=r.group_size,
+    prompt_len=prompts.prompt_len,
+    max_new_tokens=r.max_new_tokens,
+    max_turns=r.max_turns,
+    max_groups=_groups_per_call(config),
+    adoption=config.runtime.adoption,
+  )
 
 
 def hosted_rollout(config: Config, storage: StorageUnit):

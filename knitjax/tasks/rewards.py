@@ -25,13 +25,15 @@ Rewards:
   longtail: class ``arith`` as arith_exact; class ``think``: 1.0 when the token just before the
     first EOS is the answer digit (any tokens may come before it).
   count_exact: 1.0 when the completion is exactly the shape count then EOS (count_images).
+  calc_answer: 1.0 when the completion is exactly the product then EOS (calc_tool's final
+    answer; its environment adds partial credit after a right tool call).
 """
 
 from collections.abc import Callable
 
 import numpy as np
 
-from knitjax.tasks import arith, count_images, gsm8k, longtail
+from knitjax.tasks import arith, calc_tool, count_images, gsm8k, longtail
 from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.tokenizer import CharTokenizer
 
@@ -44,6 +46,7 @@ REWARDS: dict[str, RewardFn] = {
   "math": gsm8k.math_reward,
   "longtail": longtail.reward,
   "count_exact": count_images.exact_reward,
+  "calc_answer": calc_tool.answer_reward,
 }
 
 

@@ -100,8 +100,9 @@ def layout_groups(
     np.asarray(compute_advantages(p.rewards[None], layout.estimator), np.float32)[0]
     for p in payloads
   ]
+  rows = stack_rows(payloads)
   batch = make_batch(
-    stack_rows(payloads),
+    rows,
     np.concatenate(advantages),
     prompt_len=layout.prompt_len,
     max_new_tokens=layout.max_new_tokens,
@@ -113,8 +114,18 @@ def layout_groups(
     "reward_std": float(rewards.std()),
     "response_tokens": float(batch["loss_mask"].sum()),  # masked-off tokens are not counted
     "signal_groups": float(np.mean([p.rewards.std() > 0 for p in payloads])),
+    "solved_fraction": float(np.mean(rewards >= 1.0)),  # samples with the full reward
+    "env_token_rows": env_token_rows(rows),
   }
   return batch, info
+
+
+def env_token_rows(rows: Mapping[str, np.ndarray]) -> float:
+  """Fraction of samples whose response holds tokens off the response mask (environment turns
+  of a multi-turn trajectory, e.g. tool results: the fraction that called a tool)."""
+  width = rows["response_mask"].shape[1]
+  inside = np.arange(width)[None, :] < rows["response_lengths"][:, None]
+  return float(np.mean((inside & ~rows["response_mask"]).any(axis=1)))
 
 
 def consumer_batch(

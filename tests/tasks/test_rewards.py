@@ -14,6 +14,7 @@ _TASK_OF = {
   "math": ("gsm8k", {}),
   "longtail": ("longtail", {"cls": "think"}),
   "count_exact": ("count_images", {"num_examples": 10}),
+  "calc_answer": ("calc_tool", {}),
 }
 
 
@@ -25,6 +26,7 @@ def test_registry():
     "math",
     "longtail",
     "count_exact",
+    "calc_answer",
   }
   for name, fn in rewards.REWARDS.items():
     assert rewards.get_reward_fn(name) is fn
@@ -36,7 +38,7 @@ def test_unknown_reward():
   assert (
     str(e.value)
     == "unknown reward 'x'; choose one of: arith_first, arith_exact, numeric_match, math, "
-    "longtail, count_exact"
+    "longtail, count_exact, calc_answer"
   )
 
 

@@ -112,6 +112,8 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
 OUT_OF_RANGE = {
   **{("rollout", f): NONPOS_INT for f in ("group_size", "max_new_tokens", "slots", "decode_steps")},
   ("rollout", "refill_groups"): NONPOS_INT,
+  ("rollout", "max_turns"): NONPOS_INT,
+  ("rollout", "turn_tokens"): NEG_INT,
   ("rollout", "prefill_chunk"): NEG_INT,
   ("rollout", "temperature"): NONPOS_FLOAT,
   ("rollout", "top_k"): NEG_INT,
