@@ -40,14 +40,18 @@ def summarize(rows: list[dict], *, first: int = 5, last: int = 10) -> dict[str, 
 def _main(argv: list[str]) -> None:
   import argparse
 
-  parser = argparse.ArgumentParser(prog="python -m knitjax.bench.reward_summary", description=__doc__)
+  parser = argparse.ArgumentParser(
+    prog="python -m knitjax.bench.reward_summary", description=__doc__
+  )
   parser.add_argument("workdirs", nargs="+")
   parser.add_argument("--first", type=int, default=5)
   parser.add_argument("--last", type=int, default=10)
   args = parser.parse_args(argv)
   for workdir in args.workdirs:
     s = summarize(read_metrics(workdir), first=args.first, last=args.last)
-    extra = "  ".join(f"{k}={v:.4g}" for k, v in s.items() if k.startswith("last_") and k != "last_mean")
+    extra = "  ".join(
+      f"{k}={v:.4g}" for k, v in s.items() if k.startswith("last_") and k != "last_mean"
+    )
     print(
       f"{workdir}: steps {s['steps']:.0f}  first-{args.first} {s['first_mean']:.3f}  "
       f"last-{args.last} {s['last_mean']:.3f}  wall {s['wall_s']:.0f}s  {extra}"

@@ -36,13 +36,13 @@ from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train import losses, mm_step
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
-from knitjax.train.step_advantages import AdvantageConfig
 from knitjax.train.step import (
   StepHParams,
   TrainState,
   compile_train_step,
   init_train_state,
 )
+from knitjax.train.step_advantages import AdvantageConfig
 from knitjax.transfer.access import BatchLayout
 from knitjax.transfer.admission import AdmissionIndex
 from knitjax.transfer.centralized import CentralizedFeed, CentralizedPreparer

@@ -105,9 +105,7 @@ def compute(
     if old_values is None:
       raise ValueError("the gae advantage needs old_values from a model with a value head.")
     rewards = gae_lib.token_rewards(batch["rewards"], mask, kl=kl, kl_coef=kl_coef)
-    adv, returns = gae_lib.gae(
-      rewards, old_values, mask, gamma=config.gamma, lam=config.gae_lambda
-    )
+    adv, returns = gae_lib.gae(rewards, old_values, mask, gamma=config.gamma, lam=config.gae_lambda)
     if config.whiten:
       adv = gae_lib.whiten(adv, mask)
     tokens = jnp.maximum(jnp.sum(mask), 1.0)

@@ -28,6 +28,7 @@ CFG = TransformerConfig(
 P_LEN, N_NEW, ROWS, G = 4, 6, 8, 4
 
 MODES = {
+  # gamma, lambda < 1 and a value clip; the KL a loss term.
   "gae": (AdvantageConfig(estimator="gae", gamma=0.95, gae_lambda=0.9), "loss"),
   "gae_kl_reward": (AdvantageConfig(estimator="gae", value_clip=None), "reward"),
   "grpo_kl_reward": (AdvantageConfig(estimator="grpo"), "reward"),
@@ -54,7 +55,8 @@ def _run(mesh, batch, micro_batches, advantage, kl_penalty, *, ref_scale=0.9):
   config = dataclasses.replace(CFG, value_head=advantage.critic)
   graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
   if advantage.critic:  # a critic that predicts something, so GAE bootstraps from real values
-    params["value_head"]["bias"].value = params["value_head"]["bias"].value + 0.3
+    bias = params["value_head"]["bias"]
+    bias[...] = bias[...] + 0.3
   tx = optax.sgd(1.0)
   state, shardings = init_train_state(params, tx, mesh)
   loss_config = losses.LossConfig(kl_coef=0.05, kl_penalty=kl_penalty, entropy_coef=0.01)
@@ -72,12 +74,15 @@ def _run(mesh, batch, micro_batches, advantage, kl_penalty, *, ref_scale=0.9):
   return grads, host_metrics(metrics)
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+# Each mode compiles the step twice; the first stays in the default run, the rest are slow.
+@pytest.mark.parametrize(
+  "mode", ["gae", *(pytest.param(m, marks=pytest.mark.slow) for m in sorted(MODES) if m != "gae")]
+)
 def test_micro_batch_split_is_exact(mode):
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   batch = _minibatch()
   g1, m1 = _run(mesh, batch, 1, *MODES[mode])
-  for k in (2, 4):
+  for k in (4,):
     gk, mk = _run(mesh, batch, k, *MODES[mode])
     np.testing.assert_allclose(mk["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(gk), strict=True):
@@ -94,6 +99,7 @@ def test_micro_batch_split_is_exact(mode):
     assert m1["kl_reward_penalty"] > 0
 
 
+@pytest.mark.slow
 def test_kl_reward_with_the_reference_equal_to_the_policy_gives_the_host_advantages():
   """KL = 0: the in-step group advantages (segment ops, over both groups) are the host's."""
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
@@ -105,15 +111,3 @@ def test_kl_reward_with_the_reference_equal_to_the_policy_gives_the_host_advanta
   np.testing.assert_allclose(m_reward["loss"], m_loss["loss"], rtol=1e-5, atol=1e-7)
   for a, b in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_reward), strict=True):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
-
-
-def test_the_kl_reward_lowers_the_advantage_of_the_row_far_from_the_reference():
-  """Same rewards in a group: only the KL penalty separates the rows (grpo in the step)."""
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  batch = dict(_minibatch())
-  batch["rewards"] = np.ones(ROWS, np.float32)  # no reward signal left but the KL
-  _, m = _run(mesh, batch, 2, AdvantageConfig(estimator="grpo"), "reward")
-  _, m_loss = _run(mesh, batch, 2, AdvantageConfig(estimator="grpo"), "loss")
-  # The host advantages of this batch are not zero (make_batch got the random rewards'), but in
-  # "reward" mode the step recomputed them from the equal rewards minus the KL penalty.
-  assert m["pg_loss"] != pytest.approx(m_loss["pg_loss"])
