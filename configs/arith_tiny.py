@@ -36,7 +36,9 @@ def get_config(arg=None):
   if "ppo" in flags:
     c.train.update(advantage="gae", **PPO)
   if "kl_reward" in flags:
-    c.train.update(kl_coef=0.02, kl_penalty="reward")
+    # k1 (log pi - log pi_ref) is the per-token reward whose policy gradient is that of the KL;
+    # k3 as a reward penalises every sampled token, most those pi samples less than pi_ref.
+    c.train.update(kl_coef=0.02, kl_penalty="reward", kl_estimator="k1")
   if "quick" in flags:
     c.runtime.steps = 2
     c.runtime.log_every = 1
