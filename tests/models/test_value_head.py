@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from knitjax.models import hf
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train.checkpoint import Checkpointer
 
@@ -53,3 +54,10 @@ def test_the_value_head_round_trips_through_a_checkpoint(tmp_path):
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored["params"]), strict=True):
     np.testing.assert_array_equal(b, a)
   np.testing.assert_allclose(restored["params"]["value_head"]["bias"], 0.25)
+
+
+def test_a_hugging_face_export_leaves_the_critic_out():
+  plain = nnx.state(Transformer(CFG, rngs=nnx.Rngs(0)))
+  critic = nnx.state(Transformer(dataclasses.replace(CFG, value_head=True), rngs=nnx.Rngs(0)))
+  names = lambda state: [item[0] for item in hf.save_items(state, np.dtype(np.float32))]  # noqa: E731
+  assert names(critic) == names(plain)
