@@ -4,6 +4,7 @@ stays exact (the advantages are computed over the whole mini-batch before the sc
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -11,7 +12,7 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
-from knitjax.train import advantages, losses
+from knitjax.train import advantages, losses, step_advantages
 from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
 from knitjax.train.step import (
   StepHParams,
@@ -74,10 +75,36 @@ def _run(mesh, batch, micro_batches, advantage, kl_penalty, *, ref_scale=0.9):
   return grads, host_metrics(metrics)
 
 
-# Each mode compiles the step twice; the first stays in the default run, the rest are slow.
-@pytest.mark.parametrize(
-  "mode", ["gae", *(pytest.param(m, marks=pytest.mark.slow) for m in sorted(MODES) if m != "gae")]
-)
+@pytest.mark.parametrize("mode", ["gae", "grpo_kl_reward"])
+def test_step_advantages_do_not_depend_on_the_split(mode):
+  """The pre-scan advantages (no model: given values and KL) are the same for K = 1, 2, 4."""
+  advantage, _ = MODES[mode]
+  batch = _minibatch()
+  rng = np.random.default_rng(1)
+  t = batch["loss_mask"].shape[1]
+  values, kl = rng.normal(size=(ROWS, t)), rng.gamma(1.0, 0.1, size=(ROWS, t))
+  out = {}
+  for k in (1, 2, 4):
+    split = split_micro_batches({**batch, "values": values, "kl": kl}, k)
+    new, metrics = step_advantages.compute(
+      {f: jnp.asarray(split[f]) for f in ("loss_mask", "rewards", "group_id")},
+      config=advantage,
+      old_values=jnp.asarray(split["values"], jnp.float32) if advantage.critic else None,
+      kl=jnp.asarray(split["kl"], jnp.float32),
+      kl_coef=0.05,
+    )
+    out[k] = ({f: np.asarray(v).reshape(ROWS, -1) for f, v in new.items()}, metrics)
+  for k in (2, 4):
+    for f in out[1][0]:
+      np.testing.assert_allclose(out[k][0][f], out[1][0][f], rtol=1e-6, atol=1e-6, err_msg=f)
+    for key, value in out[1][1].items():
+      np.testing.assert_allclose(out[k][1][key], value, rtol=1e-6, atol=1e-7, err_msg=key)
+  assert np.abs(out[1][0]["advantages"]).max() > 0
+
+
+# Each mode compiles the step twice (about 40 s on a loaded 2-core machine).
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(MODES))
 def test_micro_batch_split_is_exact(mode):
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   batch = _minibatch()
