@@ -3,6 +3,10 @@
 Usage:
   python -m knitjax.main --config configs/arith_tiny.py --workdir /tmp/arith
   python -m knitjax.main --config configs/arith_tiny.py:quick --workdir /tmp/q   # 2 steps, smoke
+  python -m knitjax.main --config configs/arith_tiny.py:ppo --workdir /tmp/ppo  # PPO, critic+GAE
+  python -m knitjax.main --config configs/arith_tiny.py:kl_reward --workdir /tmp/klr
+Variants are comma-separated flags: quick, ppo (advantage "gae", a value head), kl_reward (the
+KL to the initial policy as a reward penalty), e.g. ``:ppo,kl_reward,quick``.
 Settings (configs/common.py): 32 prompts x G=8 per step, lr 1e-3, entropy bonus 0.01,
 PPO-clip 0.2, token-mean, no KL; the reward requires the answer digit then the end token.
 """
@@ -23,10 +27,25 @@ def get_config(arg=None):
   c.runtime = dict(mode="colocated", steps=600, log_every=25, prefetch=1)
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)
   c.checkpoint = dict(every_steps=100, keep=2)
-  if arg == "quick":
+  flags = set(filter(None, (arg or "").split(",")))
+  if unknown := flags - set(VARIANTS):
+    raise ValueError(
+      f"unknown variant {sorted(unknown)} of configs/arith_tiny.py; choose from: "
+      f"{', '.join(VARIANTS)} (comma-separated)."
+    )
+  if "ppo" in flags:
+    c.train.update(advantage="gae", **PPO)
+  if "kl_reward" in flags:
+    # k1 (log pi - log pi_ref) is the per-token reward whose policy gradient is that of the KL;
+    # k3 as a reward penalises every sampled token, most those pi samples less than pi_ref.
+    c.train.update(kl_coef=0.02, kl_penalty="reward", kl_estimator="k1")
+  if "quick" in flags:
     c.runtime.steps = 2
     c.runtime.log_every = 1
     c.checkpoint.every_steps = 1
-  elif arg not in (None, ""):
-    raise ValueError(f"unknown variant {arg!r} of configs/arith_tiny.py; choose: quick.")
   return common.complete(c)
+
+
+VARIANTS = ("quick", "ppo", "kl_reward")
+# PPO with a critic (docs/algorithms.md): gamma = lambda = 1, whitened advantages.
+PPO = dict(gamma=1.0, gae_lambda=1.0, value_coef=0.1, value_clip=0.2, whiten_advantages=True)

@@ -22,10 +22,10 @@ from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.rollout.continuous import ADOPTION
 from knitjax.rollout.scheduling import LAG_UNITS
-from knitjax.train.advantages import ESTIMATORS
 from knitjax.train.kl import KL_ESTIMATORS
-from knitjax.train.losses import AGGREGATIONS, OBJECTIVES
+from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
 from knitjax.train.ratios import RATIO_LEVELS
+from knitjax.train.step_advantages import ADVANTAGES
 from knitjax.transfer.admission import POLICIES
 
 # Choices the runtime implements; runtime sits above config, so config owns their names.
@@ -36,7 +36,6 @@ TRANSFER = ("on_demand", "centralized")
 # "auto": the multi-turn rollout for tasks with an environment, else the continuous engine for
 # disaggregated text runs and the batched sampler otherwise.
 ENGINES = ("auto", "batched", "continuous", "multiturn")
-ADVANTAGES = tuple(ESTIMATORS)
 CHAT = ("auto", "on", "off")
 
 
@@ -102,12 +101,6 @@ class RolloutConfig:
 
   def __post_init__(self):
     positive("config.rollout.group_size", self.group_size)
-    positive("config.rollout.overlong_buffer", self.overlong_buffer, allow_zero=True)
-    if self.overlong_buffer > min([self.max_new_tokens, *self.class_max_new_tokens.values()]):
-      raise ValueError(
-        f"config.rollout.overlong_buffer={self.overlong_buffer} is not accepted; it must be at "
-        "most every token budget (max_new_tokens and each class_max_new_tokens)."
-      )
     positive("config.rollout.slots", self.slots)
     positive("config.rollout.decode_steps", self.decode_steps)
     positive("config.rollout.refill_groups", self.refill_groups)
@@ -137,6 +130,12 @@ class RolloutConfig:
       raise ValueError(
         f"config.rollout.top_p={self.top_p!r} is not accepted; it must be in (0, 1]."
       )
+    positive("config.rollout.overlong_buffer", self.overlong_buffer, allow_zero=True)
+    if self.overlong_buffer > min([self.max_new_tokens, *self.class_max_new_tokens.values()]):
+      raise ValueError(
+        f"config.rollout.overlong_buffer={self.overlong_buffer} is not accepted; it must be at "
+        "most every token budget (max_new_tokens and each class_max_new_tokens)."
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,7 +149,7 @@ class TrainConfig:
   b2: float = 0.99
   grad_clip: float = 1.0
   micro_batches: int = 1
-  advantage: str = "grpo"
+  advantage: str = "grpo"  # group estimators "grpo", "drgrpo", "rloo"; "gae": PPO with a critic
   eps_low: float = 0.2
   eps_high: float = 0.2
   aggregation: str = "token_mean"  # see docs/algorithms.md for the loss menu
@@ -161,7 +160,16 @@ class TrainConfig:
   kl_coef: float = 0.0
   kl_estimator: str = "k3"  # "k1", "k2", "k3" (Schulman 2020)
   kl_clamp: float = 0.0  # clamp each token's KL estimate to [-kl_clamp, kl_clamp]; 0: off
+  # "loss": kl_coef * KL is a loss term; "reward": it is subtracted from the rewards (per token
+  # with gae, summed per sequence before the group estimators), computed in the step.
+  kl_penalty: str = "loss"
   entropy_coef: float = 0.0
+  # PPO with a critic (advantage "gae"; docs/algorithms.md): a value head on the policy's trunk.
+  gamma: float = 1.0
+  gae_lambda: float = 1.0  # 1: A_t = R - V(s_t) with a terminal reward, unbiased by the critic
+  value_coef: float = 0.1
+  value_clip: float = 0.2  # PPO2's clipped value loss around the old values; 0: unclipped
+  whiten_advantages: bool = True
   encoder_dedup: bool = True  # VLM: encode each unique image once per mini-batch
   remat_encoder: bool = False  # VLM dedup: recompute the encoder in its backward
 
@@ -189,6 +197,24 @@ class TrainConfig:
     one_of("config.train.objective", self.objective, OBJECTIVES)
     one_of("config.train.ratio_level", self.ratio_level, RATIO_LEVELS)
     one_of("config.train.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+    one_of("config.train.kl_penalty", self.kl_penalty, KL_PENALTIES)
+    if self.kl_penalty == "reward" and not self.kl_coef > 0:
+      raise ValueError(
+        "config.train.kl_penalty='reward' is not accepted with config.train.kl_coef=0; set "
+        "kl_coef > 0 or kl_penalty='loss'."
+      )
+    for name in ("gamma", "gae_lambda"):
+      if not 0.0 <= getattr(self, name) <= 1.0:
+        raise ValueError(
+          f"config.train.{name}={getattr(self, name)!r} is not accepted; it must be in [0, 1]."
+        )
+    positive("config.train.value_coef", self.value_coef, allow_zero=self.advantage != "gae")
+    positive("config.train.value_clip", self.value_clip, allow_zero=True)
+    if not isinstance(self.whiten_advantages, bool):
+      raise ValueError(
+        f"config.train.whiten_advantages={self.whiten_advantages!r} is not accepted; use True "
+        "or False."
+      )
     positive("config.train.kl_clamp", self.kl_clamp, allow_zero=True)
     if not (self.eps_c == 0 or self.eps_c > 1.0):
       raise ValueError(
@@ -459,6 +485,7 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   elif config.get("vision"):
     vision = build_section(VisionConfig, config["vision"], "config.vision")
   sections["rollout"] = _resolve_engine(sections, vision)
+  model = _with_value_head(model, sections["train"], vision)
   _check_class_budgets(sections)
   _check_micro_batches(sections)
   return Config(
@@ -526,6 +553,20 @@ def _check_multiturn(sections: dict, engine: str) -> None:
         f"{key} is not accepted with config.rollout.engine='multiturn' (not supported yet); "
         "leave it at its default."
       )
+
+
+def _with_value_head(
+  model: TransformerConfig, train: TrainConfig, vision: VisionConfig | None
+) -> TransformerConfig:
+  """The policy model, with a critic head when the advantage is "gae" (text models only)."""
+  in_step = train.advantage == "gae" or train.kl_penalty == "reward"
+  if vision is not None and in_step:
+    raise ValueError(
+      f"config.train.advantage={train.advantage!r} with kl_penalty={train.kl_penalty!r} is not "
+      "accepted with a VLM (config.vision); its step takes host advantages only: use advantage "
+      "'grpo', 'drgrpo' or 'rloo' with kl_penalty 'loss'."
+    )
+  return dataclasses.replace(model, value_head=train.advantage == "gae")
 
 
 def _check_class_budgets(sections: dict) -> None:

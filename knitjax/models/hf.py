@@ -328,6 +328,8 @@ def save_items(state: nnx.State, dtype: np.dtype, rename=None) -> list[tuple]:
   """
   items = []
   for key, variable in nnx.to_flat_state(state):
+    if key[0] == "value_head":  # PPO's critic head: a causal LM checkpoint has no place for it
+      continue
     value, slot = _value(variable), _slot(key)
     fetch = lambda value=value, slot=slot: slot.to_hf(_host(value, dtype))
     name = slot.name if rename is None else rename(slot.name)

@@ -228,6 +228,21 @@ class Embed(nnx.Module):
     return jnp.einsum("...d,vd->...v", x_btd, table, preferred_element_type=jnp.float32)
 
 
+class ValueHead(nnx.Module):
+  """The critic's head: one float32 value per position, ``V = x @ w + b``, from the final-normed
+  hidden state the logits also read (a shared trunk, as in the value-head models of Ziegler et
+  al., 2019). Zero-initialised, so a fresh critic predicts 0 and PPO starts from ``A = R``."""
+
+  def __init__(self, d_model: int, *, rngs: nnx.Rngs):
+    zeros = jax.nn.initializers.zeros
+    self.kernel = param(rngs, zeros, (d_model,), ("embed",))
+    self.bias = param(rngs, zeros, (), ())
+
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    x = x_btd.astype(jnp.float32)
+    return jnp.einsum("...d,d->...", x, self.kernel[...]) + self.bias[...]
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE, optional q/k RMSNorm and optional q/k/v bias."""
 

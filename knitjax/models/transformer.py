@@ -36,6 +36,8 @@ class TransformerConfig:
   qk_norm: bool = False  # Qwen3
   qkv_bias: bool = False  # Qwen2 / Qwen2.5
   dtype: str = "float32"  # "float32" | "bfloat16"
+  # A critic head on the shared trunk (`logits_and_values`); PPO with GAE sets it.
+  value_head: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_dim"):
@@ -158,6 +160,8 @@ class Transformer(nnx.Module):
         (config.d_model, config.vocab_size),
         ("embed", "vocab"),
       )
+    # Created last, so a value head leaves the other params' random init unchanged.
+    self.value_head = layers.ValueHead(config.d_model, rngs=rngs) if config.value_head else None
 
   def _rope(self, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
     c = self.config
@@ -195,6 +199,23 @@ class Transformer(nnx.Module):
       valid_bt: bool, False on padding; a query sees keys that are earlier-or-equal AND valid.
       embeddings_btd: used instead of `embed(tokens_bt)` when given (e.g. image rows spliced in).
     """
+    return self._logits(self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd))
+
+  def logits_and_values(
+    self, tokens_bt: jax.Array, positions_bt: jax.Array, valid_bt: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
+    """Full-sequence forward of policy and critic: float32 logits [B, T, V] and values [B, T].
+
+    The value at position ``t`` estimates the return from the state ``tokens[: t + 1]``, the
+    state in which the logits at ``t`` choose token ``t + 1``. Needs ``config.value_head``.
+    """
+    if self.value_head is None:
+      raise ValueError("logits_and_values needs a value head; set TransformerConfig.value_head.")
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, None)
+    return self._logits(x), self.value_head(self.final_norm(x))
+
+  def _hidden(self, tokens_bt, positions_bt, valid_bt, embeddings_btd) -> jax.Array:
+    """The last block's output [B, T, D] (before the final norm)."""
     x = self._inputs(tokens_bt, embeddings_btd)
     t = x.shape[1]
     causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
@@ -202,7 +223,7 @@ class Transformer(nnx.Module):
     sin_cos = self._rope(positions_bt)
     for block in self.blocks:
       x, _ = block(x, sin_cos, mask_bts)
-    return self._logits(x)
+    return x
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     """An empty cache for `batch` sequences of up to `max_len` positions (prompt + response)."""

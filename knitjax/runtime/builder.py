@@ -17,6 +17,7 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.config import Config
+from knitjax.models.layers import ValueHead
 from knitjax.models.transformer import Transformer
 from knitjax.models.vlm import VLM, make_prompt_embedder
 from knitjax.rollout.continuous import ContinuousEngine
@@ -43,6 +44,7 @@ from knitjax.train.step import (
   compile_train_step,
   init_train_state,
 )
+from knitjax.train.step_advantages import AdvantageConfig
 from knitjax.transfer.access import BatchLayout
 from knitjax.transfer.admission import AdmissionIndex
 from knitjax.transfer.centralized import CentralizedFeed, CentralizedPreparer
@@ -211,6 +213,8 @@ def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
     from knitjax.models import hf
 
     _, graphdef, params = hf.init_from_hf(config.init_from, mesh, dtype=config.model.dtype)
+    if config.model.value_head:
+      return _add_value_head(config, params, mesh)
     return graphdef, params
   if config.vision is not None:
     image_id = count_images.image_token_id(count_images.make_tokenizer())
@@ -219,6 +223,16 @@ def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
       mesh,
     )
   return sharding.init_sharded(lambda: Transformer(config.model, rngs=nnx.Rngs(config.seed)), mesh)
+
+
+def _add_value_head(config: Config, trunk: nnx.State, mesh) -> tuple[nnx.GraphDef, nnx.State]:
+  """A checkpoint's params with a fresh (zero) critic head: the policy of PPO with a critic."""
+  _, head = sharding.init_sharded(lambda: ValueHead(config.model.d_model, rngs=nnx.Rngs(0)), mesh)
+  abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(abstract)
+  pure = {**nnx.to_pure_dict(trunk), "value_head": nnx.to_pure_dict(head)}
+  nnx.replace_by_pure_dict(params, pure)
+  return graphdef, params
 
 
 def build_trainer(config: Config, graphdef, params, mesh):
@@ -238,7 +252,16 @@ def build_trainer(config: Config, graphdef, params, mesh):
       kl_coef=t.kl_coef,
       kl_estimator=t.kl_estimator,
       kl_clamp=t.kl_clamp or None,
+      kl_penalty=t.kl_penalty,
       entropy_coef=t.entropy_coef,
+    ),
+    advantage=AdvantageConfig(
+      estimator=t.advantage,
+      gamma=t.gamma,
+      gae_lambda=t.gae_lambda,
+      whiten=t.whiten_advantages,
+      value_coef=t.value_coef,
+      value_clip=t.value_clip or None,
     ),
     temperature=config.rollout.temperature,
     max_new_tokens=config.rollout.max_new_tokens,

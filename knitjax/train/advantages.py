@@ -94,3 +94,45 @@ def reward_metrics(rewards_gn) -> dict[str, float]:
     "reward_std": float(r.std()),
     "frac_groups_with_signal": float(signal),
   }
+
+
+def segment_advantages(rewards_r, group_ids_r, estimator: str, *, eps: float = 1e-6):
+  """The group estimators on flat rows (jax, jittable): rows of a group share a group id.
+
+  Equals :func:`compute_advantages` on the same rewards laid out ``[num_groups, G]`` (the
+  statistics of each group come from segment sums instead of a row of the array), so a jitted
+  step can recompute advantages after changing rewards (the KL penalty as a reward). Rows may
+  come in any order and groups may have different sizes; ``rloo`` needs every group to have at
+  least 2 rows (a 1-row group's advantage is then 0, as its rewards carry no signal).
+
+  Args:
+    rewards_r: ``[R]`` one reward per row.
+    group_ids_r: ``[R]`` int group id per row (any ints; only equality matters).
+    estimator: a key of ``ESTIMATORS``.
+    eps: added to the std in ``grpo``.
+
+  Returns:
+    ``[R]`` float32 advantages.
+  """
+  if estimator not in ESTIMATORS:
+    raise ValueError(
+      f"unknown advantage estimator {estimator!r}; choose one of: {', '.join(ESTIMATORS)}."
+    )
+  r = jnp.asarray(rewards_r, jnp.float32)
+  n_rows = r.shape[0]
+  _, seg = jnp.unique(jnp.asarray(group_ids_r), size=n_rows, return_inverse=True)
+  seg = seg.reshape(n_rows)
+  segment_sum = lambda x: jax.ops.segment_sum(x, seg, num_segments=n_rows)  # noqa: E731
+  count = segment_sum(jnp.ones_like(r))[seg]
+  total = segment_sum(r)[seg]
+  mean = total / count
+  if estimator == "grpo":
+    std = jnp.sqrt(segment_sum(jnp.square(r - mean))[seg] / count)
+    adv = (r - mean) / (std + eps)
+  elif estimator == "drgrpo":
+    adv = r - mean
+  else:  # rloo
+    adv = r - (total - r) / jnp.maximum(count - 1.0, 1.0)
+  high = jax.ops.segment_max(r, seg, num_segments=n_rows)[seg]
+  low = jax.ops.segment_min(r, seg, num_segments=n_rows)[seg]
+  return jnp.where(high > low, adv, 0.0).astype(jnp.float32)

@@ -100,6 +100,8 @@ def make_batch(
   prompt_len: int,
   max_new_tokens: int,
   pad_id: int,
+  rewards: np.ndarray | None = None,
+  group_ids: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
   """Builds the arrays of one mini-batch from row arrays (rows in the given order).
 
@@ -114,10 +116,14 @@ def make_batch(
     prompt_len: ``P``, the padded prompt length.
     max_new_tokens: ``N``, the padded response length.
     pad_id: padding token id.
+    rewards: ``[R]`` sequence reward per row (the step recomputes advantages from them for GAE
+      or the KL as a reward); None: zeros.
+    group_ids: ``[R]`` the group of each row (rows of a group share it); None: one group per row.
 
   Returns:
     ``tokens, positions, valid, targets, loss_mask, behavior_logp`` of shape ``[R, P + N]``
-    (left-padded prompt | right-padded response) and ``advantages`` of shape ``[R]``.
+    (left-padded prompt | right-padded response) and ``advantages``, ``rewards`` (float32) and
+    ``group_id`` (int32) of shape ``[R]``.
 
   Raises:
     ValueError: a field is missing or mis-shaped, or a prompt or response does not fit.
@@ -193,6 +199,8 @@ def make_batch(
     "loss_mask": loss_mask,
     "behavior_logp": behavior,
     "advantages": np.asarray(advantages, np.float32).reshape(r),
+    "rewards": np.asarray(np.zeros(r) if rewards is None else rewards, np.float32).reshape(r),
+    "group_id": np.asarray(np.arange(r) if group_ids is None else group_ids, np.int32).reshape(r),
   }
 
 

@@ -1,7 +1,7 @@
 """The policy loss of GRPO-family training (the loss menu), exact under micro-batching.
 
-Per response token ``t`` of sequence ``i`` with advantage ``A_i`` (docs/algorithms.md has the
-menu with references):
+Per response token ``t`` of sequence ``i`` with advantage ``A_i`` (or ``A_it``: GAE gives one
+per token; docs/algorithms.md has the menu with references):
 
   r     = exp(log-ratio), per token or per sequence    (ratio_level: knitjax.train.ratios)
   pg_t  = -min(r~ * A, clip(r, 1 - eps_low, 1 + eps_high) * A)       (objective "ppo")
@@ -9,6 +9,9 @@ menu with references):
   pg_t  = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp_t       (objective "cispo")
   kl_t  = k1, k2 or k3 estimate of KL(pi || pi_ref), maybe clamped   (knitjax.train.kl)
   loss  = agg(pg) + kl_coef * agg(kl) - entropy_coef * agg(entropy)
+
+With ``kl_penalty="reward"`` the KL term leaves the loss (it is subtracted from the rewards before
+the advantages instead, ``knitjax.train.step_advantages``); its value is still reported.
 
 ``sg`` is stop-gradient; ``agg`` is one of ``knitjax.train.aggregation.AGGREGATIONS``:
 ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum_unscaled`` (the mean of per-row
@@ -66,6 +69,9 @@ __all__ = [
 ]
 
 OBJECTIVES = ("ppo", "cispo")
+# Where the KL to the reference goes: a loss term, or a penalty on the rewards (computed by the
+# step before the advantages, knitjax.train.step_advantages).
+KL_PENALTIES = ("loss", "reward")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -91,6 +97,7 @@ class LossConfig:
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   kl_clamp: float | None = None
+  kl_penalty: str = "loss"
   entropy_coef: float = 0.0
 
   def __post_init__(self):
@@ -102,6 +109,7 @@ class LossConfig:
     _choice("objective", self.objective, OBJECTIVES)
     _choice("ratio level", self.ratio_level, ratios.RATIO_LEVELS)
     _choice("kl estimator", self.kl_estimator, kl_lib.KL_ESTIMATORS)
+    _choice("kl penalty", self.kl_penalty, KL_PENALTIES)
     if self.tis_cap is not None and not self.tis_cap >= 1.0 + self.eps_high:
       raise ValueError(
         f"tis_cap must be None or >= 1 + eps_high = {1.0 + self.eps_high}, got {self.tis_cap}."
@@ -188,7 +196,7 @@ def policy_loss(
   Args:
     logp_bt: current policy log-probs of the response tokens (differentiated).
     behavior_logp_bt: the sampler's log-probs of the same tokens.
-    advantages_b: one advantage per sequence.
+    advantages_b: one advantage per sequence ``[B]``, or one per token ``[B, T]`` (GAE).
     mask_bt: 1 on response tokens, 0 on prompt and padding. Rows must be whole (sequence ratios
       and per-row lengths are computed from them).
     config: loss hyper-parameters.
@@ -211,7 +219,8 @@ def policy_loss(
   agg = lambda x: aggregate(x, mask_bt, aggregation=config.aggregation, norm=norm)
   m = mask_bt.astype(jnp.float32)
   logp = logp_bt.astype(jnp.float32)
-  adv = advantages_b.astype(jnp.float32)[:, None]
+  adv = advantages_b.astype(jnp.float32)
+  adv = adv[:, None] if adv.ndim == 1 else adv
 
   token_log_r = ratios.log_ratio(logp, behavior_logp_bt, mask_bt)
   if config.ratio_level == "token":
@@ -229,7 +238,7 @@ def policy_loss(
   kl_sum = zero
   if ref_logp_bt is not None:
     kl = kl_lib.kl_estimate(logp, ref_logp_bt, estimator=config.kl_estimator, clamp=config.kl_clamp)
-    if config.kl_coef > 0:
+    if config.kl_coef > 0 and config.kl_penalty == "loss":
       loss = loss + config.kl_coef * agg(kl)
     kl_sum = jnp.sum(kl * m)
   entropy_sum = zero
@@ -262,7 +271,8 @@ def finalize_metrics(sums: dict) -> dict[str, float]:
   Returns clip_frac (tokens the clip binds on: PPO's sign-aware clip, or CISPO's weight clip),
   dual_clip_frac (tokens whose loss the dual-clip capped), tis_frac, approx_kl, ratio_mean (of
   the ratio the loss uses: the sequence ratio for GSPO), pg_loss, entropy and kl (the configured
-  estimator; 0 when not computed), plus num_tokens and num_seqs.
+  estimator; 0 when not computed), plus num_tokens and num_seqs; with a critic (GAE) also
+  value_loss and value_clip_frac (from ``value_loss_sum`` and ``value_clip_sum``).
   """
   sums = {k: float(np.asarray(v)) for k, v in jax.device_get(sums).items()}
   tokens = max(sums["token_sum"], 1.0)
@@ -275,8 +285,10 @@ def finalize_metrics(sums: dict) -> dict[str, float]:
     "pg_loss": "pg_loss_sum",
     "entropy": "entropy_sum",
     "kl": "kl_sum",
+    "value_loss": "value_loss_sum",
+    "value_clip_frac": "value_clip_sum",
   }
-  out = {name: sums[key] / tokens for name, key in names.items()}
+  out = {name: sums[key] / tokens for name, key in names.items() if key in sums}
   out["num_tokens"] = sums["token_sum"]
   out["num_seqs"] = sums["seq_sum"]
   return out

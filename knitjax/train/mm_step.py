@@ -200,7 +200,15 @@ def mm_train_step(
   remat_encoder: bool = False,
   ref_params: nnx.State | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """Applies one optimizer update from a multimodal mini-batch (see the module docstring)."""
+  """Applies one optimizer update from a multimodal mini-batch (see the module docstring).
+
+  Advantages come from the host: the critic (GAE) and the KL as a reward are text-only.
+  """
+  if hparams.advantages_in_step:
+    raise ValueError(
+      "the VLM step takes host advantages only; use advantage 'grpo', 'drgrpo' or 'rloo' with "
+      "kl_penalty 'loss'."
+    )
   loss, sums, grads, counts = mm_value_and_grad(
     state.params,
     batch,

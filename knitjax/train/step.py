@@ -5,6 +5,14 @@ step scans over the micro-batches, accumulating gradients. Every micro-batch
 is normalised by the *mini-batch's* token and sequence counts
 (:class:`~knitjax.train.losses.Normalizer`), so the summed loss and gradient are
 exactly those of the whole mini-batch however it is split.
+
+Before the scan, outside the gradient, the step runs the forward passes that
+need the whole mini-batch: the reference policy's log-probs (a KL term), and,
+for PPO with a critic (GAE) or the KL as a reward, the current params' values
+and log-probs, from which :mod:`knitjax.train.step_advantages` recomputes the
+advantages. With a critic each micro-batch adds ``value_coef`` times the
+clipped value loss (:mod:`knitjax.train.value_loss`), aggregated like the
+policy loss.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from knitjax import sharding
-from knitjax.train import losses
+from knitjax.train import kl as kl_lib
+from knitjax.train import losses, step_advantages, value_loss
+from knitjax.train.step_advantages import AdvantageConfig
 
 MICRO_BATCH_FIELDS = (
   "tokens",
@@ -30,6 +40,8 @@ MICRO_BATCH_FIELDS = (
   "loss_mask",
   "behavior_logp",
   "advantages",
+  "rewards",  # [rows] sequence rewards: advantages recomputed in the step (GAE, KL as reward)
+  "group_id",  # [rows] the row's group (GroupMeta.group_id): in-step group estimators
 )
 
 
@@ -47,18 +59,42 @@ class StepHParams:
   """Static hyperparameters the step is compiled for."""
 
   loss: losses.LossConfig
+  advantage: AdvantageConfig = AdvantageConfig()
   temperature: float = 1.0
   max_new_tokens: int = 1  # Dr. GRPO's constant normaliser
+
+  @property
+  def advantages_in_step(self) -> bool:
+    """Whether the step recomputes the advantages (a critic, or the KL as a reward)."""
+    return self.advantage.critic or self.loss.kl_penalty == "reward"
 
 
 def sequence_logprobs(
   graphdef: nnx.GraphDef, params: nnx.State, mb: dict[str, jax.Array], temperature: float
 ) -> tuple[jax.Array, jax.Array]:
   """Per-token log-probs and entropies of the targets, at the sampling temperature."""
+  logp, entropy, _ = forward(graphdef, params, mb, temperature, values=False)
+  return logp, entropy
+
+
+def forward(
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  mb: dict[str, jax.Array],
+  temperature: float,
+  *,
+  values: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """Log-probs and entropies of the targets (at the sampling temperature), and with ``values``
+  the critic's values ``[B, T]`` from the same forward pass (else None)."""
   model = nnx.merge(graphdef, params)
-  logits = model(mb["tokens"], mb["positions"], mb["valid"]).astype(jnp.float32)
-  logits = logits / temperature
-  return losses.token_logprobs(logits, mb["targets"]), losses.token_entropy(logits)
+  inputs = (mb["tokens"], mb["positions"], mb["valid"])
+  if values:
+    logits, values_bt = model.logits_and_values(*inputs)
+  else:
+    logits, values_bt = model(*inputs), None
+  logits = logits.astype(jnp.float32) / temperature
+  return losses.token_logprobs(logits, mb["targets"]), losses.token_entropy(logits), values_bt
 
 
 def micro_batch_loss(
@@ -70,8 +106,9 @@ def micro_batch_loss(
   hparams: StepHParams,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """One micro-batch's contribution to the mini-batch loss, and its metric sums."""
-  logp, entropy = sequence_logprobs(graphdef, params, mb, hparams.temperature)
-  return losses.policy_loss(
+  critic = hparams.advantage.critic
+  logp, entropy, values = forward(graphdef, params, mb, hparams.temperature, values=critic)
+  loss, sums = losses.policy_loss(
     logp,
     mb["behavior_logp"],
     mb["advantages"],
@@ -81,6 +118,52 @@ def micro_batch_loss(
     ref_logp_bt=mb.get("ref_logp"),
     entropy_bt=entropy,
   )
+  if critic:
+    a = hparams.advantage
+    v_loss, v_clipped = value_loss.value_loss(
+      values, mb["old_values"], mb["returns"], clip=a.value_clip
+    )
+    m = mb["loss_mask"].astype(jnp.float32)
+    agg = losses.aggregate(v_loss, m, aggregation=hparams.loss.aggregation, norm=norm)
+    loss = loss + a.value_coef * agg
+    sums = {
+      **sums,
+      "value_loss_sum": jax.lax.stop_gradient(jnp.sum(v_loss * m)),
+      "value_clip_sum": jnp.sum(v_clipped * m),
+    }
+  return loss, sums
+
+
+def recompute_advantages(
+  batch: dict[str, jax.Array],
+  params: nnx.State,
+  *,
+  graphdef: nnx.GraphDef,
+  hparams: StepHParams,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """The batch with its advantages recomputed over the whole mini-batch, and their metrics.
+
+  The current params' log-probs and values of every micro-batch (``jax.lax.map``, outside the
+  gradient) give the KL penalty (against ``batch["ref_logp"]``) and the critic's old values.
+  """
+  loss = hparams.loss
+  reward_kl = loss.kl_penalty == "reward" and loss.kl_coef > 0
+  if reward_kl and "ref_logp" not in batch:
+    raise ValueError("kl_penalty='reward' needs the reference policy's params (ref_params).")
+  critic = hparams.advantage.critic
+  logp, _, values = jax.lax.map(
+    lambda mb: forward(graphdef, params, mb, hparams.temperature, values=critic), batch
+  )
+  logp, values = jax.lax.stop_gradient((logp, values))
+  kl = None
+  if reward_kl:
+    kl = kl_lib.kl_estimate(
+      logp, batch["ref_logp"], estimator=loss.kl_estimator, clamp=loss.kl_clamp
+    )
+  new, metrics = step_advantages.compute(
+    batch, config=hparams.advantage, old_values=values, kl=kl, kl_coef=loss.kl_coef
+  )
+  return {**batch, **new}, metrics
 
 
 def train_step(
@@ -99,7 +182,7 @@ def train_step(
     batch: ``[K, rows / K, ...]`` arrays (see :mod:`knitjax.train.batch`).
     graphdef: the model's graph definition.
     optimizer: the optax transformation.
-    hparams: loss settings, sampling temperature, response budget.
+    hparams: loss and advantage settings, sampling temperature, response budget.
     ref_params: frozen reference policy, used when ``hparams.loss.kl_coef > 0``.
 
   Returns:
@@ -116,6 +199,11 @@ def train_step(
       lambda mb: sequence_logprobs(graphdef, ref_params, mb, hparams.temperature)[0], batch
     )
     batch = {**batch, "ref_logp": jax.lax.stop_gradient(ref_logp)}
+  adv_metrics = {}
+  if hparams.advantages_in_step:
+    batch, adv_metrics = recompute_advantages(
+      batch, state.params, graphdef=graphdef, hparams=hparams
+    )
 
   def body(carry, mb):
     grads_acc, loss_acc, sums_acc = carry
@@ -139,6 +227,7 @@ def train_step(
     "loss": loss,
     "grad_norm": optax.tree.norm(grads),
     "param_norm": optax.tree.norm(params),
+    **adv_metrics,
     **sums,
   }
   return TrainState(params=params, opt_state=opt_state), metrics

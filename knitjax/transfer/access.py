@@ -29,6 +29,7 @@ import numpy as np
 
 from knitjax.train.advantages import ESTIMATORS, compute_advantages
 from knitjax.train.batch import make_batch
+from knitjax.train.step_advantages import ADVANTAGES
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
 from knitjax.transfer.payload import GroupPayload, stack_rows
@@ -40,7 +41,8 @@ class BatchLayout:
   """How a consumer turns fetched groups into trainer arrays.
 
   Attributes:
-    estimator: advantage estimator, a key of ``knitjax.train.advantages.ESTIMATORS``.
+    estimator: advantage estimator, a key of ``knitjax.train.advantages.ESTIMATORS``, or
+      ``gae`` (the step computes per-token advantages with its critic; the host none).
     prompt_len: ``P``, the padded prompt length of a trainer row.
     max_new_tokens: ``N``, the padded response length of a trainer row.
     pad_id: padding token id.
@@ -52,9 +54,9 @@ class BatchLayout:
   pad_id: int
 
   def __post_init__(self):
-    if self.estimator not in ESTIMATORS:
+    if self.estimator not in ADVANTAGES:
       raise ValueError(
-        f"BatchLayout.estimator is {self.estimator!r}; accepted: one of {list(ESTIMATORS)}."
+        f"BatchLayout.estimator is {self.estimator!r}; accepted: one of {list(ADVANTAGES)}."
       )
     for name, low in (("prompt_len", 1), ("max_new_tokens", 1), ("pad_id", 0)):
       value = getattr(self, name)
@@ -82,7 +84,11 @@ def fetch_minibatch(
   fetched: dict[int, GroupPayload] = {}
   for unit, ids in by_unit.items():
     fetched.update(zip(ids, storage[unit].get(ids), strict=True))
-  batch, info = layout_groups([fetched[g.group_id] for g in minibatch.groups], layout)
+  batch, info = layout_groups(
+    [fetched[g.group_id] for g in minibatch.groups],
+    layout,
+    group_ids=[g.group_id for g in minibatch.groups],
+  )
   if any(g.image_hashes for g in minibatch.groups):
     batch["images"], batch["image_index"] = _fetch_images(minibatch, fetched, storage)
   if "images" in batch:
@@ -92,23 +98,35 @@ def fetch_minibatch(
 
 
 def layout_groups(
-  payloads: Sequence[GroupPayload], layout: BatchLayout
+  payloads: Sequence[GroupPayload], layout: BatchLayout, *, group_ids: Sequence[int] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-  """The groups' rows as trainer arrays (advantages per group) and their reward metrics."""
+  """The groups' rows as trainer arrays (advantages per group) and their reward metrics.
+
+  Every row also carries its sequence reward and its group's id (``group_ids``, e.g. the
+  ``GroupMeta.group_id``s, unique across consumers; None: the groups' positions here), from
+  which the step recomputes advantages when it needs the model for them (GAE, KL as a reward).
+  """
   # Advantages are per group (its G samples), so they are computed before the rows are stacked.
+  # GAE's are per token, from the critic: the step computes them, the host leaves zeros.
   advantages = [
-    np.asarray(compute_advantages(p.rewards[None], layout.estimator), np.float32)[0]
+    np.zeros(p.num_samples, np.float32)
+    if layout.estimator not in ESTIMATORS
+    else np.asarray(compute_advantages(p.rewards[None], layout.estimator), np.float32)[0]
     for p in payloads
   ]
   rows = stack_rows(payloads)
+  if group_ids is None:
+    group_ids = range(len(payloads))
+  rewards = np.concatenate([p.rewards for p in payloads])
   batch = make_batch(
     rows,
     np.concatenate(advantages),
     prompt_len=layout.prompt_len,
     max_new_tokens=layout.max_new_tokens,
     pad_id=layout.pad_id,
+    rewards=rewards,
+    group_ids=np.repeat(np.asarray(list(group_ids), np.int64), [p.num_samples for p in payloads]),
   )
-  rewards = np.concatenate([p.rewards for p in payloads])
   info = {
     "reward_mean": float(rewards.mean()),
     "reward_std": float(rewards.std()),

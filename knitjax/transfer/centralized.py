@@ -100,7 +100,7 @@ def _materialise(
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """One mini-batch laid out as the driver sends it: every row with its own image copy."""
   groups = [payloads[g.group_id] for g in mb.groups]
-  batch, info = layout_groups(groups, layout)
+  batch, info = layout_groups(groups, layout, group_ids=[g.group_id for g in mb.groups])
   if any(g.image_hashes for g in mb.groups):
     like = images[next(h for g in mb.groups for h in g.image_hashes)]
     per_row, has = [], []

@@ -34,6 +34,8 @@ def reference_batch(prompts, responses, logps, advantages, *, prompt_len, max_ne
     "loss_mask": loss_mask,
     "behavior_logp": behavior,
     "advantages": np.asarray(advantages, np.float32),
+    "rewards": np.zeros(rows, np.float32),  # make_batch's defaults: no rewards, a group per row
+    "group_id": np.arange(rows, dtype=np.int32),
   }
 
 
@@ -182,3 +184,13 @@ def test_pack_rows_pads_right_and_checks_logprob_counts():
   np.testing.assert_array_equal(rows["logprobs"], [[-1, -2, -3], [0, 0, 0]])
   with pytest.raises(ValueError, match="row 0 has 2 log-probs for 3 response tokens"):
     pack_rows([np.ones(1, np.int32)], [np.ones(3, np.int32)], [np.ones(2, np.float32)])
+
+
+def test_rewards_and_group_ids_travel_with_the_rows():
+  prompts, responses, logps, adv = ragged(np.random.default_rng(3), 4)
+  got = make_batch(
+    pack_rows(prompts, responses, logps), adv, prompt_len=P, max_new_tokens=N, pad_id=PAD,
+    rewards=[1, 0, 0.5, 2], group_ids=[7, 7, 3, 3],
+  )  # fmt: skip
+  np.testing.assert_array_equal(got["rewards"], np.array([1, 0, 0.5, 2], np.float32))
+  np.testing.assert_array_equal(got["group_id"], np.array([7, 7, 3, 3], np.int32))

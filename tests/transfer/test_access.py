@@ -53,6 +53,8 @@ def _per_row(payloads):
     prompt_len=P_LEN,
     max_new_tokens=N_NEW,
     pad_id=0,
+    rewards=np.concatenate([p["rewards"] for p in payloads]),
+    group_ids=np.repeat(np.arange(len(payloads)), G),  # _stored's group ids: 0, 1, ...
   )
 
 
@@ -127,3 +129,14 @@ def test_response_longer_than_the_layout_is_refused():
   short = BatchLayout(estimator="grpo", prompt_len=P_LEN, max_new_tokens=1, pad_id=0)
   with pytest.raises(ValueError, match="does not fit max_new_tokens=1"):
     fetch_minibatch(mb, units, short)
+
+
+def test_gae_layout_leaves_the_advantages_to_the_step():
+  """With the critic the host computes no advantages; rows carry rewards and group ids."""
+  payloads = _payloads(5, n=3)
+  mb, units = _stored(payloads)
+  layout = BatchLayout(estimator="gae", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
+  batch, _ = fetch_minibatch(mb, units, layout)
+  np.testing.assert_array_equal(batch["advantages"], 0.0)
+  np.testing.assert_array_equal(batch["rewards"], np.concatenate([p["rewards"] for p in payloads]))
+  np.testing.assert_array_equal(batch["group_id"], np.repeat([0, 1, 2], G))

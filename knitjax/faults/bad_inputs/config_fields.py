@@ -80,7 +80,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
   from knitjax.tasks.registry import TASKS
   from knitjax.tasks.rewards import REWARDS
   from knitjax.train.kl import KL_ESTIMATORS
-  from knitjax.train.losses import AGGREGATIONS, OBJECTIVES
+  from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
   from knitjax.train.ratios import RATIO_LEVELS
   from knitjax.transfer.admission import POLICIES
 
@@ -93,6 +93,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     ("train", "objective"): OBJECTIVES,
     ("train", "ratio_level"): RATIO_LEVELS,
     ("train", "kl_estimator"): KL_ESTIMATORS,
+    ("train", "kl_penalty"): KL_PENALTIES,
     ("admission", "policy"): POLICIES,
     ("runtime", "mode"): config.MODES,
     ("runtime", "weight_sync"): config.WEIGHT_SYNC,
@@ -114,6 +115,7 @@ OUT_OF_RANGE = {
   ("rollout", "refill_groups"): NONPOS_INT,
   ("rollout", "max_turns"): NONPOS_INT,
   ("rollout", "turn_tokens"): NEG_INT,
+  ("rollout", "overlong_buffer"): NEG_INT,
   ("rollout", "prefill_chunk"): NEG_INT,
   ("rollout", "temperature"): NONPOS_FLOAT,
   ("rollout", "top_k"): NEG_INT,
@@ -125,6 +127,11 @@ OUT_OF_RANGE = {
   ("train", "warmup_steps"): NEG_INT,
   ("train", "micro_batches"): NONPOS_INT,
   **{("train", f): NEG_FLOAT for f in ("grad_clip", "tis_cap", "kl_coef", "kl_clamp")},
+  **{("train", f): NEG_FLOAT for f in ("value_coef", "value_clip")},
+  **{
+    ("train", f): st.one_of(NEG_FLOAT, st.floats(min_value=1.0, exclude_min=True, max_value=1e6))
+    for f in ("gamma", "gae_lambda")
+  },
   # 0 is off; a dual-clip constant must exceed 1.
   ("train", "eps_c"): st.one_of(
     NEG_FLOAT, st.floats(min_value=0.0, max_value=1.0, exclude_min=True, allow_infinity=False)

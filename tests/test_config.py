@@ -1,0 +1,50 @@
+"""Config validation of PPO with a critic and of the KL as a reward (one sentence per error)."""
+
+import pytest
+
+from configs import arith_tiny, count_vlm_tiny
+from knitjax.config import from_config_dict
+
+
+def _arith(variant="quick", **train):
+  c = arith_tiny.get_config(variant)
+  c.train.update(train)
+  return c
+
+
+def test_gae_gives_the_policy_a_value_head_and_only_gae_does():
+  assert from_config_dict(arith_tiny.get_config("ppo,quick")).model.value_head
+  assert not from_config_dict(arith_tiny.get_config("quick")).model.value_head
+  assert not from_config_dict(arith_tiny.get_config("kl_reward,quick")).model.value_head
+
+
+@pytest.mark.parametrize(
+  "train, match",
+  [
+    (dict(advantage="ppo"), r"config.train.advantage='ppo' is not accepted; choose one of: "
+     r"grpo, drgrpo, rloo, gae"),
+    (dict(kl_penalty="advantage"), r"config.train.kl_penalty='advantage' is not accepted"),
+    (dict(kl_penalty="reward"), r"kl_penalty='reward' is not accepted with config.train.kl_coef=0"),
+    (dict(gamma=1.5), r"config.train.gamma=1.5 is not accepted; it must be in \[0, 1\]"),
+    (dict(gae_lambda=-0.1), r"config.train.gae_lambda=-0.1 is not accepted"),
+    (dict(advantage="gae", value_coef=0.0), r"config.train.value_coef=0.0 is not accepted; it "
+     r"must be > 0"),
+    (dict(value_clip=-0.2), r"config.train.value_clip=-0.2 is not accepted; it must be >= 0"),
+  ],
+)  # fmt: skip
+def test_bad_ppo_fields_are_one_sentence(train, match):
+  with pytest.raises(ValueError, match=match):
+    from_config_dict(_arith(**train))
+
+
+@pytest.mark.parametrize("train", [dict(advantage="gae"), dict(kl_coef=0.1, kl_penalty="reward")])
+def test_a_vlm_refuses_in_step_advantages(train):
+  c = count_vlm_tiny.get_config("quick")
+  c.train.update(train)
+  with pytest.raises(ValueError, match="is not accepted with a VLM"):
+    from_config_dict(c)
+
+
+def test_unknown_arith_variant():
+  with pytest.raises(ValueError, match=r"unknown variant \['pop'\]"):
+    arith_tiny.get_config("ppo,pop")
