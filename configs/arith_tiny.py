@@ -11,6 +11,8 @@ import ml_collections
 
 from configs import common
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
@@ -23,10 +25,19 @@ def get_config(arg=None):
   c.runtime = dict(mode="colocated", steps=600, log_every=25, prefetch=1)
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)
   c.checkpoint = dict(every_steps=100, keep=2)
-  if arg == "quick":
+  variants = (arg or "").split(",")
+  if "lora" in variants:
+    # LoRA adapters (rank 16, every projection) train; the base (this seed's init, or
+    # --config.init_from=DIR) stays frozen. docs/algorithms.md, "LoRA".
+    c.model.update(lora_rank=16, lora_alpha=32.0, lora_targets=list(LORA_TARGETS))
+    c.model.lora_base_dtype = "float32"
+    c.train.lr = 3e-3
+  if "quick" in variants:
     c.runtime.steps = 2
     c.runtime.log_every = 1
     c.checkpoint.every_steps = 1
-  elif arg not in (None, ""):
-    raise ValueError(f"unknown variant {arg!r} of configs/arith_tiny.py; choose: quick.")
+  if unknown := [v for v in variants if v not in ("", "lora", "quick")]:
+    raise ValueError(
+      f"unknown variant {unknown[0]!r} of configs/arith_tiny.py; choose: quick, lora, lora,quick."
+    )
   return common.complete(c)

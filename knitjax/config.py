@@ -434,6 +434,11 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     )
   elif config.get("vision"):
     vision = build_section(VisionConfig, config["vision"], "config.vision")
+  if vision is not None and model.lora_rank:
+    raise ValueError(
+      f"config.model.lora_rank={model.lora_rank} is not supported for a VLM (config.vision); "
+      "LoRA covers text decoders: set lora_rank=0 to fine-tune the VLM fully."
+    )
   sections["rollout"] = _resolve_engine(sections, vision)
   _check_class_budgets(sections)
   _check_micro_batches(sections)
