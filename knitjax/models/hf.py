@@ -309,10 +309,12 @@ def save_hf_params(
       `model.safetensors.index.json`, as `save_pretrained` writes for big models.
 
   Tensors are fetched to the host one at a time while writing. In a multi-process run every
-  process must call this (params are gathered); only process 0 writes.
+  process must call this (params are gathered); only process 0 writes. LoRA adapters are merged
+  into their kernels first (``W + (alpha / r)·A·B``, `lora.merged`): the folder holds the plain
+  model, which loads without LoRA.
   """
   dtype = _save_dtype(dtype)
-  items = save_items(_split_state(model_or_state)[0], dtype)
+  items = save_items(lora.merged(_split_state(model_or_state)[0]), dtype)
   hf_config = config_to_hf(config, torch_dtype=_TORCH_DTYPES[DTYPE_NAMES[dtype]])
   write_folder(path, items, hf_config, dtype=dtype, max_shard_bytes=max_shard_bytes)
 

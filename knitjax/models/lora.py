@@ -192,5 +192,5 @@ def cast_base(params: nnx.State, dtype: str, mesh) -> nnx.State:
 def tree_bytes(tree) -> int:
   """Bytes of a pytree's arrays (concrete or `jax.ShapeDtypeStruct`), e.g. params published per
   version or an optimizer state."""
-  leaves = jax.tree.leaves(tree)
-  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves if hasattr(x, "shape"))
+  arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "shape")]
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays)
