@@ -3,6 +3,7 @@
 Usage:
   python -m knitjax.main --config configs/arith_tiny.py --workdir /tmp/arith
   python -m knitjax.main --config configs/arith_tiny.py:quick --workdir /tmp/q   # 2 steps, smoke
+  python -m knitjax.main --config configs/arith_tiny.py:lora --workdir /tmp/lora  # LoRA r=16
 Settings (configs/common.py): 32 prompts x G=8 per step, lr 1e-3, entropy bonus 0.01,
 PPO-clip 0.2, token-mean, no KL; the reward requires the answer digit then the end token.
 """
