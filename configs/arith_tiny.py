@@ -5,8 +5,10 @@ Usage:
   python -m knitjax.main --config configs/arith_tiny.py:quick --workdir /tmp/q   # 2 steps, smoke
   python -m knitjax.main --config configs/arith_tiny.py:ppo --workdir /tmp/ppo  # PPO, critic+GAE
   python -m knitjax.main --config configs/arith_tiny.py:kl_reward --workdir /tmp/klr
+  python -m knitjax.main --config configs/arith_tiny.py:lora --workdir /tmp/lora  # LoRA r=16
 Variants are comma-separated flags: quick, ppo (advantage "gae", a value head), kl_reward (the
-KL to the initial policy as a reward penalty), e.g. ``:ppo,kl_reward,quick``.
+KL to the initial policy as a reward penalty), lora (adapters only, the base frozen), e.g.
+``:ppo,kl_reward,quick`` or ``:lora,quick``.
 Settings (configs/common.py): 32 prompts x G=8 per step, lr 1e-3, entropy bonus 0.01,
 PPO-clip 0.2, token-mean, no KL; the reward requires the answer digit then the end token.
 """
@@ -14,6 +16,8 @@ PPO-clip 0.2, token-mean, no KL; the reward requires the answer digit then the e
 import ml_collections
 
 from configs import common
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def get_config(arg=None):
@@ -39,6 +43,12 @@ def get_config(arg=None):
     # k1 (log pi - log pi_ref) is the per-token reward whose policy gradient is that of the KL;
     # k3 as a reward penalises every sampled token, most those pi samples less than pi_ref.
     c.train.update(kl_coef=0.02, kl_penalty="reward", kl_estimator="k1")
+  if "lora" in flags:
+    # LoRA adapters (rank 16, every projection) train; the base (this seed's init, or
+    # --config.init_from=DIR) stays frozen. docs/algorithms.md, "LoRA".
+    c.model.update(lora_rank=16, lora_alpha=32.0, lora_targets=list(LORA_TARGETS))
+    c.model.lora_base_dtype = "float32"
+    c.train.lr = 3e-3
   if "quick" in flags:
     c.runtime.steps = 2
     c.runtime.log_every = 1
@@ -46,6 +56,6 @@ def get_config(arg=None):
   return common.complete(c)
 
 
-VARIANTS = ("quick", "ppo", "kl_reward")
+VARIANTS = ("quick", "ppo", "kl_reward", "lora")
 # PPO with a critic (docs/algorithms.md): gamma = lambda = 1, whitened advantages.
 PPO = dict(gamma=1.0, gae_lambda=1.0, value_coef=0.1, value_clip=0.2, whiten_advantages=True)

@@ -484,6 +484,17 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     )
   elif config.get("vision"):
     vision = build_section(VisionConfig, config["vision"], "config.vision")
+  if vision is not None and model.lora_rank:
+    raise ValueError(
+      f"config.model.lora_rank={model.lora_rank} is not supported for a VLM (config.vision); "
+      "LoRA covers text decoders: set lora_rank=0 to fine-tune the VLM fully."
+    )
+  if model.lora_rank and sections["train"].advantage == "gae":
+    raise ValueError(
+      f"config.model.lora_rank={model.lora_rank} is not accepted with config.train.advantage="
+      "'gae': LoRA trains adapters only and would freeze the critic's value head; use "
+      "lora_rank=0 with gae, or a group estimator (grpo, drgrpo, rloo) with LoRA."
+    )
   sections["rollout"] = _resolve_engine(sections, vision)
   model = _with_value_head(model, sections["train"], vision)
   _check_class_budgets(sections)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from knitjax.config_fields import to_plain
+from knitjax.models import lora
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 
@@ -42,7 +43,8 @@ def resolve_init_from(init_from: str) -> str:
 
 
 def model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerConfig:
-  """The decoder shape of a Hugging Face checkpoint; config.model may only choose the dtype.
+  """The decoder shape of a Hugging Face checkpoint; config.model may only choose the dtype and
+  LoRA adapters (`knitjax.models.lora.CONFIG_FIELDS`).
 
   Shape fields a config file sets (the shipped configs set a tiny decoder) are replaced by the
   checkpoint's, with one warning naming each field that differs; unknown fields are an error.
@@ -57,8 +59,14 @@ def model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerCon
     loaded = hf_vision.llava_config_from_hf(path, dtype=dtype)[0]
   else:
     loaded = hf.config_from_hf(path, dtype=dtype)
+  chosen = {k: v for k, v in model.items() if k in lora.CONFIG_FIELDS}
   _warn_replaced(path, "config.model", model, loaded)
-  return loaded
+  if not chosen:
+    return loaded
+  try:
+    return dataclasses.replace(loaded, **chosen)
+  except ValueError as e:
+    raise ValueError(f"config.model: {e}") from None
 
 
 def vision_from_checkpoint(
@@ -125,7 +133,7 @@ def _warn_replaced(path: str, where: str, given: Mapping[str, Any], loaded) -> N
   replaced = [
     f"{k}={v!r}->{getattr(loaded, k)!r}"
     for k, v in sorted(given.items())
-    if k != "dtype" and _plain(v) != _plain(getattr(loaded, k))
+    if k not in ("dtype", *lora.CONFIG_FIELDS) and _plain(v) != _plain(getattr(loaded, k))
   ]
   if replaced:
     logging.warning(

@@ -35,7 +35,7 @@ def evaluate(config, workdir: str) -> dict:
   evaluator = builder.build_evaluator(config, graphdef, mesh, prompts)
   with jax.set_mesh(mesh):
     rng = jax.random.fold_in(builder.eval_rng(config), step)
-    metrics, answers = evaluator(learner.state.params, rng)
+    metrics, answers = evaluator(learner.policy_params, rng)
   learner.close()
   out = {"step": step, "checkpoint": restored is not None, **metrics}
   wd.path(workdir).mkdir(parents=True, exist_ok=True)

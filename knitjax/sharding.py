@@ -29,6 +29,7 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
   "head_dim": None,
   "norm": None,  # norm scales are tiny
   "layers": None,  # a stacked-layers axis, if layers are ever scanned
+  "lora_rank": None,  # LoRA adapters' rank axis: small, the other axis follows its kernel's
 }
 
 

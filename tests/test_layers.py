@@ -27,7 +27,7 @@ PACKAGE = "knitjax"
 #   5  config: typed views of the ConfigDict. Validation names the registries of the parts
 #      below, and only runtime and entry points receive a Config.
 #   6  the loops (runtime) and the simulator (sim), side by side; see FORBIDDEN.
-#   7  entry points: benchmarks, the fault suite, main, eval, chat, cli.
+#   7  entry points: benchmarks, the fault suite, main, eval, export, chat, cli.
 LAYERS = (
   (
     "knitjax",
@@ -48,6 +48,7 @@ LAYERS = (
     "knitjax.faults.*",
     "knitjax.main",
     "knitjax.eval",
+    "knitjax.export",
     "knitjax.chat",
     "knitjax.cli",
   ),

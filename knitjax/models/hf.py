@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from knitjax import sharding as sharding_lib
+from knitjax.models import lora
 from knitjax.models.hf_config import CONFIG_FILE, _read_json, config_from_hf, config_to_hf
 from knitjax.models.safetensors_io import (
   DTYPE_NAMES,
@@ -161,7 +162,9 @@ def _value(variable):
 def _check_config(path: str, config: TransformerConfig) -> None:
   if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
     return
-  want = dataclasses.replace(config_from_hf(path), dtype=config.dtype)
+  # The compute dtype and LoRA adapters are the run's choice; the folder fixes the rest.
+  chosen = {f: getattr(config, f) for f in ("dtype", *lora.CONFIG_FIELDS)}
+  want = dataclasses.replace(config_from_hf(path), **chosen)
   for field in dataclasses.fields(TransformerConfig):
     got, expected = getattr(config, field.name), getattr(want, field.name)
     if got != expected:
@@ -306,10 +309,12 @@ def save_hf_params(
       `model.safetensors.index.json`, as `save_pretrained` writes for big models.
 
   Tensors are fetched to the host one at a time while writing. In a multi-process run every
-  process must call this (params are gathered); only process 0 writes.
+  process must call this (params are gathered); only process 0 writes. LoRA adapters are merged
+  into their kernels first (``W + (alpha / r)·A·B``, `lora.merged`): the folder holds the plain
+  model, which loads without LoRA.
   """
   dtype = _save_dtype(dtype)
-  items = save_items(_split_state(model_or_state)[0], dtype)
+  items = save_items(lora.merged(_split_state(model_or_state)[0]), dtype)
   hf_config = config_to_hf(config, torch_dtype=_TORCH_DTYPES[DTYPE_NAMES[dtype]])
   write_folder(path, items, hf_config, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
@@ -381,14 +386,28 @@ def write_folder(
 
 
 def init_from_hf(
-  path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, dtype: str = "float32"
+  path: str | os.PathLike,
+  mesh: jax.sharding.Mesh | None = None,
+  *,
+  dtype: str = "float32",
+  config: TransformerConfig | None = None,
+  seed: int = 0,
 ):
   """`(config, graphdef, state)` of a Transformer loaded from a checkpoint folder, no random init.
 
   The drop-in for `sharding.init_sharded` when the policy starts from a Hugging Face checkpoint:
   the model is only traced (`nnx.eval_shape`), then each param is read and placed on `mesh`.
+  `config` (default: the folder's, in `dtype`) may add LoRA adapters (`lora_rank` > 0): the
+  checkpoint is then the base, and the adapters start fresh (drawn from `seed`, B = 0).
   """
-  config = config_from_hf(path, dtype=dtype)
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  graphdef, abstract_state = nnx.split(abstract)
-  return config, graphdef, load_hf_params(path, abstract_state, mesh=mesh)
+  path = os.fspath(path)
+  if config is None:
+    config = config_from_hf(path, dtype=dtype)
+  else:
+    _check_config(path, config)
+  make = lambda: Transformer(config, rngs=nnx.Rngs(seed))  # noqa: E731
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
+  if config.lora is None:
+    return config, graphdef, load_hf_params(path, abstract_state, mesh=mesh)
+  base = load_hf_params(path, lora.split(abstract_state)[1], mesh=mesh)
+  return config, graphdef, lora.combine(base, lora.init_adapters(make, mesh))

@@ -3,7 +3,8 @@
 Every parameter is float32 and carries its logical axis names as `out_sharding` metadata
 (`knitjax.sharding` maps them onto the mesh). Computation runs in a configurable `dtype`: params
 are cast at use, while norms, RoPE, attention softmax and the output logits stay in float32.
-RoPE may carry the frequency scaling of long-context checkpoints (`RopeScaling`).
+RoPE may carry the frequency scaling of long-context checkpoints (`RopeScaling`). Given a
+`LoraSpec`, the targeted projections carry low-rank adapters (`knitjax.models.lora`).
 """
 
 import dataclasses
@@ -14,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from knitjax.models import lora as lora_lib
 
 # Compute dtypes a model may run in, by the name configs use (`TransformerConfig.dtype`).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -287,9 +290,19 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(head_dim, eps=norm_eps, rngs=rngs)
     else:
       self.q_norm = self.k_norm = None
+    self.q_lora = self.k_lora = self.v_lora = self.o_lora = None
 
-  def _project(self, x_btd: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+  def add_adapters(self, spec: lora_lib.LoraSpec, rngs: nnx.Rngs) -> None:
+    """Puts LoRA adapters on the projections ``spec`` targets (q, k, v, o)."""
+    for name, n_in in (("q", 1), ("k", 1), ("v", 1), ("o", 2)):
+      kernel = getattr(self, f"{name}_kernel")
+      adapter = lora_lib.adapter(name, spec, kernel, n_in, dtype=self.dtype, rngs=rngs)
+      setattr(self, f"{name}_lora", nnx.data(adapter))
+
+  def _project(self, x_btd: jax.Array, kernel: nnx.Param, bias: nnx.Param | None, adapter):
     out = jnp.einsum("btd,dnh->btnh", x_btd, kernel[...].astype(self.dtype))
+    if adapter is not None:
+      out = out + adapter(x_btd)
     if bias is not None:
       out = out + bias[...].astype(self.dtype)
     return out
@@ -314,9 +327,9 @@ class Attention(nnx.Module):
     Returns:
       The attention output [B, T, D] and the (updated) keys and values.
     """
-    q = self._project(x_btd, self.q_kernel, self.q_bias)
-    k = self._project(x_btd, self.k_kernel, self.k_bias)
-    v = self._project(x_btd, self.v_kernel, self.v_bias)
+    q = self._project(x_btd, self.q_kernel, self.q_bias, self.q_lora)
+    k = self._project(x_btd, self.k_kernel, self.k_bias, self.k_lora)
+    v = self._project(x_btd, self.v_kernel, self.v_bias, self.v_lora)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
@@ -331,8 +344,10 @@ class Attention(nnx.Module):
     scores = jnp.where(mask_bts[:, None, None], scores * self.head_dim**-0.5, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, self.num_heads, self.head_dim)
-    out = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(self.dtype))
-    return out, (k, v)
+    proj = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(self.dtype))
+    if self.o_lora is not None:
+      proj = proj + self.o_lora(out)
+    return proj, (k, v)
 
 
 class MLP(nnx.Module):
@@ -343,8 +358,20 @@ class MLP(nnx.Module):
     self.gate_kernel = param(rngs, _normal(d_model**-0.5), (d_model, ffn_dim), ("embed", "mlp"))
     self.up_kernel = param(rngs, _normal(d_model**-0.5), (d_model, ffn_dim), ("embed", "mlp"))
     self.down_kernel = param(rngs, _normal(ffn_dim**-0.5), (ffn_dim, d_model), ("mlp", "embed"))
+    self.gate_lora = self.up_lora = self.down_lora = None
+
+  def add_adapters(self, spec: lora_lib.LoraSpec, rngs: nnx.Rngs) -> None:
+    """Puts LoRA adapters on the projections ``spec`` targets (gate, up, down)."""
+    for name in ("gate", "up", "down"):
+      kernel = getattr(self, f"{name}_kernel")
+      adapter = lora_lib.adapter(name, spec, kernel, 1, dtype=self.dtype, rngs=rngs)
+      setattr(self, f"{name}_lora", nnx.data(adapter))
+
+  def _project(self, x: jax.Array, kernel: nnx.Param, adapter) -> jax.Array:
+    out = x @ kernel[...].astype(self.dtype)
+    return out if adapter is None else out + adapter(x)
 
   def __call__(self, x_btd: jax.Array) -> jax.Array:
-    gate = x_btd @ self.gate_kernel[...].astype(self.dtype)
-    up = x_btd @ self.up_kernel[...].astype(self.dtype)
-    return (jax.nn.silu(gate) * up) @ self.down_kernel[...].astype(self.dtype)
+    gate = self._project(x_btd, self.gate_kernel, self.gate_lora)
+    up = self._project(x_btd, self.up_kernel, self.up_lora)
+    return self._project(jax.nn.silu(gate) * up, self.down_kernel, self.down_lora)

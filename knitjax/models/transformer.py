@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from knitjax.models import layers
+from knitjax.models import layers, lora
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +38,13 @@ class TransformerConfig:
   dtype: str = "float32"  # "float32" | "bfloat16"
   # A critic head on the shared trunk (`logits_and_values`); PPO with GAE sets it.
   value_head: bool = False
+  # LoRA (knitjax.models.lora): rank 0 trains every param; rank r > 0 puts adapters of rank r
+  # (scale lora_alpha / r) on the lora_targets projections and trains only them, the base frozen
+  # (stored in lora_base_dtype).
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = lora.TARGETS
+  lora_base_dtype: str = "float32"
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_dim"):
@@ -61,6 +68,10 @@ class TransformerConfig:
       raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
     if not self.norm_eps > 0:
       raise ValueError(f"TransformerConfig.norm_eps must be > 0, got {self.norm_eps!r}.")
+    targets = lora.check_fields(
+      self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_base_dtype
+    )
+    object.__setattr__(self, "lora_targets", targets)  # a list from a ConfigDict; hashable now
     scaling = self.rope_scaling
     if isinstance(scaling, Mapping):
       known = {f.name for f in dataclasses.fields(layers.RopeScaling)}
@@ -85,6 +96,13 @@ class TransformerConfig:
   @property
   def compute_dtype(self) -> jnp.dtype:
     return layers.DTYPES[self.dtype]
+
+  @property
+  def lora(self) -> lora.LoraSpec | None:
+    """The adapters' shape, or None without LoRA."""
+    if not self.lora_rank:
+      return None
+    return lora.LoraSpec(self.lora_rank, float(self.lora_alpha), self.lora_targets)
 
 
 @jax.tree_util.register_dataclass
@@ -160,6 +178,11 @@ class Transformer(nnx.Module):
         (config.d_model, config.vocab_size),
         ("embed", "vocab"),
       )
+    if config.lora is not None:
+      # Drawn after every base param, so the base is the same as without LoRA for one seed.
+      for block in self.blocks:
+        block.attn.add_adapters(config.lora, rngs)
+        block.mlp.add_adapters(config.lora, rngs)
     # Created last, so a value head leaves the other params' random init unchanged.
     self.value_head = layers.ValueHead(config.d_model, rngs=rngs) if config.value_head else None
 

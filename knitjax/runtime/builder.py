@@ -17,6 +17,7 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.config import Config
+from knitjax.models import lora
 from knitjax.models.layers import ValueHead
 from knitjax.models.transformer import Transformer
 from knitjax.models.vlm import VLM, make_prompt_embedder
@@ -196,7 +197,18 @@ def build_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
 
 def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
   """Sharded random init of the policy (seeded by ``config.seed``), or the checkpoint of
-  ``config.init_from`` read tensor by tensor onto the mesh (a VLM for a LLaVA checkpoint)."""
+  ``config.init_from`` read tensor by tensor onto the mesh (a VLM for a LLaVA checkpoint).
+
+  With LoRA (``config.model.lora_rank``) the params hold fresh adapters (B = 0) beside the base,
+  which is stored in ``config.model.lora_base_dtype``.
+  """
+  graphdef, params = _build_model(config, mesh)
+  if config.model.lora_rank:
+    params = lora.cast_base(params, config.model.lora_base_dtype, mesh)
+  return graphdef, params
+
+
+def _build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
   if config.init_from and config.vision is not None:
     from knitjax.models import hf_vision
 
@@ -212,7 +224,9 @@ def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
   if config.init_from:
     from knitjax.models import hf
 
-    _, graphdef, params = hf.init_from_hf(config.init_from, mesh, dtype=config.model.dtype)
+    _, graphdef, params = hf.init_from_hf(
+      config.init_from, mesh, config=config.model, seed=config.seed
+    )
     if config.model.value_head:
       return _add_value_head(config, params, mesh)
     return graphdef, params
@@ -236,9 +250,17 @@ def _add_value_head(config: Config, trunk: nnx.State, mesh) -> tuple[nnx.GraphDe
 
 
 def build_trainer(config: Config, graphdef, params, mesh):
-  """Returns ``(state, state_shardings, compiled step, reference params or None)``."""
+  """Returns ``(state, state_shardings, compiled step, the step's third argument or None)``.
+
+  The third argument is the reference params when the loss has a KL term (a copy of the initial
+  params); with LoRA it is the frozen base, always (the train state holds only the adapters, and
+  the reference policy is the base with the adapters off: no copy).
+  """
   t = config.train
   optimizer = make_optimizer(t)
+  frozen = None
+  if config.model.lora_rank:
+    params, frozen = lora.split(params)
   state, shardings = init_train_state(params, optimizer, mesh)
   hparams = StepHParams(
     loss=losses.LossConfig(
@@ -266,7 +288,7 @@ def build_trainer(config: Config, graphdef, params, mesh):
     temperature=config.rollout.temperature,
     max_new_tokens=config.rollout.max_new_tokens,
   )
-  with_ref = t.kl_coef > 0
+  with_ref = t.kl_coef > 0 and frozen is None
   compile_kwargs = dict(
     graphdef=graphdef,
     optimizer=optimizer,
@@ -279,6 +301,11 @@ def build_trainer(config: Config, graphdef, params, mesh):
     step = mm_step.compile_mm_train_step(
       encoder_dedup=t.encoder_dedup, remat_encoder=t.remat_encoder, **compile_kwargs
     )
+  elif frozen is not None:
+    step = compile_train_step(
+      frozen_shardings=sharding.state_shardings(frozen, mesh), **compile_kwargs
+    )
+    return state, shardings, step, frozen
   else:
     step = compile_train_step(**compile_kwargs)
   ref = jax.tree.map(lambda x: x.copy(), params) if with_ref else None
@@ -293,11 +320,13 @@ def init_state(config: Config, mesh) -> tuple[nnx.GraphDef, TrainState, TrainSta
 
 def build_learner(config: Config, mesh, workdir: str) -> tuple[nnx.GraphDef, Learner]:
   """The policy's graph definition and a Learner over its freshly initialised train state."""
-  graphdef, state, _, step, ref = init_state(config, mesh)
+  graphdef, state, _, step, extra = init_state(config, mesh)
+  lora_base = extra if config.model.lora_rank else None
   learner = Learner(
     state,
     step,
-    ref_params=ref,
+    ref_params=None if lora_base is not None else extra,
+    frozen=lora_base,
     checkpointer=Checkpointer(workdir, keep=config.checkpoint.keep),
     every_steps=config.checkpoint.every_steps,
     mode=config.runtime.mode,

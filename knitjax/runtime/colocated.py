@@ -69,7 +69,7 @@ def run(
   t_start = time.time()
   with jax.set_mesh(mesh):
     if evals is not None and start == 0:
-      evals.maybe_run(0, learner.state.params, builder.eval_rng(config))
+      evals.maybe_run(0, learner.policy_params, builder.eval_rng(config))
     for step in range(start, total):
       t0 = time.time()
       released, gen_tokens, next_group_id = _generate_step(
@@ -97,7 +97,7 @@ def run(
         **learner.tracker.step_metrics(step),
       }
       if evals is not None:
-        metrics.update(evals.maybe_run(step + 1, learner.state.params, builder.eval_rng(config)))
+        metrics.update(evals.maybe_run(step + 1, learner.policy_params, builder.eval_rng(config)))
       writer.write(step + 1, metrics)
       learner.maybe_save(
         step + 1,
@@ -131,7 +131,7 @@ def _generate_step(config: Config, rollout, admission, prompts, learner, step: i
     need = {c: n for c, n in admission.remaining().items() if n > 0} or dict(quotas)
     metas = contract.generate(
       rollout,
-      learner.state.params,
+      learner.policy_params,
       prompts.next({c: max(n, quotas[c]) for c, n in need.items()}),
       version=learner.version,
       rng=jax.random.fold_in(rng, chunk),

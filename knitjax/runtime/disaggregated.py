@@ -101,7 +101,7 @@ def run(
   evals = builder.build_periodic_eval(config, graphdef, train_mesh, prompts, workdir, start)
   if evals is not None and start == 0:
     with jax.set_mesh(train_mesh):
-      evals.maybe_run(0, learner.state.params, builder.eval_rng(config))
+      evals.maybe_run(0, learner.policy_params, builder.eval_rng(config))
   metrics: dict = {}
   pipe.start()
   try:
@@ -118,7 +118,7 @@ def run(
           **pipe.step_metrics(),
         }
         if evals is not None:
-          metrics.update(evals.maybe_run(step + 1, learner.state.params, builder.eval_rng(config)))
+          metrics.update(evals.maybe_run(step + 1, learner.policy_params, builder.eval_rng(config)))
         writer.write(step + 1, metrics)
         learner.maybe_save(step + 1, total, pipe.snapshot)
         if on_step is not None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from knitjax import faultpoints, records
+from knitjax.models import lora
 from knitjax.tasks.prompts import Prompt
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import TrainState, host_metrics
@@ -69,8 +70,9 @@ class Learner:
 
   Args:
     state: the sharded train state (restored in place by :meth:`restore`).
-    train_step: the compiled step, ``(state, batch[, ref_params]) -> (state, metrics)``.
+    train_step: the compiled step, ``(state, batch[, ref_params | frozen]) -> (state, metrics)``.
     ref_params: the frozen reference policy when the loss has a KL term, else None.
+    frozen: with LoRA, the frozen base (the state then holds only the adapters), else None.
     checkpointer: where checkpoints go.
     every_steps: checkpoint cadence in train steps (the last step is always saved).
     mode: the runtime mode, recorded in checkpoints and checked on resume.
@@ -82,15 +84,26 @@ class Learner:
     train_step: Callable,
     *,
     ref_params=None,
+    frozen=None,
     checkpointer: Checkpointer,
     every_steps: int,
     mode: str,
   ):
     self.state = state
-    self._update = train_step if ref_params is None else lambda s, b: train_step(s, b, ref_params)
+    extra = ref_params if frozen is None else frozen
+    self._update = train_step if extra is None else lambda s, b: train_step(s, b, extra)
+    self.frozen = frozen
     self._ckpt, self._every, self._mode = checkpointer, every_steps, mode
     self.version = 0
     self.tracker = StalenessTracker()
+
+  @property
+  def policy_params(self):
+    """The policy's whole params (what rollout and evaluation run): with LoRA the frozen base
+    joined with the current adapters (the same arrays, no copy), else the trained params."""
+    if self.frozen is None:
+      return self.state.params
+    return lora.combine(self.frozen, self.state.params)
 
   def restore(self) -> RunState | None:
     """Restores the newest intact checkpoint, if any; returns its run state (None: a fresh run).

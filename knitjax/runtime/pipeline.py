@@ -76,7 +76,9 @@ class Pipeline:
       max_lag_steps=config.runtime.max_lag_steps,
       lag_unit=config.runtime.lag_unit,
     )
-    self.weights = WeightSync(sharding.state_shardings(learner.state.params, mesh))
+    self.weights = WeightSync(
+      sharding.state_shardings(learner.state.params, mesh), base=self._rollout_base(mesh)
+    )
     self.weights.publish(learner.state.params, learner.version)
     # consumed.jsonl: one row per consumed mini-batch; offered.jsonl: one row per offered group.
     self.log = _jsonl_log(workdir, "consumed.jsonl", lambda r: r["step"] < start_step)
@@ -99,6 +101,15 @@ class Pipeline:
     self.busy_s, self.idle_s, self.mb_seconds = 0.0, 0.0, []
     self.t_start = time.time()
     self._prev = _rollout_counters(self.thread, time.time())
+
+  def _rollout_base(self, mesh):
+    """With LoRA, the frozen base placed once on the rollout mesh: versions then carry only the
+    adapters. Ray rollout actors hold their own base (built from the same config) and load the
+    published adapters into it, so none is placed here for them."""
+    frozen = self.learner.frozen
+    if frozen is None or self.config.runtime.rollout_workers:
+      return None
+    return jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
 
   def _on_offer(self, meta, prompt, rejected: bool) -> None:
     self._seq += 1
@@ -222,6 +233,7 @@ class Pipeline:
       "calls": calls.tolist(),
       "trainer_minibatch_s": self.mb_seconds,
       "weight_publish_s_mean": self.weights.publish_s / max(self.weights.published, 1),
+      "weight_publish_bytes_mean": self.weights.published_bytes / max(self.weights.published, 1),
       "lengths": self.thread.lengths,
       "restarts": self.restarts,
     }

@@ -13,6 +13,10 @@ and log-probs, from which :mod:`knitjax.train.step_advantages` recomputes the
 advantages. With a critic each micro-batch adds ``value_coef`` times the
 clipped value loss (:mod:`knitjax.train.value_loss`), aggregated like the
 policy loss.
+
+With LoRA (`knitjax.models.lora`) the state's params are the adapters only: the step
+differentiates and updates them, while the frozen base comes in as a separate, non-donated
+argument, and the reference policy is that base with the adapters off (no second copy).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from knitjax import sharding
+from knitjax.models import lora
 from knitjax.train import kl as kl_lib
 from knitjax.train import losses, step_advantages, value_loss
 from knitjax.train.step_advantages import AdvantageConfig
@@ -48,7 +53,7 @@ MICRO_BATCH_FIELDS = (
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
-  """Trainer state on device: parameters and optimizer state."""
+  """Trainer state on device: parameters and optimizer state (with LoRA: the adapters')."""
 
   params: nnx.State
   opt_state: optax.OptState
@@ -104,10 +109,15 @@ def micro_batch_loss(
   *,
   graphdef: nnx.GraphDef,
   hparams: StepHParams,
+  frozen: nnx.State | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """One micro-batch's contribution to the mini-batch loss, and its metric sums."""
+  """One micro-batch's contribution to the mini-batch loss, and its metric sums.
+
+  ``frozen``: the LoRA base; ``params`` are then the adapters (the only differentiated input).
+  """
+  policy = params if frozen is None else lora.combine(frozen, params)
   critic = hparams.advantage.critic
-  logp, entropy, values = forward(graphdef, params, mb, hparams.temperature, values=critic)
+  logp, entropy, values = forward(graphdef, policy, mb, hparams.temperature, values=critic)
   loss, sums = losses.policy_loss(
     logp,
     mb["behavior_logp"],
@@ -174,6 +184,7 @@ def train_step(
   optimizer: optax.GradientTransformation,
   hparams: StepHParams,
   ref_params: nnx.State | None = None,
+  frozen: nnx.State | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """Applies one optimizer update from a mini-batch of K micro-batches.
 
@@ -184,15 +195,20 @@ def train_step(
     optimizer: the optax transformation.
     hparams: loss and advantage settings, sampling temperature, response budget.
     ref_params: frozen reference policy, used when ``hparams.loss.kl_coef > 0``.
+    frozen: with LoRA, the frozen base (``state.params`` are the adapters); the reference
+      policy is then the base with the adapters off, and ``ref_params`` is not used.
 
   Returns:
     The new state and a dict of scalar metrics.
   """
   norm = losses.Normalizer.from_mask(batch["loss_mask"], max_len=float(hparams.max_new_tokens))
   grad_fn = jax.value_and_grad(
-    functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams), has_aux=True
+    functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams, frozen=frozen),
+    has_aux=True,
   )
 
+  if frozen is not None:
+    ref_params = lora.combine(frozen, lora.disabled(state.params))
   if ref_params is not None and hparams.loss.kl_coef > 0:
     # Reference log-probs of every micro-batch, before (and outside) the gradient scan.
     ref_logp = jax.lax.map(
@@ -201,9 +217,8 @@ def train_step(
     batch = {**batch, "ref_logp": jax.lax.stop_gradient(ref_logp)}
   adv_metrics = {}
   if hparams.advantages_in_step:
-    batch, adv_metrics = recompute_advantages(
-      batch, state.params, graphdef=graphdef, hparams=hparams
-    )
+    policy = state.params if frozen is None else lora.combine(frozen, state.params)
+    batch, adv_metrics = recompute_advantages(batch, policy, graphdef=graphdef, hparams=hparams)
 
   def body(carry, mb):
     grads_acc, loss_acc, sums_acc = carry
@@ -255,19 +270,34 @@ def compile_train_step(
   state_shardings: TrainState,
   mesh,
   with_ref: bool = False,
+  frozen_shardings=None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
   """``jax.jit`` of :func:`train_step` with explicit shardings and the state donated."""
   fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, hparams=hparams)
-  return jit_step(fn, state_shardings, batch_shardings(mesh), mesh, with_ref=with_ref)
+  return jit_step(
+    fn,
+    state_shardings,
+    batch_shardings(mesh),
+    mesh,
+    with_ref=with_ref,
+    frozen_shardings=frozen_shardings,
+  )
 
 
-def jit_step(fn, state_shardings: TrainState, batch_shardings, mesh, *, with_ref: bool):
+def jit_step(
+  fn, state_shardings: TrainState, batch_shardings, mesh, *, with_ref: bool, frozen_shardings=None
+):
   """Jits ``fn(state, batch, ref_params=None)`` with explicit shardings and the state donated.
 
   With ``with_ref`` the compiled step takes ``(state, batch, ref_params)``, else ``(state, batch)``.
+  With ``frozen_shardings`` (LoRA) it takes ``(state, batch, frozen)``: the frozen base, placed
+  with those shardings and not donated (it also gives the reference policy).
   """
   in_shardings = [state_shardings, batch_shardings]
-  if with_ref:
+  if frozen_shardings is not None:
+    in_shardings.append(frozen_shardings)
+    step = lambda state, batch, frozen: fn(state, batch, frozen=frozen)  # noqa: E731
+  elif with_ref:
     in_shardings.append(state_shardings.params)
     step = lambda state, batch, ref: fn(state, batch, ref_params=ref)  # noqa: E731
   else:
