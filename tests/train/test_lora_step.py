@@ -11,9 +11,9 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models import lora
-from knitjax.models.transformer import Transformer, TransformerConfig
+from knitjax.models.transformer import Transformer
 from knitjax.train import losses
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import (
   StepHParams,
   batch_shardings,
@@ -22,24 +22,11 @@ from knitjax.train.step import (
   init_train_state,
 )
 
-CFG = TransformerConfig(
-  vocab_size=32, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
-)
+# The loss-menu step tests' tiny decoder and random mini-batch (same shapes).
+from tests.train.test_losses_menu_step import CFG, N_NEW, _minibatch
+
 LORA = dataclasses.replace(CFG, lora_rank=4, lora_alpha=8.0)
-P_LEN, N_NEW, ROWS = 4, 6, 8
 LOSS = losses.LossConfig(entropy_coef=0.01, kl_coef=0.05, kl_estimator="k3")
-
-
-def _minibatch(seed=0):
-  rng = np.random.default_rng(seed)
-  prompts = [rng.integers(3, 32, rng.integers(2, P_LEN + 1)).astype(np.int32) for _ in range(ROWS)]
-  lens = rng.integers(1, N_NEW + 1, ROWS)
-  responses = [rng.integers(3, 32, n).astype(np.int32) for n in lens]
-  logps = [rng.normal(-3.0, 0.5, n).astype(np.float32) for n in lens]
-  adv = rng.normal(size=ROWS).astype(np.float32)
-  return make_batch(
-    pack_rows(prompts, responses, logps), adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0
-  )
 
 
 @pytest.fixture(scope="module")
