@@ -23,7 +23,7 @@ def tiny_decoder(*, vocab_size: int, **changes) -> dict:
     ffn_dim=128,
     qk_norm=True,
     tie_embeddings=True,
-    dtype="float32",
+    dtype="auto",  # bf16 compute on TPU/GPU, float32 on the CPU
   )
   return model | changes
 

@@ -38,7 +38,7 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.init_from = "gguf:smollm2-135m-instruct"
-  c.model = dict(dtype="float32")
+  c.model = dict(dtype="auto")
   c.task = dict(
     name="gsm8k", reward="math", path="generated:train", chat="on", system_prompt=SYSTEM
   )

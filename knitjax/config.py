@@ -18,6 +18,7 @@ from knitjax.config_checkpoint import (
   vision_from_checkpoint,
 )
 from knitjax.config_fields import build_section, one_of, positive, to_plain
+from knitjax.models.layers import AUTO_DTYPE
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.rollout.continuous import ADOPTION
@@ -428,7 +429,8 @@ class Config:
   transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
   vision: VisionConfig | None = None  # set: the policy is a VLM (knitjax.models.vlm)
   # A Hugging Face checkpoint folder (Qwen2/Qwen3/Llama, knitjax.models.hf) the policy starts
-  # from: config.model then comes from its config.json (only config.model.dtype may be set).
+  # from: config.model then comes from its config.json (config.model may set only the fields
+  # of transformer.EXECUTION_FIELDS and LoRA's: dtype, remat, scan_layers, ...).
   # A LLaVA folder (knitjax.models.hf_vision) also sets config.vision and image_token.
   init_from: str = ""
   # LLaVA init_from: the text of the checkpoint's image token (config.json image_token_index in
@@ -473,7 +475,9 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     init_from = resolve_init_from(init_from)
     model = model_from_checkpoint(init_from, to_plain(config.get("model") or {}))
   else:
-    model = build_section(TransformerConfig, config.get("model", {}), "config.model")
+    # The compute dtype defaults to the backend's (bf16 on TPU/GPU, float32 on the CPU).
+    model_fields = {"dtype": AUTO_DTYPE, **(config.get("model") or {})}
+    model = build_section(TransformerConfig, model_fields, "config.model")
   seed = config.get("seed", 0)
   if not isinstance(seed, int) or isinstance(seed, bool):
     raise ValueError(f"config.seed={seed!r} has the wrong type; expected int.")
@@ -483,7 +487,8 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
       init_from, to_plain(config.get("vision") or {}), model.dtype, sections["task"].name
     )
   elif config.get("vision"):
-    vision = build_section(VisionConfig, config["vision"], "config.vision")
+    vision_fields = {"dtype": model.dtype, **config["vision"]}  # default: the decoder's dtype
+    vision = build_section(VisionConfig, vision_fields, "config.vision")
   if vision is not None and model.lora_rank:
     raise ValueError(
       f"config.model.lora_rank={model.lora_rank} is not supported for a VLM (config.vision); "

@@ -15,6 +15,7 @@ from typing import Any
 
 from knitjax.config_fields import to_plain
 from knitjax.models import lora
+from knitjax.models.layers import AUTO_DTYPE, resolve_dtype
 from knitjax.models.transformer import EXECUTION_FIELDS, TransformerConfig
 from knitjax.models.vision import VisionConfig
 
@@ -55,7 +56,7 @@ def model_from_checkpoint(path: str, model: Mapping[str, Any]) -> TransformerCon
   if not os.path.isdir(path):
     raise ValueError(f"config.init_from={path!r} is not a folder (a Hugging Face checkpoint).")
   _check_fields("config.model", model, TransformerConfig)
-  dtype = model.get("dtype", "float32")
+  dtype = resolve_dtype(model.get("dtype", AUTO_DTYPE))
   if hf_vision.is_llava(path):  # a VLM: config.model is its text model
     loaded = hf_vision.llava_config_from_hf(path, dtype=dtype)[0]
   else:

@@ -24,7 +24,7 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
   "embed": "fsdp",  # FSDP: params split along d_model, all-gathered by XLA at use
   "vocab": "tensor",  # tensor parallelism: embedding rows / logit columns
   "heads": "tensor",  # tensor parallelism: query heads and the output projection
-  "kv_heads": "tensor",  # tensor parallelism: key/value heads (replicated if too few)
+  "kv_heads": "tensor",  # tensor parallelism: key/value heads (replicated if too few: see below)
   "mlp": "tensor",  # tensor parallelism: SwiGLU hidden units
   "head_dim": None,
   "norm": None,  # norm scales are tiny
@@ -61,6 +61,36 @@ def make_mesh(
     axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
     devices=devices,
   )
+
+
+def check_tensor_parallel(
+  mesh: jax.sharding.Mesh, *, num_heads: int, num_kv_heads: int, ffn_dim: int, vocab_size: int
+) -> None:
+  """Refuses a decoder whose tensor-parallel dimensions the mesh's "tensor" axis does not divide.
+
+  `logical_to_spec` replicates a dimension its mesh axes do not divide; for the tensor axis that
+  would silently turn tensor parallelism off (e.g. Qwen2.5-7B's 28 heads on 8 devices). The one
+  accepted exception is the standard GQA rule: with fewer KV heads than tensor shards, each KV
+  head is replicated on the shards of its query heads, which needs tensor % num_kv_heads == 0.
+  """
+  tp = mesh.shape["tensor"]
+  if tp == 1:
+    return
+  dims = {"num_heads": num_heads, "ffn_dim": ffn_dim, "vocab_size": vocab_size}
+  if num_kv_heads >= tp:
+    dims["num_kv_heads"] = num_kv_heads
+  elif tp % num_kv_heads:
+    raise ValueError(
+      f"the mesh's tensor axis ({tp}) is neither divided by nor a multiple of the model's "
+      f"num_kv_heads ({num_kv_heads}); choose a tensor size that is one or the other."
+    )
+  bad = [f"{name}={size}" for name, size in dims.items() if size % tp]
+  if bad:
+    raise ValueError(
+      f"the mesh's tensor axis ({tp}) does not divide the model's {', '.join(bad)}: tensor "
+      f"parallelism would be silently dropped for them; choose a tensor size dividing each, or "
+      f"shard with fsdp instead."
+    )
 
 
 def logical_to_spec(

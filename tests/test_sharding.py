@@ -133,3 +133,29 @@ def test_assert_params_sharded_catches_replicated_params():
   _, state = _init(mesh, config)
   with pytest.raises(ValueError, match="q_kernel"):
     sharding.assert_params_sharded(state, mesh, min_size=MIN_SIZE)
+
+
+@pytest.mark.parametrize(
+  "heads, kv_heads, ffn, vocab, match",
+  [
+    (28, 4, 64, 64, r"does not divide the model's num_heads=28"),  # Qwen2.5-7B's heads on 8
+    (8, 3, 64, 64, r"neither divided by nor a multiple of the model's num_kv_heads \(3\)"),
+    (8, 8, 60, 64, r"ffn_dim=60"),
+    (8, 8, 64, 100, r"vocab_size=100"),
+  ],
+)
+def test_tensor_axis_must_divide_the_tensor_parallel_dimensions(heads, kv_heads, ffn, vocab, match):
+  mesh = sharding.make_mesh((1, 1, 8))
+  with pytest.raises(ValueError, match=match):
+    sharding.check_tensor_parallel(
+      mesh, num_heads=heads, num_kv_heads=kv_heads, ffn_dim=ffn, vocab_size=vocab
+    )
+
+
+def test_fewer_kv_heads_than_tensor_shards_are_replicated_by_the_gqa_rule():
+  mesh = sharding.make_mesh((1, 1, 8))
+  # 2 KV heads on 8 tensor shards: each replicated on the 4 shards of its query heads.
+  sharding.check_tensor_parallel(mesh, num_heads=16, num_kv_heads=2, ffn_dim=64, vocab_size=64)
+  # No tensor axis: nothing to check.
+  one = sharding.make_mesh((8, 1, 1))
+  sharding.check_tensor_parallel(one, num_heads=7, num_kv_heads=7, ffn_dim=9, vocab_size=11)

@@ -20,6 +20,18 @@ from knitjax.models import lora as lora_lib
 
 # Compute dtypes a model may run in, by the name configs use (`TransformerConfig.dtype`).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# "auto" in a config's dtype: the backend's default compute dtype (`resolve_dtype`).
+AUTO_DTYPE = "auto"
+
+
+def resolve_dtype(name: str) -> str:
+  """The compute dtype a config's ``dtype`` names; ``"auto"``: bfloat16 on TPU and GPU (the
+  accelerator default: params, gradients and optimizer state stay float32, only compute is
+  bf16), float32 on the CPU (exact tests, and no bf16 matmul units to gain from)."""
+  if name != AUTO_DTYPE:
+    return name
+  return "bfloat16" if jax.default_backend() in ("tpu", "gpu") else "float32"
+
 
 # Masked attention scores: finite so that a query with no visible key (a left-padding slot) gets a
 # harmless uniform average instead of NaN.

@@ -17,7 +17,16 @@ from knitjax.models import layers, lora
 
 # TransformerConfig fields that choose how the model runs (kernels, memory), not its shape or
 # weights: a config may set them on top of a checkpoint's shape (`config.init_from`).
-EXECUTION_FIELDS = ("dtype",)
+EXECUTION_FIELDS = ("dtype", "remat", "scan_layers")
+
+# Rematerialisation policies of the full-sequence forward (`TransformerConfig.remat`): what each
+# decoder block keeps for the backward pass; the rest is recomputed there.
+REMAT_POLICIES = {
+  "none": None,  # keep every activation (no recomputation)
+  "block": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
+  # keep the matmul outputs without a batch dimension (the projections), recompute the rest
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +48,7 @@ class TransformerConfig:
   tie_embeddings: bool = True
   qk_norm: bool = False  # Qwen3
   qkv_bias: bool = False  # Qwen2 / Qwen2.5
-  dtype: str = "float32"  # "float32" | "bfloat16"
+  dtype: str = "float32"  # "float32" | "bfloat16" | "auto" (layers.resolve_dtype: bf16 on TPU/GPU)
   # A critic head on the shared trunk (`logits_and_values`); PPO with GAE sets it.
   value_head: bool = False
   # LoRA (knitjax.models.lora): rank 0 trains every param; rank r > 0 puts adapters of rank r
@@ -49,6 +58,12 @@ class TransformerConfig:
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = lora.TARGETS
   lora_base_dtype: str = "float32"
+  # Memory and compile time of the full-sequence (training) forward; neither changes the math.
+  # remat: one of REMAT_POLICIES. scan_layers: run the decoder blocks as one `lax.scan` (one block
+  # compiled instead of num_layers); params keep their per-layer layout (checkpoints, weight sync
+  # and LoRA unchanged) and are stacked in the compute dtype inside the jitted step.
+  remat: str = "none"
+  scan_layers: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_dim"):
@@ -64,9 +79,20 @@ class TransformerConfig:
         f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
         f"({self.num_kv_heads})."
       )
+    if self.dtype == layers.AUTO_DTYPE:
+      object.__setattr__(self, "dtype", layers.resolve_dtype(self.dtype))
     if self.dtype not in layers.DTYPES:
       raise ValueError(
-        f"TransformerConfig.dtype must be one of {sorted(layers.DTYPES)}, got {self.dtype!r}."
+        f"TransformerConfig.dtype must be one of {sorted(layers.DTYPES)} or 'auto', got "
+        f"{self.dtype!r}."
+      )
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(
+        f"TransformerConfig.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}."
+      )
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(
+        f"TransformerConfig.scan_layers must be true or false, got {self.scan_layers!r}."
       )
     if not self.rope_theta > 0:
       raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
@@ -247,10 +273,35 @@ class Transformer(nnx.Module):
     t = x.shape[1]
     causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
     mask_bts = _attention_mask(causal_ts, valid_bt.astype(jnp.bool_), jnp.eye(t, dtype=jnp.bool_))
-    sin_cos = self._rope(positions_bt)
-    for block in self.blocks:
-      x, _ = block(x, sin_cos, mask_bts)
-    return x
+    return self._blocks(x, self._rope(positions_bt), mask_bts)
+
+  def _blocks(self, x_btd: jax.Array, *block_args) -> jax.Array:
+    """Every decoder block over a full sequence, with the configured remat and layer scan."""
+    c = self.config
+    graphdef = nnx.graphdef(self.blocks[0])
+
+    def block_fn(state, x):
+      return nnx.merge(graphdef, state)(x, *block_args)[0]
+
+    policy = REMAT_POLICIES[c.remat]
+    if c.remat != "none":
+      block_fn = jax.checkpoint(block_fn, policy=policy)
+    states = [nnx.state(block) for block in self.blocks]
+    if not c.scan_layers:
+      for state in states:
+        x_btd = block_fn(state, x_btd)
+      return x_btd
+    # Kernels (every param of 2+ dims) are cast to the compute dtype before stacking, as each
+    # block would cast them at use anyway: the stacked copy is the one bf16 compute makes.
+    dtype = c.compute_dtype
+
+    def stack(*leaves):
+      cast = [x.astype(dtype) if x.ndim >= 2 else x for x in leaves]
+      return jnp.stack(cast)
+
+    stacked = jax.tree.map(stack, *states)
+    x_btd, _ = jax.lax.scan(lambda x, state: (block_fn(state, x), None), x_btd, stacked)
+    return x_btd
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     """An empty cache for `batch` sequences of up to `max_len` positions (prompt + response)."""

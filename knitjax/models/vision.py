@@ -99,9 +99,11 @@ class VisionConfig:
       raise ValueError(
         f"VisionConfig.drop_first_token=True leaves no image token of {self.num_patches} patch."
       )
+    if self.dtype == layers.AUTO_DTYPE:
+      object.__setattr__(self, "dtype", layers.resolve_dtype(self.dtype))
     if self.dtype not in layers.DTYPES:
       raise ValueError(
-        f"VisionConfig.dtype must be one of {sorted(layers.DTYPES)}, got {self.dtype!r}."
+        f"VisionConfig.dtype must be one of {sorted(layers.DTYPES)} or 'auto', got {self.dtype!r}."
       )
     if not self.norm_eps > 0:
       raise ValueError(f"VisionConfig.norm_eps must be > 0, got {self.norm_eps!r}.")

@@ -202,6 +202,14 @@ def build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
   With LoRA (``config.model.lora_rank``) the params hold fresh adapters (B = 0) beside the base,
   which is stored in ``config.model.lora_base_dtype``.
   """
+  m = config.model
+  sharding.check_tensor_parallel(
+    mesh,
+    num_heads=m.num_heads,
+    num_kv_heads=m.num_kv_heads,
+    ffn_dim=m.ffn_dim,
+    vocab_size=m.vocab_size,
+  )
   graphdef, params = _build_model(config, mesh)
   if config.model.lora_rank:
     params = lora.cast_base(params, config.model.lora_base_dtype, mesh)
