@@ -173,9 +173,13 @@ class TrainConfig:
   whiten_advantages: bool = True
   encoder_dedup: bool = True  # VLM: encode each unique image once per mini-batch
   remat_encoder: bool = False  # VLM dedup: recompute the encoder in its backward
+  # The KL reference policy's stored dtype: "bfloat16" halves its memory (its forward computes
+  # in the model's dtype either way); "float32" keeps the initial params exactly.
+  reference_dtype: str = "float32"
 
   def __post_init__(self):
     positive("config.train.lr", self.lr)
+    one_of("config.train.reference_dtype", self.reference_dtype, ("float32", "bfloat16"))
     positive("config.train.warmup_steps", self.warmup_steps, allow_zero=True)
     positive("config.train.micro_batches", self.micro_batches)
     positive("config.train.grad_clip", self.grad_clip, allow_zero=True)

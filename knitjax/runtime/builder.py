@@ -13,6 +13,7 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from knitjax import sharding
@@ -316,8 +317,21 @@ def build_trainer(config: Config, graphdef, params, mesh):
     return state, shardings, step, frozen
   else:
     step = compile_train_step(**compile_kwargs)
-  ref = jax.tree.map(lambda x: x.copy(), params) if with_ref else None
+  ref = reference_params(params, t.reference_dtype) if with_ref else None
   return state, shardings, step, ref
+
+
+def reference_params(params: nnx.State, dtype: str) -> nnx.State:
+  """The KL reference policy: a copy of the initial params, floating leaves stored in ``dtype``
+  (the step's forward casts them to the compute dtype at use, like the policy's)."""
+  target = jnp.dtype(dtype)
+
+  def copy(x):  # always a new buffer: the train step donates (deletes) the params it was given
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target:
+      return x.astype(target)
+    return x.copy()
+
+  return jax.tree.map(copy, params)
 
 
 def init_state(config: Config, mesh) -> tuple[nnx.GraphDef, TrainState, TrainState, object, object]:
