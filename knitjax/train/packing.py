@@ -26,6 +26,7 @@ Rows with no valid token (none in practice) have no segment; they carry no loss 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -159,6 +160,25 @@ def pack_batch(
   segment_ids[dst_s, dst_c] = seg_of[token_row]
   out["segment_ids"] = segment_ids
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+  """How a trainer packs each mini-batch: ``spec(batch)`` is :func:`pack_batch` with these.
+
+  Attributes:
+    pack_len: tokens per packed sequence.
+    multiple: the sequence count is rounded up to a multiple of this (micro-batches times the
+      train mesh's batch shards).
+    buckets: length buckets packed separately.
+  """
+
+  pack_len: int
+  multiple: int
+  buckets: int = 1
+
+  def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return pack_batch(batch, pack_len=self.pack_len, multiple=self.multiple, buckets=self.buckets)
 
 
 def packing_stats(batch: Mapping[str, np.ndarray]) -> dict[str, float]:

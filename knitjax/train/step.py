@@ -216,6 +216,11 @@ def train_step(
   Returns:
     The new state and a dict of scalar metrics.
   """
+  if hparams.advantages_in_step and "segment_ids" in batch:
+    raise ValueError(
+      "packed rows cannot recompute advantages in the step (advantage 'gae' or "
+      "kl_penalty='reward'); set config.train.packing='off'."
+    )
   norm = losses.Normalizer.from_mask(
     batch["loss_mask"],
     max_len=float(hparams.max_new_tokens),
@@ -236,11 +241,6 @@ def train_step(
     batch = {**batch, "ref_logp": jax.lax.stop_gradient(ref_logp)}
   adv_metrics = {}
   if hparams.advantages_in_step:
-    if "segment_ids" in batch:
-      raise ValueError(
-        "packed rows cannot recompute advantages in the step (advantage 'gae' or "
-        "kl_penalty='reward'); set config.train.packing='off'."
-      )
     policy = state.params if frozen is None else lora.combine(frozen, state.params)
     batch, adv_metrics = recompute_advantages(batch, policy, graphdef=graphdef, hparams=hparams)
 

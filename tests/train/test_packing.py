@@ -152,28 +152,31 @@ def test_segment_mask_matches_brute_force():
         assert got[i, q, k] == want, (i, q, k)
 
 
+def _source_index(batch, **kw):
+  """Packs ``batch`` with its tokens replaced by their flat ``[R * T]`` index: the packed
+  ``tokens`` then say where each packed slot comes from (valid slots only)."""
+  marked = dict(
+    batch,
+    tokens=np.arange(batch["tokens"].size, dtype=np.int32).reshape(-1, batch["tokens"].shape[1]),
+  )
+  packed = packing.pack_batch(batch, **kw)
+  return packed, packing.pack_batch(marked, **kw)["tokens"]
+
+
 def test_packed_forward_gives_the_padded_rows_logits():
   batch = _minibatch(1)
-  packed = packing.pack_batch(batch, pack_len=P_LEN + N_NEW + 3)
-  model = Transformer(CFG, rngs=nnx.Rngs(0))
-  padded = np.asarray(model(batch["tokens"], batch["positions"], batch["valid"]))
-  got = np.asarray(
-    model(
-      packed["tokens"], packed["positions"], packed["valid"], segment_ids_bt=packed["segment_ids"]
-    )
-  )
-  for r in range(ROWS):
-    want = padded[r][batch["valid"][r]]
-    # Find the row's tokens by its group (two rows per group) and its tokens.
-    hits = [
-      got[s][packed["segment_ids"][s] == j]
-      for s in range(len(got))
-      for j in range(1, packed["segment_ids"][s].max() + 1)
-      if np.array_equal(
-        packed["tokens"][s][packed["segment_ids"][s] == j], batch["tokens"][r][batch["valid"][r]]
-      )
-    ]
-    np.testing.assert_allclose(hits[0], want, rtol=1e-5, atol=1e-5)
+  packed, src = _source_index(batch, pack_len=P_LEN + N_NEW + 3)
+  graphdef, params = nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))
+
+  @jax.jit
+  def logits(tokens, positions, valid, segment_ids):
+    return nnx.merge(graphdef, params)(tokens, positions, valid, segment_ids_bt=segment_ids)
+
+  padded = np.asarray(logits(batch["tokens"], batch["positions"], batch["valid"], None))
+  got = np.asarray(logits(*(packed[k] for k in ("tokens", "positions", "valid", "segment_ids"))))
+  v = packed["valid"]
+  want = padded.reshape(-1, CFG.vocab_size)[src[v]]
+  np.testing.assert_allclose(got[v], want, rtol=1e-5, atol=1e-5)
 
 
 # One mode per aggregation, so the menu's per-row terms (GSPO ratios, CISPO, dual-clip, TIS, each
@@ -191,6 +194,45 @@ MODES = {
   "dr_grpo": dict(aggregation="dr_grpo", ratio_level="sequence", eps_high=0.28),
   "seq_mean_token_sum": dict(aggregation="seq_mean_token_sum", objective="cispo"),
 }  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_packed_policy_loss_equals_padded(mode):
+  """The loss alone, for each mode: value, metric sums and the gradient in the log-probs."""
+  batch = _minibatch(seed=5, rows=12)
+  packed, src = _source_index(batch, pack_len=P_LEN + N_NEW + 5, multiple=2)
+  rng = np.random.default_rng(0)
+  logp, ref, ent = (
+    (batch["behavior_logp"] + rng.normal(0, 0.3, batch["valid"].shape)).astype(np.float32)
+    for _ in range(3)
+  )
+  config = losses.LossConfig(entropy_coef=0.01, kl_coef=0.05, **MODES[mode])
+  norm = losses.Normalizer.from_mask(batch["loss_mask"], max_len=N_NEW)
+  p_norm = losses.Normalizer.from_mask(
+    packed["loss_mask"], max_len=N_NEW, segment_ids_bt=packed["segment_ids"]
+  )
+  assert (p_norm.num_seqs, p_norm.num_tokens) == (norm.num_seqs, norm.num_tokens)
+
+  def loss(lp, b, extra):
+    return losses.policy_loss(
+      lp, b["behavior_logp"], b["advantages"], b["loss_mask"], config=config, norm=extra["norm"],
+      ref_logp_bt=extra["ref"], entropy_bt=extra["ent"], segment_ids_bt=b.get("segment_ids"),
+    )  # fmt: skip
+
+  grad = jax.value_and_grad(loss, has_aux=True)
+  (l0, s0), g0 = grad(logp, batch, dict(norm=norm, ref=ref, ent=ent))
+  take = lambda x: np.where(packed["valid"], x.reshape(-1)[src], 0.0).astype(np.float32)  # noqa: E731
+  (l1, s1), g1 = grad(take(logp), packed, dict(norm=p_norm, ref=take(ref), ent=take(ent)))
+  np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-7)
+  for k in s0:
+    np.testing.assert_allclose(s1[k], s0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(
+    np.asarray(g1)[packed["valid"]], take(np.asarray(g0))[packed["valid"]], rtol=1e-5, atol=1e-7
+  )
+  # Gradient only on loss tokens, and every loss token of the padded rows is in the packed ones.
+  assert float(np.abs(np.asarray(g1)).sum()) == pytest.approx(
+    float(np.abs(np.asarray(g0)).sum()), rel=1e-5
+  )
 
 
 def _run(mesh, batch, loss_config, *, packed):
@@ -211,7 +253,16 @@ def _run(mesh, batch, loss_config, *, packed):
   return grads, host_metrics(metrics)
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+# The step test compiles two steps per mode (~10 s or more on two busy cores): one mode in the
+# quick suite (GSPO, the per-row ratio and mean), the rest marked slow; the loss test above runs
+# all of them.
+STEP_MODES = [
+  pytest.param(m, marks=() if m == "seq_mean_token_mean" else pytest.mark.slow)
+  for m in sorted(MODES)
+]
+
+
+@pytest.mark.parametrize("mode", STEP_MODES)
 def test_packed_step_equals_padded_step(mode):
   """Loss, metrics and the SGD update agree to float32 summation-order tolerance (rtol 1e-5 on
   the loss and metrics, 1e-4 / atol 1e-6 on each gradient entry)."""
