@@ -179,12 +179,3 @@ class PackSpec:
 
   def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return pack_batch(batch, pack_len=self.pack_len, multiple=self.multiple, buckets=self.buckets)
-
-
-def packing_stats(batch: Mapping[str, np.ndarray]) -> dict[str, float]:
-  """Real tokens over all token slots of a ``[..., T]`` batch (padded or packed)."""
-  valid = np.asarray(batch["valid"], bool)
-  return {
-    "token_fill": float(valid.sum() / max(valid.size, 1)),
-    "sequences": valid.size // valid.shape[-1],
-  }
