@@ -22,6 +22,7 @@ from knitjax.train.step import (
   compile_train_step,
   host_metrics,
   init_train_state,
+  train_step,
 )
 
 CFG = TransformerConfig(
@@ -283,7 +284,7 @@ def test_packed_step_equals_padded_step(mode):
 
 def test_in_step_advantages_are_refused_when_packed():
   batch = packing.pack_batch(_minibatch(), pack_len=12, multiple=2)
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  loss_config = losses.LossConfig(kl_coef=0.05, kl_penalty="reward")
+  hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05, kl_penalty="reward"))
+  # Refused before anything is traced: state, model and optimizer are not needed.
   with pytest.raises(ValueError, match="packed rows cannot recompute advantages in the step"):
-    _run(mesh, batch, loss_config, packed=True)
+    train_step(None, batch, graphdef=None, optimizer=None, hparams=hp)
