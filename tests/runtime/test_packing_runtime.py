@@ -4,11 +4,16 @@ and disaggregated (centralized transfer), and the packing config's errors."""
 import json
 import os
 
+import jax
 import pytest
 
 from configs import arith_disagg, arith_tiny
+from knitjax import sharding
 from knitjax.config import from_config_dict
 from knitjax.runtime.train import train
+from knitjax.train.packing import PackSpec
+from knitjax.transfer.access import BatchLayout
+from knitjax.transfer.prepare import MiniBatchPreparer
 
 
 def _rows(workdir):
@@ -63,3 +68,13 @@ def test_packing_config_errors(train_fields, match):
   c.train.update(train_fields)
   with pytest.raises(ValueError, match=match):
     from_config_dict(c)
+
+
+def test_on_demand_packing_with_several_consumers_is_refused():
+  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  layout = BatchLayout(estimator="grpo", prompt_len=4, max_new_tokens=4, pad_id=0)
+  with pytest.raises(ValueError, match="not accepted with 2 consumers"):
+    MiniBatchPreparer(
+      {}, layout=layout, mesh=mesh, micro_batches=1, num_consumers=2, consumer=0,
+      pack=PackSpec(pack_len=8, multiple=1),
+    )  # fmt: skip
