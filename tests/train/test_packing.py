@@ -2,6 +2,8 @@
 packed train step against the padded one (loss, metrics and updated params) for every
 aggregation of the loss menu."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitjax import sharding
-from knitjax.models import transformer
+from knitjax.models import lora, transformer
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import losses, packing
 from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
@@ -288,3 +290,33 @@ def test_in_step_advantages_are_refused_when_packed():
   # Refused before anything is traced: state, model and optimizer are not needed.
   with pytest.raises(ValueError, match="packed rows cannot recompute advantages in the step"):
     train_step(None, batch, graphdef=None, optimizer=None, hparams=hp)
+
+
+@pytest.mark.slow
+def test_packed_lora_step_equals_padded_step():
+  """With LoRA (adapters trained, the base frozen and the reference) the packed update too."""
+  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  config = dataclasses.replace(CFG, lora_rank=4, lora_alpha=8.0)
+  graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
+  adapters, base = lora.split(params)
+  adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # B != 0: the adapters matter
+  batch = _minibatch(seed=7)
+  hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05, **MODES["seq_mean_token_mean"]))
+  out = []
+  for b, packed in ((batch, False), (packing.pack_batch(batch, pack_len=14, multiple=2), True)):
+    tx = optax.sgd(1.0)
+    state, shardings = init_train_state(jax.tree.map(lambda x: x.copy(), adapters), tx, mesh)
+    step = compile_train_step(
+      graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
+      frozen_shardings=sharding.state_shardings(base, mesh), packed=packed,
+    )  # fmt: skip
+    dev = jax.device_put(split_micro_batches(b, 2), batch_shardings(mesh, packed=packed))
+    with jax.set_mesh(mesh):
+      state, metrics = step(state, dev, base)
+    out.append((jax.device_get(state.params), host_metrics(metrics)))
+  (p0, m0), (p1, m1) = out
+  assert m0["kl"] != 0
+  for key in sorted(m0):
+    np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
