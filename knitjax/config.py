@@ -25,6 +25,7 @@ from knitjax.rollout.continuous import ADOPTION
 from knitjax.rollout.scheduling import LAG_UNITS
 from knitjax.train.kl import KL_ESTIMATORS
 from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
+from knitjax.train.packing import PACKING_MODES
 from knitjax.train.ratios import RATIO_LEVELS
 from knitjax.train.step_advantages import ADVANTAGES
 from knitjax.transfer.admission import POLICIES
@@ -176,6 +177,11 @@ class TrainConfig:
   # The KL reference policy's stored dtype: "bfloat16" halves its memory (its forward computes
   # in the model's dtype either way); "float32" keeps the initial params exactly.
   reference_dtype: str = "float32"
+  # Packing (knitjax.train.packing): "pack" puts several rows of a mini-batch into each sequence
+  # of pack_len tokens (first-fit decreasing, segment ids) instead of one padded row each.
+  packing: str = "off"
+  pack_len: int = 0  # tokens per packed sequence; 0: the padded row length, prompt + response
+  pack_buckets: int = 1  # rows sorted by length into this many buckets, each packed alone
 
   def __post_init__(self):
     positive("config.train.lr", self.lr)
@@ -229,6 +235,16 @@ class TrainConfig:
       raise ValueError(
         f"config.train.tis_cap={self.tis_cap!r} is not accepted; it must be 0 (off) or >= 1 + "
         f"config.train.eps_high = {1.0 + self.eps_high}."
+      )
+    one_of("config.train.packing", self.packing, PACKING_MODES)
+    positive("config.train.pack_len", self.pack_len, allow_zero=True)
+    positive("config.train.pack_buckets", self.pack_buckets)
+    if self.packing == "pack" and (self.advantage == "gae" or self.kl_penalty == "reward"):
+      raise ValueError(
+        f"config.train.packing='pack' is not accepted with config.train.advantage="
+        f"{self.advantage!r} and kl_penalty={self.kl_penalty!r}: advantages recomputed in the "
+        "step need one row per sequence; use packing 'off', or a group estimator (grpo, drgrpo, "
+        "rloo) with kl_penalty 'loss'."
       )
     if self.objective == "cispo":
       for name in ("tis_cap", "eps_c"):
@@ -493,6 +509,11 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   elif config.get("vision"):
     vision_fields = {"dtype": model.dtype, **config["vision"]}  # default: the decoder's dtype
     vision = build_section(VisionConfig, vision_fields, "config.vision")
+  if vision is not None and sections["train"].packing != "off":
+    raise ValueError(
+      "config.train.packing='pack' is not accepted with a VLM (config.vision); its step takes "
+      "padded rows: set packing 'off'."
+    )
   if vision is not None and model.lora_rank:
     raise ValueError(
       f"config.model.lora_rank={model.lora_rank} is not supported for a VLM (config.vision); "

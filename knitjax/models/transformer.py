@@ -154,13 +154,23 @@ class KVCache:
     return self.valid_bs.shape[1]
 
 
-def _attention_mask(causal_ts: jax.Array, valid_bs: jax.Array, self_ts: jax.Array) -> jax.Array:
+def _attention_mask(
+  causal_ts: jax.Array,
+  valid_bs: jax.Array,
+  self_ts: jax.Array,
+  segment_ids_bs: jax.Array | None = None,
+) -> jax.Array:
   """Query t sees key s if s is not later and valid; a padding query sees only itself.
 
   The self-slot only matters for padding queries (a valid query's own key is valid): it keeps
-  their (discarded) outputs causal instead of averaging over every key.
+  their (discarded) outputs causal instead of averaging over every key. With packed rows
+  (``segment_ids_bs`` int32, one id per row of a sequence, 0 on padding; queries and keys are
+  the same positions) a query also needs the key's segment to be its own.
   """
-  return causal_ts[None] & (valid_bs[:, None, :] | self_ts[None])
+  mask = causal_ts[None] & (valid_bs[:, None, :] | self_ts[None])
+  if segment_ids_bs is None:
+    return mask
+  return mask & (segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :])
 
 
 class Block(nnx.Module):
@@ -243,19 +253,29 @@ class Transformer(nnx.Module):
     valid_bt: jax.Array,
     *,
     embeddings_btd: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
   ) -> jax.Array:
     """Full-sequence forward: float32 logits [B, T, V].
 
     Args:
       tokens_bt: int token ids.
-      positions_bt: RoPE positions (`cumsum(valid) - 1`, clipped at 0).
+      positions_bt: RoPE positions (`cumsum(valid) - 1`, clipped at 0; per packed row: from 0).
       valid_bt: bool, False on padding; a query sees keys that are earlier-or-equal AND valid.
       embeddings_btd: used instead of `embed(tokens_bt)` when given (e.g. image rows spliced in).
+      segment_ids_bt: int32 with several rows packed per sequence (`knitjax.train.packing`):
+        each row's id (>= 1; 0 on padding); a query then sees only keys of its own segment.
+        None: one row per sequence.
     """
-    return self._logits(self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd))
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt)
+    return self._logits(x)
 
   def logits_and_values(
-    self, tokens_bt: jax.Array, positions_bt: jax.Array, valid_bt: jax.Array
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    valid_bt: jax.Array,
+    *,
+    segment_ids_bt: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """Full-sequence forward of policy and critic: float32 logits [B, T, V] and values [B, T].
 
@@ -264,15 +284,19 @@ class Transformer(nnx.Module):
     """
     if self.value_head is None:
       raise ValueError("logits_and_values needs a value head; set TransformerConfig.value_head.")
-    x = self._hidden(tokens_bt, positions_bt, valid_bt, None)
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt)
     return self._logits(x), self.value_head(self.final_norm(x))
 
-  def _hidden(self, tokens_bt, positions_bt, valid_bt, embeddings_btd) -> jax.Array:
+  def _hidden(
+    self, tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt=None
+  ) -> jax.Array:
     """The last block's output [B, T, D] (before the final norm)."""
     x = self._inputs(tokens_bt, embeddings_btd)
     t = x.shape[1]
     causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
-    mask_bts = _attention_mask(causal_ts, valid_bt.astype(jnp.bool_), jnp.eye(t, dtype=jnp.bool_))
+    mask_bts = _attention_mask(
+      causal_ts, valid_bt.astype(jnp.bool_), jnp.eye(t, dtype=jnp.bool_), segment_ids_bt
+    )
     return self._blocks(x, self._rope(positions_bt), mask_bts)
 
   def _blocks(self, x_btd: jax.Array, *block_args) -> jax.Array:

@@ -36,7 +36,7 @@ from knitjax.tasks.registry import make_environment, make_prompt_source
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.tasks.streams import ClassStreams
 from knitjax.tasks.tokenizer import CharTokenizer
-from knitjax.train import losses, mm_step
+from knitjax.train import losses, mm_step, packing
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.reward_shaping import with_overlong_penalty
@@ -298,6 +298,7 @@ def build_trainer(config: Config, graphdef, params, mesh):
     max_new_tokens=config.rollout.max_new_tokens,
   )
   with_ref = t.kl_coef > 0 and frozen is None
+  packed = dict(packed=True) if t.packing == "pack" else {}  # text steps only (config checks)
   compile_kwargs = dict(
     graphdef=graphdef,
     optimizer=optimizer,
@@ -312,11 +313,11 @@ def build_trainer(config: Config, graphdef, params, mesh):
     )
   elif frozen is not None:
     step = compile_train_step(
-      frozen_shardings=sharding.state_shardings(frozen, mesh), **compile_kwargs
+      frozen_shardings=sharding.state_shardings(frozen, mesh), **packed, **compile_kwargs
     )
     return state, shardings, step, frozen
   else:
-    step = compile_train_step(**compile_kwargs)
+    step = compile_train_step(**packed, **compile_kwargs)
   ref = reference_params(params, t.reference_dtype) if with_ref else None
   return state, shardings, step, ref
 
@@ -655,6 +656,22 @@ def build_feed(config: Config, take, prepare, *, count: int):
   return OnDemandFeed(take, prepare, count=count, prefetch=config.runtime.prefetch)
 
 
+def pack_spec(config: Config, mesh, prompt_len: int) -> packing.PackSpec | None:
+  """How the trainer packs mini-batches (``config.train.packing``); None: padded rows.
+
+  ``pack_len`` 0 takes the padded row length (``prompt_len + max_new_tokens``), which every row
+  fits; the sequence count is rounded to the micro-batches times the mesh's batch shards.
+  """
+  t = config.train
+  if t.packing == "off":
+    return None
+  return packing.PackSpec(
+    pack_len=t.pack_len or prompt_len + config.rollout.max_new_tokens,
+    multiple=t.micro_batches * mm_step.batch_shards(mesh),
+    buckets=t.pack_buckets,
+  )
+
+
 def build_preparer(config: Config, storage, mesh, prompts: ClassStreams):
   """This consumer's access to released mini-batches: on demand (fetch its groups, lay out,
   place on the train mesh, one mini-batch at a time) or the centralized baseline (a whole step
@@ -665,14 +682,16 @@ def build_preparer(config: Config, storage, mesh, prompts: ClassStreams):
     max_new_tokens=config.rollout.max_new_tokens,
     pad_id=prompts.tokenizer.pad_id,
   )
+  pack = pack_spec(config, mesh, prompts.prompt_len)
   if config.transfer.mode == "centralized":
     return CentralizedPreparer(
-      storage, layout=layout, mesh=mesh, micro_batches=config.train.micro_batches
+      storage, layout=layout, mesh=mesh, micro_batches=config.train.micro_batches, pack=pack
     )
   return MiniBatchPreparer(
     storage,
     layout=layout,
     mesh=mesh,
     micro_batches=config.train.micro_batches,
+    pack=pack,
     locality_slack=config.runtime.locality_slack,
   )

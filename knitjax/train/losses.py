@@ -41,7 +41,9 @@ whose value is ``-w * A`` (comparable with PPO's) and whose gradient is ``-w * A
 
 Every micro-batch is normalised by the mini-batch's ``Normalizer``, and every per-row quantity
 (sequence ratios, ``seq_mean_token_mean``'s lengths) uses the row's own length, so the
-micro-batch losses and gradients sum exactly to the mini-batch's.
+micro-batch losses and gradients sum exactly to the mini-batch's. With packed rows
+(``segment_ids_bt``, ``knitjax.train.packing``) the per-row quantities are segment reductions and
+the advantages come per token, so loss and gradient equal the padded rows'.
 """
 
 import dataclasses
@@ -53,7 +55,13 @@ import numpy as np
 
 from knitjax.train import kl as kl_lib
 from knitjax.train import ratios
-from knitjax.train.aggregation import AGGREGATIONS, Normalizer, aggregate, check_aggregation
+from knitjax.train.aggregation import (
+  AGGREGATIONS,
+  Normalizer,
+  aggregate,
+  check_aggregation,
+  count_rows,
+)
 
 # The aggregation names are re-exported: callers reach them as losses.Normalizer and so on.
 __all__ = [
@@ -190,6 +198,7 @@ def policy_loss(
   norm: Normalizer,
   ref_logp_bt: jax.Array | None = None,
   entropy_bt: jax.Array | None = None,
+  segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Returns (this micro-batch's contribution to the mini-batch loss, metric sums).
 
@@ -204,6 +213,8 @@ def policy_loss(
     ref_logp_bt: frozen reference policy log-probs; required when ``config.kl_coef > 0``.
     entropy_bt: per-token entropy of the current policy; required when
       ``config.entropy_coef > 0``.
+    segment_ids_bt: int32 row ids of packed sequences (0 on padding); the advantages are then
+      per token. None: one row per sequence.
 
   Returns:
     The loss contribution (a scalar; summed over micro-batches it is the mini-batch loss) and a
@@ -216,7 +227,9 @@ def policy_loss(
     raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp_bt, got None.")
   if config.entropy_coef > 0 and entropy_bt is None:
     raise ValueError(f"entropy_coef={config.entropy_coef} needs entropy_bt, got None.")
-  agg = lambda x: aggregate(x, mask_bt, aggregation=config.aggregation, norm=norm)
+  agg = lambda x: aggregate(
+    x, mask_bt, aggregation=config.aggregation, norm=norm, segment_ids_bt=segment_ids_bt
+  )
   m = mask_bt.astype(jnp.float32)
   logp = logp_bt.astype(jnp.float32)
   adv = advantages_b.astype(jnp.float32)
@@ -226,7 +239,9 @@ def policy_loss(
   if config.ratio_level == "token":
     log_r = token_log_r
   else:
-    log_r = ratios.log_ratio(logp, behavior_logp_bt, mask_bt, level=config.ratio_level)
+    log_r = ratios.log_ratio(
+      logp, behavior_logp_bt, mask_bt, level=config.ratio_level, segment_ids_bt=segment_ids_bt
+    )
   if config.objective == "cispo":
     pg, clip_tokens = _cispo(log_r, logp, adv, config)
     tis_tokens = dual_tokens = jnp.zeros_like(m, bool)
@@ -260,7 +275,7 @@ def policy_loss(
     "entropy_sum": entropy_sum,
     "kl_sum": kl_sum,
     "token_sum": jnp.sum(m),
-    "seq_sum": jnp.sum(jnp.sum(m, axis=-1) > 0).astype(jnp.float32),
+    "seq_sum": count_rows(m, segment_ids_bt),
   }
   return loss, jax.lax.stop_gradient(sums)
 

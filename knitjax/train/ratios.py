@@ -13,10 +13,13 @@ and the gradient ``s_i`` per token; with one advantage per sequence (all this pa
 an aggregation that weighs a row's tokens equally (all of them), the two give the same loss and
 gradients (the paper's remark, checked by a test). ``L_i`` is a row's own length, so the ratio is
 the same in every micro-batch split. The log-ratio is clamped to +-20 so ``exp`` stays finite.
+With packed rows (``segment_ids_bt``) ``s_i`` is a segment's, broadcast to its tokens.
 """
 
 import jax
 import jax.numpy as jnp
+
+from knitjax.train.aggregation import row_total_per_token
 
 RATIO_LEVELS = ("token", "sequence", "sequence_token")
 # exp(20) ~ 5e8: far past any clip or cap, yet finite in float32 (and so are its gradients).
@@ -24,9 +27,17 @@ LOG_RATIO_LIMIT = 20.0
 
 
 def log_ratio(
-  logp_bt: jax.Array, behavior_logp_bt: jax.Array, mask_bt: jax.Array, *, level: str = "token"
+  logp_bt: jax.Array,
+  behavior_logp_bt: jax.Array,
+  mask_bt: jax.Array,
+  *,
+  level: str = "token",
+  segment_ids_bt: jax.Array | None = None,
 ) -> jax.Array:
-  """Returns the float32 ``[B, T]`` log importance ratio of ``level`` (see the module docstring)."""
+  """Returns the float32 ``[B, T]`` log importance ratio of ``level`` (see the module docstring).
+
+  ``segment_ids_bt``: packed rows (``knitjax.train.packing``); None: one row per sequence.
+  """
   if level not in RATIO_LEVELS:
     raise ValueError(f"unknown ratio level {level!r}; choose one of: {', '.join(RATIO_LEVELS)}.")
   logp = logp_bt.astype(jnp.float32)
@@ -35,8 +46,15 @@ def log_ratio(
     return jnp.clip(d, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
   m = mask_bt.astype(jnp.float32)
   # where, not d * m: padding may hold any log-prob, and inf * 0 is nan.
-  per_row = jnp.sum(jnp.where(m > 0, d, 0.0), axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
-  log_s = jnp.clip(per_row, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)[:, None]
+  d_masked = jnp.where(m > 0, d, 0.0)
+  if segment_ids_bt is None:
+    per_row = jnp.sum(d_masked, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+    log_s = jnp.clip(per_row, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)[:, None]
+  else:  # each token gets its own row's ratio
+    per_token = row_total_per_token(d_masked, segment_ids_bt) / jnp.maximum(
+      row_total_per_token(m, segment_ids_bt), 1.0
+    )
+    log_s = jnp.clip(per_token, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
   if level == "sequence":
     return jnp.broadcast_to(log_s, d.shape)
   return jax.lax.stop_gradient(log_s) + logp - jax.lax.stop_gradient(logp)

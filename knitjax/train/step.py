@@ -14,6 +14,11 @@ advantages. With a critic each micro-batch adds ``value_coef`` times the
 clipped value loss (:mod:`knitjax.train.value_loss`), aggregated like the
 policy loss.
 
+Packed rows (`knitjax.train.packing`): the batch then has ``[K, S / K, pack_len]`` sequences
+with a ``segment_ids`` field (several rows per sequence) and per-token advantages; the model
+masks attention by segment and the losses reduce per segment, so loss and gradient are those of
+the padded rows. In-step advantages need whole rows per sequence and are refused with packing.
+
 With LoRA (`knitjax.models.lora`) the state's params are the adapters only: the step
 differentiates and updates them, while the frozen base comes in as a separate, non-donated
 argument, and the reference policy is that base with the adapters off (no second copy).
@@ -48,6 +53,8 @@ MICRO_BATCH_FIELDS = (
   "rewards",  # [rows] sequence rewards: advantages recomputed in the step (GAE, KL as reward)
   "group_id",  # [rows] the row's group (GroupMeta.group_id): in-step group estimators
 )
+# With packing (knitjax.train.packing) every field is [sequences, pack_len], plus:
+PACKED_FIELDS = (*MICRO_BATCH_FIELDS, "segment_ids")
 
 
 @jax.tree_util.register_dataclass
@@ -94,10 +101,11 @@ def forward(
   the critic's values ``[B, T]`` from the same forward pass (else None)."""
   model = nnx.merge(graphdef, params)
   inputs = (mb["tokens"], mb["positions"], mb["valid"])
+  segments = mb.get("segment_ids")
   if values:
-    logits, values_bt = model.logits_and_values(*inputs)
+    logits, values_bt = model.logits_and_values(*inputs, segment_ids_bt=segments)
   else:
-    logits, values_bt = model(*inputs), None
+    logits, values_bt = model(*inputs, segment_ids_bt=segments), None
   logits = logits.astype(jnp.float32) / temperature
   return losses.token_logprobs(logits, mb["targets"]), losses.token_entropy(logits), values_bt
 
@@ -127,6 +135,7 @@ def micro_batch_loss(
     norm=norm,
     ref_logp_bt=mb.get("ref_logp"),
     entropy_bt=entropy,
+    segment_ids_bt=mb.get("segment_ids"),
   )
   if critic:
     a = hparams.advantage
@@ -134,7 +143,13 @@ def micro_batch_loss(
       values, mb["old_values"], mb["returns"], clip=a.value_clip
     )
     m = mb["loss_mask"].astype(jnp.float32)
-    agg = losses.aggregate(v_loss, m, aggregation=hparams.loss.aggregation, norm=norm)
+    agg = losses.aggregate(
+      v_loss,
+      m,
+      aggregation=hparams.loss.aggregation,
+      norm=norm,
+      segment_ids_bt=mb.get("segment_ids"),
+    )
     loss = loss + a.value_coef * agg
     sums = {
       **sums,
@@ -201,7 +216,16 @@ def train_step(
   Returns:
     The new state and a dict of scalar metrics.
   """
-  norm = losses.Normalizer.from_mask(batch["loss_mask"], max_len=float(hparams.max_new_tokens))
+  if hparams.advantages_in_step and "segment_ids" in batch:
+    raise ValueError(
+      "packed rows cannot recompute advantages in the step (advantage 'gae' or "
+      "kl_penalty='reward'); set config.train.packing='off'."
+    )
+  norm = losses.Normalizer.from_mask(
+    batch["loss_mask"],
+    max_len=float(hparams.max_new_tokens),
+    segment_ids_bt=batch.get("segment_ids"),
+  )
   grad_fn = jax.value_and_grad(
     functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams, frozen=frozen),
     has_aux=True,
@@ -256,10 +280,13 @@ def host_metrics(metrics: dict) -> dict[str, float]:
   return {**rest, **losses.finalize_metrics(sums)}
 
 
-def batch_shardings(mesh) -> dict[str, NamedSharding]:
-  """``[K, rows, ...]`` batch arrays: micro-batch axis unsharded, rows on the "batch" rule."""
+def batch_shardings(mesh, *, packed: bool = False) -> dict[str, NamedSharding]:
+  """``[K, rows, ...]`` batch arrays: micro-batch axis unsharded, rows on the "batch" rule.
+
+  ``packed``: the fields of packed sequences (``PACKED_FIELDS``).
+  """
   rows = sharding.logical_sharding(mesh, (None, "batch"))
-  return {k: rows for k in MICRO_BATCH_FIELDS}
+  return {k: rows for k in (PACKED_FIELDS if packed else MICRO_BATCH_FIELDS)}
 
 
 def compile_train_step(
@@ -271,13 +298,17 @@ def compile_train_step(
   mesh,
   with_ref: bool = False,
   frozen_shardings=None,
+  packed: bool = False,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
-  """``jax.jit`` of :func:`train_step` with explicit shardings and the state donated."""
+  """``jax.jit`` of :func:`train_step` with explicit shardings and the state donated.
+
+  ``packed``: the batch holds packed sequences (``PACKED_FIELDS``, `knitjax.train.packing`).
+  """
   fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, hparams=hparams)
   return jit_step(
     fn,
     state_shardings,
-    batch_shardings(mesh),
+    batch_shardings(mesh, packed=packed),
     mesh,
     with_ref=with_ref,
     frozen_shardings=frozen_shardings,

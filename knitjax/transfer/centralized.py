@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from knitjax import faultpoints
-from knitjax.train import mm_step
+from knitjax.train import mm_step, packing
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import batch_shardings
 from knitjax.transfer.access import BatchLayout, layout_groups
@@ -148,6 +148,7 @@ class CentralizedPreparer:
     layout: advantage estimator and the padded row layout.
     mesh: the train mesh.
     micro_batches: ``K``, micro-batches per mini-batch.
+    pack: packs each mini-batch's rows (`knitjax.train.packing`); None: padded rows.
   """
 
   def __init__(
@@ -157,6 +158,7 @@ class CentralizedPreparer:
     layout: BatchLayout,
     mesh: jax.sharding.Mesh,
     micro_batches: int,
+    pack: packing.PackSpec | None = None,
   ):
     if jax.process_count() > 1:
       raise ValueError(
@@ -164,7 +166,8 @@ class CentralizedPreparer:
         "uses transfer.mode='on_demand'."
       )
     self._storage, self._layout, self._mesh, self._k = storage, layout, mesh, micro_batches
-    self._shardings = batch_shardings(mesh)
+    self._pack = pack
+    self._shardings = batch_shardings(mesh, packed=pack is not None)
 
   def __call__(self, minibatches: Sequence[MiniBatch]) -> list[tuple[dict, dict[str, float]]]:
     step = gather_step(minibatches, self._storage, self._layout)
@@ -176,6 +179,8 @@ class CentralizedPreparer:
         n = len(batch["images"])
         placed = mm_step.device_batch(batch, self._k, self._mesh, num_images=n)
       else:
+        if self._pack is not None:
+          batch = self._pack(batch)
         placed = jax.device_put(split_micro_batches(batch, self._k), self._shardings)
       out.append((placed, {**info, "step_gathered_bytes": gathered}))
     return out

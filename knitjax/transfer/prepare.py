@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import jax
 
 from knitjax import faultpoints
-from knitjax.train import mm_step
+from knitjax.train import mm_step, packing
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import batch_shardings
 from knitjax.transfer.access import BatchLayout, consumer_batch, to_global
@@ -34,6 +34,8 @@ class MiniBatchPreparer:
     consumer: this consumer's index (default: ``jax.process_index()``).
     num_consumers: consumers sharing a mini-batch (default: ``jax.process_count()``).
     locality_slack: how far token balance may give way to local fetches (consumer plan).
+    pack: packs each mini-batch's rows (`knitjax.train.packing`); None: padded rows. One
+      consumer only (the packed sequence count is this consumer's own).
   """
 
   def __init__(
@@ -46,13 +48,20 @@ class MiniBatchPreparer:
     consumer: int | None = None,
     num_consumers: int | None = None,
     locality_slack: float = 0.5,
+    pack: packing.PackSpec | None = None,
   ):
     self._storage, self._layout, self._mesh = storage, layout, mesh
     self._k = micro_batches
     self._consumer = jax.process_index() if consumer is None else consumer
     self._consumers = jax.process_count() if num_consumers is None else num_consumers
     self._slack = locality_slack
-    self._shardings = batch_shardings(mesh)
+    if pack is not None and self._consumers > 1:
+      raise ValueError(
+        f"config.train.packing='pack' is not accepted with {self._consumers} consumers: the "
+        "packed sequence count would differ between processes; use packing 'off'."
+      )
+    self._pack = pack
+    self._shardings = batch_shardings(mesh, packed=pack is not None)
 
   def __call__(self, minibatch: MiniBatch) -> tuple[dict[str, jax.Array], dict[str, float]]:
     local, info = consumer_batch(
@@ -68,4 +77,6 @@ class MiniBatchPreparer:
     if "images" in local:  # this consumer's unique images, padded to the same count everywhere
       host = mm_step.prepare_batch(local, self._k)
       return to_global(host, mm_step.batch_shardings(self._mesh)), info
+    if self._pack is not None:
+      local = self._pack(local)
     return to_global(split_micro_batches(local, self._k), self._shardings), info

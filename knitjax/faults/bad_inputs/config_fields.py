@@ -81,6 +81,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
   from knitjax.tasks.rewards import REWARDS
   from knitjax.train.kl import KL_ESTIMATORS
   from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
+  from knitjax.train.packing import PACKING_MODES
   from knitjax.train.ratios import RATIO_LEVELS
   from knitjax.transfer.admission import POLICIES
 
@@ -94,6 +95,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     ("train", "ratio_level"): RATIO_LEVELS,
     ("train", "kl_estimator"): KL_ESTIMATORS,
     ("train", "kl_penalty"): KL_PENALTIES,
+    ("train", "packing"): PACKING_MODES,
     ("admission", "policy"): POLICIES,
     ("runtime", "mode"): config.MODES,
     ("runtime", "weight_sync"): config.WEIGHT_SYNC,
@@ -126,6 +128,8 @@ OUT_OF_RANGE = {
   ("train", "lr"): NONPOS_FLOAT,
   ("train", "warmup_steps"): NEG_INT,
   ("train", "micro_batches"): NONPOS_INT,
+  ("train", "pack_len"): NEG_INT,
+  ("train", "pack_buckets"): NONPOS_INT,
   **{("train", f): NEG_FLOAT for f in ("grad_clip", "tis_cap", "kl_coef", "kl_clamp")},
   **{("train", f): NEG_FLOAT for f in ("value_coef", "value_clip")},
   **{
