@@ -23,6 +23,7 @@ from knitjax.models.vision import VisionConfig
 from knitjax.rollout.continuous import ADOPTION
 from knitjax.rollout.scheduling import LAG_UNITS
 from knitjax.train.kl import KL_ESTIMATORS
+from knitjax.train.logprobs import DEFAULT_CHUNK as DEFAULT_LOGPROB_CHUNK
 from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
 from knitjax.train.ratios import RATIO_LEVELS
 from knitjax.train.step_advantages import ADVANTAGES
@@ -172,6 +173,10 @@ class TrainConfig:
   whiten_advantages: bool = True
   encoder_dedup: bool = True  # VLM: encode each unique image once per mini-batch
   remat_encoder: bool = False  # VLM dedup: recompute the encoder in its backward
+  # Log-probs and entropies `logprob_chunk` positions at a time from the hidden states
+  # (knitjax.train.logprobs), so the [rows, T, V] float32 logits never exist at once; 0: the
+  # plain path (whole logits).
+  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK
 
   def __post_init__(self):
     positive("config.train.lr", self.lr)
@@ -209,6 +214,12 @@ class TrainConfig:
           f"config.train.{name}={getattr(self, name)!r} is not accepted; it must be in [0, 1]."
         )
     positive("config.train.value_coef", self.value_coef, allow_zero=self.advantage != "gae")
+    chunk = self.logprob_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+      raise ValueError(
+        f"config.train.logprob_chunk={chunk!r} is not accepted; it must be an integer >= 0 "
+        "(positions per log-prob chunk; 0: whole logits)."
+      )
     positive("config.train.value_clip", self.value_clip, allow_zero=True)
     if not isinstance(self.whiten_advantages, bool):
       raise ValueError(

@@ -287,6 +287,7 @@ def build_trainer(config: Config, graphdef, params, mesh):
     ),
     temperature=config.rollout.temperature,
     max_new_tokens=config.rollout.max_new_tokens,
+    logprob_chunk=t.logprob_chunk,
   )
   with_ref = t.kl_coef > 0 and frozen is None
   compile_kwargs = dict(
