@@ -24,6 +24,7 @@ from knitjax.models.vision import VisionConfig
 from knitjax.rollout.continuous import ADOPTION
 from knitjax.rollout.scheduling import LAG_UNITS
 from knitjax.train.kl import KL_ESTIMATORS
+from knitjax.train.logprobs import DEFAULT_CHUNK as DEFAULT_LOGPROB_CHUNK
 from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
 from knitjax.train.packing import PACKING_MODES
 from knitjax.train.ratios import RATIO_LEVELS
@@ -182,6 +183,10 @@ class TrainConfig:
   packing: str = "off"
   pack_len: int = 0  # tokens per packed sequence; 0: the padded row length, prompt + response
   pack_buckets: int = 1  # rows sorted by length into this many buckets, each packed alone
+  # Log-probs and entropies `logprob_chunk` positions at a time from the hidden states
+  # (knitjax.train.logprobs), so the [rows, T, V] float32 logits never exist at once; 0: the
+  # plain path (whole logits).
+  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK
 
   def __post_init__(self):
     positive("config.train.lr", self.lr)
@@ -220,6 +225,12 @@ class TrainConfig:
           f"config.train.{name}={getattr(self, name)!r} is not accepted; it must be in [0, 1]."
         )
     positive("config.train.value_coef", self.value_coef, allow_zero=self.advantage != "gae")
+    chunk = self.logprob_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+      raise ValueError(
+        f"config.train.logprob_chunk={chunk!r} is not accepted; it must be an integer >= 0 "
+        "(positions per log-prob chunk; 0: whole logits)."
+      )
     positive("config.train.value_clip", self.value_clip, allow_zero=True)
     if not isinstance(self.whiten_advantages, bool):
       raise ValueError(

@@ -234,6 +234,15 @@ class Transformer(nnx.Module):
     """Token embeddings [B, T, D] in the compute dtype."""
     return self.embedder(tokens_bt)
 
+  def unembedding(self) -> tuple[jax.Array, str]:
+    """The output projection as stored (float32, or a LoRA base's dtype) and its layout: the tied
+    embedding table ``([V, D], "vd")`` or the lm_head ``([D, V], "dv")``. The logits are
+    ``hidden_states(...) @ W^T`` with ``W`` cast to the compute dtype (`knitjax.train.logprobs`
+    casts it inside, so its gradient stays in the param's dtype)."""
+    if self.lm_head is None:
+      return self.embedder.embedding[...], "vd"
+    return self.lm_head[...], "dv"
+
   def _logits(self, x_btd: jax.Array) -> jax.Array:
     x_btd = self.final_norm(x_btd)
     if self.lm_head is None:
@@ -286,6 +295,42 @@ class Transformer(nnx.Module):
       raise ValueError("logits_and_values needs a value head; set TransformerConfig.value_head.")
     x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt)
     return self._logits(x), self.value_head(self.final_norm(x))
+
+  def hidden_states(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    valid_bt: jax.Array,
+    *,
+    embeddings_btd: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
+  ) -> jax.Array:
+    """Full-sequence forward up to the final norm: hidden states [B, T, D] in the compute dtype.
+
+    With `unembedding()` they give the logits (`knitjax.train.logprobs` reads them this way, so
+    that the [B, T, V] logits need not exist at once); the arguments are `__call__`'s.
+    """
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt)
+    return self.final_norm(x)
+
+  def hidden_states_and_values(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    valid_bt: jax.Array,
+    *,
+    segment_ids_bt: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """`hidden_states` and the critic's float32 values [B, T] from the same forward pass.
+
+    The value head reads the same final-normed states as the logits (see `logits_and_values`).
+    """
+    if self.value_head is None:
+      raise ValueError(
+        "hidden_states_and_values needs a value head; set TransformerConfig.value_head."
+      )
+    x = self.hidden_states(tokens_bt, positions_bt, valid_bt, segment_ids_bt=segment_ids_bt)
+    return x, self.value_head(x)
 
   def _hidden(
     self, tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt=None

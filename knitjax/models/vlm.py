@@ -124,6 +124,22 @@ class VLM(nnx.Module):
     x = self.embed(tokens_bt, image_rows_bpd)
     return self.lm(tokens_bt, positions_bt, valid_bt, embeddings_btd=x)
 
+  def hidden_states(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    valid_bt: jax.Array,
+    *,
+    image_rows_bpd: jax.Array | None = None,
+  ) -> jax.Array:
+    """The decoder's final-normed hidden states [B, T, D] (`__call__` without the logits)."""
+    x = self.embed(tokens_bt, image_rows_bpd)
+    return self.lm.hidden_states(tokens_bt, positions_bt, valid_bt, embeddings_btd=x)
+
+  def unembedding(self) -> tuple[jax.Array, str]:
+    """The decoder's output projection and its layout (`Transformer.unembedding`)."""
+    return self.lm.unembedding()
+
   # The sampler's interface (text path of the decoder; images enter through `embeddings_btd`).
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     return self.lm.init_cache(batch, max_len)

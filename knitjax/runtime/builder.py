@@ -296,6 +296,7 @@ def build_trainer(config: Config, graphdef, params, mesh):
     ),
     temperature=config.rollout.temperature,
     max_new_tokens=config.rollout.max_new_tokens,
+    logprob_chunk=t.logprob_chunk,
   )
   with_ref = t.kl_coef > 0 and frozen is None
   packed = dict(packed=True) if t.packing == "pack" else {}  # text steps only (config checks)

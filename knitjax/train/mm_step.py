@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 
 from knitjax import sharding
 from knitjax.models.vlm import split_params
+from knitjax.train import logprobs as logprobs_lib
 from knitjax.train import losses
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.dedup import (
@@ -51,13 +52,23 @@ from knitjax.train.step import MICRO_BATCH_FIELDS, StepHParams, TrainState, jit_
 MM_ROW_FIELDS = (*MICRO_BATCH_FIELDS, "image_index")
 
 
-def _policy_loss(logits_btv, mb, norm, hparams: StepHParams, ref_logits_btv=None):
-  logits = logits_btv.astype(jnp.float32) / hparams.temperature
-  logp = losses.token_logprobs(logits, mb["targets"])
+def _logprobs(model, mb, image_rows_bpd, hparams: StepHParams, entropy: str):
+  """Log-probs and entropies of the targets (`knitjax.train.logprobs`, as the text step)."""
+  hidden = model.hidden_states(
+    mb["tokens"], mb["positions"], mb["valid"], image_rows_bpd=image_rows_bpd
+  )
+  table, layout = model.unembedding()
+  return logprobs_lib.token_logprobs_and_entropy(
+    hidden, table, mb["targets"], layout=layout, temperature=hparams.temperature,
+    chunk=hparams.logprob_chunk, entropy=entropy,
+  )  # fmt: skip
+
+
+def _policy_loss(model, feats, mb, norm, hparams: StepHParams, ref_model=None, ref_feats=None):
+  logp, entropy = _logprobs(model, mb, feats, hparams, hparams.entropy_mode)
   ref_logp = None
-  if ref_logits_btv is not None:
-    ref = ref_logits_btv.astype(jnp.float32) / hparams.temperature
-    ref_logp = jax.lax.stop_gradient(losses.token_logprobs(ref, mb["targets"]))
+  if ref_model is not None:
+    ref_logp = jax.lax.stop_gradient(_logprobs(ref_model, mb, ref_feats, hparams, "none")[0])
   return losses.policy_loss(
     logp,
     mb["behavior_logp"],
@@ -66,12 +77,8 @@ def _policy_loss(logits_btv, mb, norm, hparams: StepHParams, ref_logits_btv=None
     config=hparams.loss,
     norm=norm,
     ref_logp_bt=ref_logp,
-    entropy_bt=losses.token_entropy(logits),
+    entropy_bt=entropy,
   )
-
-
-def _forward(model, mb, image_rows_bpd):
-  return model(mb["tokens"], mb["positions"], mb["valid"], image_rows_bpd=image_rows_bpd)
 
 
 def _row_images(images_u, index_b):
@@ -98,14 +105,13 @@ def _naive(params, rows, images_u, norm, *, graphdef, hparams, ref_params):
     model = nnx.merge(graphdef, p)
     images_b = _row_images(images_u, mb["image_index"])
     counts = zero_counts()
-    ref_logits = None
+    ref_model = ref_feats = None
     if ref_params is not None:
       ref_feats, counts = _encode_ref(ref_params, images_b, graphdef=graphdef)
-      ref_logits = _forward(nnx.merge(graphdef, ref_params), mb, ref_feats)
+      ref_model = nnx.merge(graphdef, ref_params)
     enc, backbone = split_params(p)
     feats, enc_counts = apply_encoder(_encode_with(graphdef, backbone), enc, images_b, probe=probe)
-    logits = _forward(model, mb, feats)
-    loss, sums = _policy_loss(logits, mb, norm, hparams, ref_logits)
+    loss, sums = _policy_loss(model, feats, mb, norm, hparams, ref_model, ref_feats)
     return loss, (sums, add_counts(counts, enc_counts))
 
   # d loss / d probe: the counts of the encoder backwards that ran (see dedup.apply_encoder).
@@ -142,12 +148,12 @@ def _dedup(params, rows, images_u, norm, *, graphdef, hparams, ref_params, remat
 
   def backbone_loss(backbone_params, feats_u, mb):
     model = nnx.merge(graphdef, enc, backbone_params)
-    ref_logits = None
+    ref_model = ref_rows = None
     if ref_params is not None:
       ref_rows = dedup_gather(ref_feats, mb["image_index"])
-      ref_logits = _forward(nnx.merge(graphdef, ref_params), mb, ref_rows)
-    logits = _forward(model, mb, dedup_gather(feats_u, mb["image_index"]))
-    return _policy_loss(logits, mb, norm, hparams, ref_logits)
+      ref_model = nnx.merge(graphdef, ref_params)
+    feats = dedup_gather(feats_u, mb["image_index"])
+    return _policy_loss(model, feats, mb, norm, hparams, ref_model, ref_rows)
 
   loss, sums, g_enc, g_backbone, counts = dedup_value_and_grad(
     _encode_with(graphdef, backbone), backbone_loss, enc, backbone, images_u, rows, remat=remat

@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 from knitjax import sharding
 from knitjax.models import lora
 from knitjax.train import kl as kl_lib
+from knitjax.train import logprobs as logprobs_lib
 from knitjax.train import losses, step_advantages, value_loss
 from knitjax.train.step_advantages import AdvantageConfig
 
@@ -74,6 +75,14 @@ class StepHParams:
   advantage: AdvantageConfig = AdvantageConfig()
   temperature: float = 1.0
   max_new_tokens: int = 1  # Dr. GRPO's constant normaliser
+  # Positions per chunk of the log-prob / entropy computation (knitjax.train.logprobs): the
+  # [B, T, V] logits never exist at once; 0: the plain path (whole logits).
+  logprob_chunk: int = logprobs_lib.DEFAULT_CHUNK
+
+  @property
+  def entropy_mode(self) -> str:
+    """The train forward's entropy: differentiated when it is a loss term, else a metric only."""
+    return "loss" if self.loss.entropy_coef > 0 else "metric"
 
   @property
   def advantages_in_step(self) -> bool:
@@ -82,10 +91,18 @@ class StepHParams:
 
 
 def sequence_logprobs(
-  graphdef: nnx.GraphDef, params: nnx.State, mb: dict[str, jax.Array], temperature: float
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  mb: dict[str, jax.Array],
+  temperature: float,
+  *,
+  chunk: int = logprobs_lib.DEFAULT_CHUNK,
 ) -> tuple[jax.Array, jax.Array]:
-  """Per-token log-probs and entropies of the targets, at the sampling temperature."""
-  logp, entropy, _ = forward(graphdef, params, mb, temperature, values=False)
+  """Per-token log-probs and entropies (no gradient) of the targets, at the sampling
+  temperature."""
+  logp, entropy, _ = forward(
+    graphdef, params, mb, temperature, values=False, chunk=chunk, entropy="metric"
+  )
   return logp, entropy
 
 
@@ -96,18 +113,28 @@ def forward(
   temperature: float,
   *,
   values: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  chunk: int = logprobs_lib.DEFAULT_CHUNK,
+  entropy: str = "metric",
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """Log-probs and entropies of the targets (at the sampling temperature), and with ``values``
-  the critic's values ``[B, T]`` from the same forward pass (else None)."""
+  the critic's values ``[B, T]`` from the same forward pass (else None).
+
+  ``chunk`` positions at a time (:mod:`knitjax.train.logprobs`; 0: whole logits); ``entropy``:
+  ``"none"`` (None is returned), ``"metric"`` (no gradient) or ``"loss"``.
+  """
   model = nnx.merge(graphdef, params)
   inputs = (mb["tokens"], mb["positions"], mb["valid"])
   segments = mb.get("segment_ids")
   if values:
-    logits, values_bt = model.logits_and_values(*inputs, segment_ids_bt=segments)
+    hidden, values_bt = model.hidden_states_and_values(*inputs, segment_ids_bt=segments)
   else:
-    logits, values_bt = model(*inputs, segment_ids_bt=segments), None
-  logits = logits.astype(jnp.float32) / temperature
-  return losses.token_logprobs(logits, mb["targets"]), losses.token_entropy(logits), values_bt
+    hidden, values_bt = model.hidden_states(*inputs, segment_ids_bt=segments), None
+  table, layout = model.unembedding()
+  logp, ent = logprobs_lib.token_logprobs_and_entropy(
+    hidden, table, mb["targets"], layout=layout, temperature=temperature, chunk=chunk,
+    entropy=entropy,
+  )  # fmt: skip
+  return logp, ent, values_bt
 
 
 def micro_batch_loss(
@@ -125,7 +152,10 @@ def micro_batch_loss(
   """
   policy = params if frozen is None else lora.combine(frozen, params)
   critic = hparams.advantage.critic
-  logp, entropy, values = forward(graphdef, policy, mb, hparams.temperature, values=critic)
+  logp, entropy, values = forward(
+    graphdef, policy, mb, hparams.temperature, values=critic, chunk=hparams.logprob_chunk,
+    entropy=hparams.entropy_mode,
+  )  # fmt: skip
   loss, sums = losses.policy_loss(
     logp,
     mb["behavior_logp"],
@@ -177,8 +207,12 @@ def recompute_advantages(
     raise ValueError("kl_penalty='reward' needs the reference policy's params (ref_params).")
   critic = hparams.advantage.critic
   logp, _, values = jax.lax.map(
-    lambda mb: forward(graphdef, params, mb, hparams.temperature, values=critic), batch
-  )
+    lambda mb: forward(
+      graphdef, params, mb, hparams.temperature, values=critic, chunk=hparams.logprob_chunk,
+      entropy="none",
+    ),
+    batch,
+  )  # fmt: skip
   logp, values = jax.lax.stop_gradient((logp, values))
   kl = None
   if reward_kl:
@@ -236,8 +270,12 @@ def train_step(
   if ref_params is not None and hparams.loss.kl_coef > 0:
     # Reference log-probs of every micro-batch, before (and outside) the gradient scan.
     ref_logp = jax.lax.map(
-      lambda mb: sequence_logprobs(graphdef, ref_params, mb, hparams.temperature)[0], batch
-    )
+      lambda mb: forward(
+        graphdef, ref_params, mb, hparams.temperature, values=False, chunk=hparams.logprob_chunk,
+        entropy="none",
+      )[0],
+      batch,
+    )  # fmt: skip
     batch = {**batch, "ref_logp": jax.lax.stop_gradient(ref_logp)}
   adv_metrics = {}
   if hparams.advantages_in_step:
