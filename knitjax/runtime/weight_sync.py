@@ -1,25 +1,27 @@
 """Weight sync: the trainer publishes versioned parameters; the rollout adopts the newest.
 
-A publish is two dispatches from the trainer's thread, neither of which waits:
+A publish is a few dispatches from the trainer's thread, none of which waits:
 
 1. ``stage``, one jitted function on the train mesh, casts the params to the wire dtype
-   (``runtime.sync_dtype``: bfloat16 halves the bytes) and lays each leaf out so that every shard
-   the rollout mesh wants exists whole on some train device (the *staging layout*, see
-   :func:`staging_sharding`). Its outputs are fresh buffers, so the next train step may donate
-   the trainer's state: XLA orders that step after ``stage`` has read it.
-2. ``jax.device_put`` onto the rollout shardings. With the staging layout every destination
-   shard has a source buffer holding exactly its slice, so JAX copies buffers device to device.
-   Without it (e.g. an FSDP- or tensor-sharded leaf onto a replicated rollout leaf) JAX fell back
-   to ``np.asarray`` of the whole array: a trip through the host for most leaves.
+   (``runtime.sync_dtype``: bfloat16 halves the bytes) into fresh buffers, so the next train
+   step may donate the trainer's state (XLA orders that step after ``stage`` has read it).
+2. ``jax.device_put`` across, which JAX does buffer by buffer, device to device, only where
+   every destination shard exists whole on some source device; otherwise (an FSDP- or
+   tensor-sharded leaf onto a replicated rollout leaf, the plain publish of before) it falls back
+   to ``np.asarray`` of the whole array, a trip through the host. Two routes avoid that:
+
+   - *shard-wise* (train and rollout meshes of equally many devices, e.g. the default half
+     split): ``stage`` keeps the train layout, each shard crosses once to the rollout device in
+     its place (:func:`mirror_sharding`), and a jitted identity on the rollout devices gathers
+     their own layout. Train devices hold one extra wire-dtype copy of their shards.
+   - *staged* (other device counts): ``stage`` lays each leaf out so that every rollout shard
+     exists whole on a train device (:func:`staging_sharding`); for a data-parallel rollout mesh
+     that is the whole params in the wire dtype on every train device while the copy runs.
 
 A publisher thread waits for the copy and only then makes the version visible to
 ``take_newer``, so the rollout never adopts params still being written. At most one publish is
 in flight: a second waits for the first (backpressure instead of unbounded staging memory).
 ``publish="blocking"`` waits in the trainer's thread instead (the reference for the benchmark).
-
-The staging layout costs, while a publish is in flight, one copy of each leaf's rollout shard
-in the wire dtype on the train devices (for a data-parallel rollout mesh: the whole params per
-train device, e.g. 1 GB per device for 0.5B params in bfloat16).
 
 With LoRA the trainer publishes only the adapters: the frozen base is placed on the rollout mesh
 once (``base``), and each version taken is that base joined with the version's adapters.
@@ -97,6 +99,18 @@ def staging_sharding(
   return NamedSharding(mesh, PartitionSpec())
 
 
+def mirror_sharding(src: jax.sharding.Sharding, dst: jax.sharding.Sharding) -> NamedSharding | None:
+  """``src``'s layout (mesh shape, axis names, spec) on ``dst``'s devices, or None unless both
+  are NamedShardings over equally many devices."""
+  if not (isinstance(src, NamedSharding) and isinstance(dst, NamedSharding)):
+    return None
+  if src.mesh.size != dst.mesh.size:
+    return None
+  devices = np.array(list(dst.mesh.devices.flat)).reshape(src.mesh.devices.shape)
+  mesh = jax.sharding.Mesh(devices, src.mesh.axis_names, axis_types=src.mesh.axis_types)
+  return NamedSharding(mesh, src.spec)
+
+
 class WeightSync:
   """The hand-off point between the trainer (publishes) and the rollout (takes).
 
@@ -123,7 +137,10 @@ class WeightSync:
     self._dst = jax.tree.leaves(rollout_shardings)
     self._base = base
     self.sync_dtype, self.mode = sync_dtype, publish
-    self._stage = None  # the jitted cast-and-lay-out, built at the first publish
+    # Built at the first publish: the jitted cast-and-lay-out on the train mesh, the layout
+    # crossing to the rollout devices, and (shard-wise route) the gather there.
+    self._stage = self._wire = self._gather = None
+    self.route = ""
     self._lock = threading.Lock()
     self._ready = threading.Condition(self._lock)
     self._latest: tuple[int, object] | None = None
@@ -145,8 +162,6 @@ class WeightSync:
       raise ValueError(
         f"published params have {len(leaves)} leaves but the rollout shardings {len(self._dst)}."
       )
-    pairs = zip(leaves, self._dst, strict=True)
-    staging = [staging_sharding(x.sharding, d, x.shape) for x, d in pairs]
     dtypes = [wire_dtype(x.dtype, self.sync_dtype) for x in leaves]
 
     def stage(xs):
@@ -154,7 +169,20 @@ class WeightSync:
       # buffer, never the trainer's own (which the next train step donates).
       return [jnp.array(x.astype(t), copy=True) for x, t in zip(xs, dtypes, strict=True)]
 
-    return jax.jit(stage, out_shardings=staging)
+    mirrors = [mirror_sharding(x.sharding, d) for x, d in zip(leaves, self._dst, strict=True)]
+    if all(m is not None for m in mirrors):
+      # Shard-wise: each train shard crosses once, to the rollout device in its place; the
+      # rollout devices then gather their layout among themselves.
+      self.route = "shard_wise"
+      self._wire = mirrors
+      self._gather = jax.jit(lambda xs: xs, out_shardings=self._dst)
+      return jax.jit(stage, out_shardings=[x.sharding for x in leaves])
+    self.route = "staged"
+    self._wire, self._gather = self._dst, None
+    pairs = zip(leaves, self._dst, strict=True)
+    return jax.jit(
+      stage, out_shardings=[staging_sharding(x.sharding, d, x.shape) for x, d in pairs]
+    )
 
   def publish(self, params, version: int, *, block: bool = False) -> float:
     """Starts copying ``params`` onto the rollout mesh as ``version``.
@@ -170,7 +198,9 @@ class WeightSync:
       self._raise_error()
     if self._stage is None:
       self._stage = self._build_stage(leaves)
-    moved = jax.device_put(self._stage(leaves), self._dst)
+    moved = jax.device_put(self._stage(leaves), self._wire)
+    if self._gather is not None:
+      moved = self._gather(moved)
     moved = jax.tree.unflatten(treedef, moved)
     if self._thread is None or block:
       jax.block_until_ready(moved)

@@ -52,11 +52,11 @@ LEAVES = {
 }
 
 
-def _model(mesh_shape):
+def _model(mesh_shape, rollout_devices=4):
   """Random float32 params on a train mesh of ``mesh_shape``, their rollout shardings, the
   rollout mesh and the params' values as NumPy arrays."""
   devices = jax.devices()
-  rollout_mesh = sharding.make_mesh((-1, 1, 1), devices=devices[:4])
+  rollout_mesh = sharding.make_mesh((-1, 1, 1), devices=devices[:rollout_devices])
   train_mesh = sharding.make_mesh(mesh_shape, devices=devices[4:])
   rng = np.random.default_rng(0)
   params, rollout_shardings, values = {}, {}, {}
@@ -67,10 +67,16 @@ def _model(mesh_shape):
   return params, rollout_shardings, rollout_mesh, values
 
 
-@pytest.mark.parametrize("mesh", list(TRAIN_MESHES))
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_publish_copies_device_to_device_with_exact_values(mesh, dtype, host_reads):
-  params, rollout_shardings, rollout_mesh, _ = _model(TRAIN_MESHES[mesh])
+@pytest.mark.parametrize(
+  "mesh,dtype,rollout_devices",
+  [(m, d, 4) for m in TRAIN_MESHES for d in ("bfloat16", "float32")]
+  + [(m, "bfloat16", 2) for m in ("fsdp", "tensor")],
+)
+def test_publish_copies_device_to_device_with_exact_values(
+  mesh, dtype, rollout_devices, host_reads
+):
+  """4 rollout devices (as many as train devices): shard-wise; 2: staged on the train mesh."""
+  params, rollout_shardings, rollout_mesh, _ = _model(TRAIN_MESHES[mesh], rollout_devices)
   if mesh != "data":  # the counter can fail: a plain device_put goes through the host here
     jax.block_until_ready(jax.device_put(params, rollout_shardings))
     assert host_reads
@@ -79,6 +85,7 @@ def test_publish_copies_device_to_device_with_exact_values(mesh, dtype, host_rea
   sync.publish(params, 5)
   sync.wait()
   assert host_reads == []
+  assert sync.route == ("shard_wise" if rollout_devices == 4 else "staged")
   version, got = sync.take_newer(None)
   sync.close()
   assert version == 5
