@@ -12,8 +12,9 @@ Variants per train mesh:
 
 Per version: ``publish_s``, dispatch until the rollout can adopt it, and ``held_s``, how long
 the trainer's thread was held (the whole copy when blocking; the dispatch when async). Medians
-over ``repeats`` versions after one warm-up (compilation). ``bytes`` is what one version puts on
-the rollout mesh per device.
+over ``repeats`` versions after one warm-up (compilation). ``bytes`` is one version's params in the
+wire dtype (what each device of the data-parallel rollout mesh receives); ``host_leaves``
+counts the leaves whose copy goes through the host, by JAX's rule (`weight_sync.via_host`).
 
 Usage: python -m knitjax.bench --config configs/bench/weight_sync.py --workdir DIR
 """
@@ -30,26 +31,20 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.bench.report import format_table, write_json
 from knitjax.models.transformer import Transformer, TransformerConfig
-from knitjax.runtime.weight_sync import WeightSync
+from knitjax.runtime.weight_sync import WeightSync, via_host
 
 VARIANTS = ("f32_plain", "f32_blocking", "bf16_blocking", "bf16_async")
 
 
 def host_leaves(params, rollout_shardings) -> int:
-  """Leaves a plain ``jax.device_put`` sends through the host: some rollout shard is not held
-  whole by any train device (JAX's criterion for its device-to-device path)."""
-
-  def indices(s, shape):
-    return {
-      tuple((i.start, i.stop, i.step) for i in idx) for idx in s.devices_indices_map(shape).values()
-    }
-
+  """Leaves a plain ``jax.device_put`` sends through the host (`weight_sync.via_host`)."""
   pairs = zip(jax.tree.leaves(params), jax.tree.leaves(rollout_shardings), strict=True)
-  return sum(not indices(d, x.shape) <= indices(x.sharding, x.shape) for x, d in pairs)
+  return sum(via_host(x.sharding, d, x.shape) for x, d in pairs)
 
 
 def _publisher(variant: str, rollout_shardings):
-  """``publish(params, version) -> (held_s, publish_s)`` for one variant, and a closer."""
+  """``publish(params, version) -> (held_s, publish_s)`` for one variant, the number of leaves
+  it copies through the host, and a closer."""
   if variant == "f32_plain":
 
     def plain(params, version):
@@ -58,7 +53,7 @@ def _publisher(variant: str, rollout_shardings):
       dt = time.perf_counter() - t0
       return dt, dt
 
-    return plain, lambda: None
+    return plain, lambda params: host_leaves(params, rollout_shardings), lambda: None
   dtype, mode = variant.split("_")
   sync = WeightSync(
     rollout_shardings,
@@ -71,12 +66,12 @@ def _publisher(variant: str, rollout_shardings):
     sync.wait()
     return held, sync.last_publish_s
 
-  return publish, sync.close
+  return publish, sync.host_leaves, sync.close
 
 
 def measure(params, rollout_shardings, variant: str, repeats: int) -> dict:
   """Median publish and held seconds of ``variant`` over ``repeats`` versions (one warm-up)."""
-  publish, close = _publisher(variant, rollout_shardings)
+  publish, count_host_leaves, close = _publisher(variant, rollout_shardings)
   times = [publish(params, v) for v in range(repeats + 1)][1:]
   close()
   leaves = jax.tree.leaves(params)
@@ -87,7 +82,7 @@ def measure(params, rollout_shardings, variant: str, repeats: int) -> dict:
     "bytes": sum(x.size * min(itemsize, x.dtype.itemsize) for x in leaves),
     "params": sum(x.size for x in leaves),
     "leaves": len(leaves),
-    "host_leaves": host_leaves(params, rollout_shardings) if variant == "f32_plain" else 0,
+    "host_leaves": count_host_leaves(params),
   }
 
 

@@ -67,6 +67,13 @@ def _indices(s: jax.sharding.Sharding, shape) -> set[tuple]:
   }
 
 
+def via_host(src: jax.sharding.Sharding, dst: jax.sharding.Sharding, shape) -> bool:
+  """Whether ``jax.device_put`` from ``src`` to ``dst`` reads the array through the host: some
+  destination shard is not held whole by a source device (JAX's rule for its device-to-device
+  path, ``shard_sharded_device_array_slow_path``)."""
+  return not _indices(dst, shape) <= _indices(src, shape)
+
+
 def wire_spec(spec: PartitionSpec, dst_shape: dict, src_mesh, ndim: int) -> PartitionSpec:
   """``spec`` (of a mesh with axis sizes ``dst_shape``) on ``src_mesh``: dimensions keep their
   mesh axes where those have the same size on both meshes (their slices then coincide) and are
@@ -94,7 +101,7 @@ def staging_sharding(
     mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
   if isinstance(dst, NamedSharding):
     staged = NamedSharding(mesh, wire_spec(dst.spec, dict(dst.mesh.shape), mesh, len(shape)))
-    if _indices(dst, shape) <= _indices(staged, shape):
+    if not via_host(staged, dst, shape):
       return staged
   return NamedSharding(mesh, PartitionSpec())
 
@@ -139,7 +146,7 @@ class WeightSync:
     self.sync_dtype, self.mode = sync_dtype, publish
     # Built at the first publish: the jitted cast-and-lay-out on the train mesh, the layout
     # crossing to the rollout devices, and (shard-wise route) the gather there.
-    self._stage = self._wire = self._gather = None
+    self._stage = self._staged = self._wire = self._gather = None
     self.route = ""
     self._lock = threading.Lock()
     self._ready = threading.Condition(self._lock)
@@ -176,13 +183,22 @@ class WeightSync:
       self.route = "shard_wise"
       self._wire = mirrors
       self._gather = jax.jit(lambda xs: xs, out_shardings=self._dst)
-      return jax.jit(stage, out_shardings=[x.sharding for x in leaves])
+      self._staged = [x.sharding for x in leaves]
+      return jax.jit(stage, out_shardings=self._staged)
     self.route = "staged"
     self._wire, self._gather = self._dst, None
     pairs = zip(leaves, self._dst, strict=True)
-    return jax.jit(
-      stage, out_shardings=[staging_sharding(x.sharding, d, x.shape) for x, d in pairs]
-    )
+    self._staged = [staging_sharding(x.sharding, d, x.shape) for x, d in pairs]
+    return jax.jit(stage, out_shardings=self._staged)
+
+  def host_leaves(self, params) -> int:
+    """Leaves of ``params`` whose copy across would go through the host (0 by construction;
+    checked with :func:`via_host` on the layouts this sync uses)."""
+    leaves = jax.tree.leaves(params)
+    if self._stage is None:
+      self._stage = self._build_stage(leaves)
+    pairs = zip(self._staged, self._wire, leaves, strict=True)
+    return sum(via_host(s, w, x.shape) for s, w, x in pairs)
 
   def publish(self, params, version: int, *, block: bool = False) -> float:
     """Starts copying ``params`` onto the rollout mesh as ``version``.

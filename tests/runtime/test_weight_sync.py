@@ -10,7 +10,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from configs import arith_tiny
 from knitjax import sharding
 from knitjax.config import from_config_dict
-from knitjax.runtime.weight_sync import WeightSync, resolve_sync_dtype, staging_sharding
+from knitjax.runtime.weight_sync import (
+  WeightSync,
+  resolve_sync_dtype,
+  staging_sharding,
+  via_host,
+)
 
 # FSDP, tensor parallel, data parallel and a mix, on the 4 train devices.
 TRAIN_MESHES = {"fsdp": (1, 4, 1), "tensor": (1, 1, 4), "data": (4, 1, 1), "fsdp_tensor": (1, 2, 2)}
@@ -77,15 +82,18 @@ def test_publish_copies_device_to_device_with_exact_values(
 ):
   """4 rollout devices (as many as train devices): shard-wise; 2: staged on the train mesh."""
   params, rollout_shardings, rollout_mesh, _ = _model(TRAIN_MESHES[mesh], rollout_devices)
-  if mesh != "data":  # the counter can fail: a plain device_put goes through the host here
-    jax.block_until_ready(jax.device_put(params, rollout_shardings))
-    assert host_reads
-    host_reads.clear()
+  # The counter can fail: a plain device_put reads exactly the leaves `via_host` names.
+  pairs = zip(jax.tree.leaves(params), jax.tree.leaves(rollout_shardings), strict=True)
+  plain = sum(via_host(x.sharding, d, x.shape) for x, d in pairs)
+  jax.block_until_ready(jax.device_put(params, rollout_shardings))
+  assert len(host_reads) == plain and (plain > 0) == (mesh != "data")
+  host_reads.clear()
   sync = WeightSync(rollout_shardings, sync_dtype=dtype)
   sync.publish(params, 5)
   sync.wait()
   assert host_reads == []
   assert sync.route == ("shard_wise" if rollout_devices == 4 else "staged")
+  assert sync.host_leaves(params) == 0
   version, got = sync.take_newer(None)
   sync.close()
   assert version == 5
