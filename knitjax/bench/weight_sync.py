@@ -44,7 +44,7 @@ def host_leaves(params, rollout_shardings) -> int:
 
 def _publisher(variant: str, rollout_shardings):
   """``publish(params, version) -> (held_s, publish_s)`` for one variant, the number of leaves
-  it copies through the host, and a closer."""
+  it copies through the host, and a closer returning its route."""
   if variant == "f32_plain":
 
     def plain(params, version):
@@ -53,7 +53,7 @@ def _publisher(variant: str, rollout_shardings):
       dt = time.perf_counter() - t0
       return dt, dt
 
-    return plain, lambda params: host_leaves(params, rollout_shardings), lambda: None
+    return plain, lambda params: host_leaves(params, rollout_shardings), lambda: "plain"
   dtype, mode = variant.split("_")
   sync = WeightSync(
     rollout_shardings,
@@ -66,14 +66,18 @@ def _publisher(variant: str, rollout_shardings):
     sync.wait()
     return held, sync.last_publish_s
 
-  return publish, sync.host_leaves, sync.close
+  def close():
+    sync.close()
+    return sync.route
+
+  return publish, sync.host_leaves, close
 
 
 def measure(params, rollout_shardings, variant: str, repeats: int) -> dict:
   """Median publish and held seconds of ``variant`` over ``repeats`` versions (one warm-up)."""
   publish, count_host_leaves, close = _publisher(variant, rollout_shardings)
   times = [publish(params, v) for v in range(repeats + 1)][1:]
-  close()
+  route = close()
   leaves = jax.tree.leaves(params)
   itemsize = 4 if variant.startswith("f32") else 2
   return {
@@ -83,6 +87,7 @@ def measure(params, rollout_shardings, variant: str, repeats: int) -> dict:
     "params": sum(x.size for x in leaves),
     "leaves": len(leaves),
     "host_leaves": count_host_leaves(params),
+    "route": route,
   }
 
 
@@ -111,7 +116,8 @@ def run(config, workdir: str) -> dict:
   print(f"publish of {rows[0]['params'] / 1e6:.1f}M params ({rows[0]['leaves']} leaves), median:")
   print(
     format_table(
-      rows, ["mesh", "variant", "publish_s", "held_s", "held_vs_first", "host_leaves", "bytes"]
+      rows,
+      ["mesh", "variant", "route", "publish_s", "held_s", "held_vs_first", "host_leaves", "bytes"],
     )
   )
   result = {

@@ -24,5 +24,6 @@ def test_bf16_async_publishes_half_the_bytes_with_no_host_detour():
   plain = measure(params, rollout_shardings, "f32_plain", repeats=1)
   fast = measure(params, rollout_shardings, "bf16_async", repeats=1)
   assert plain["host_leaves"] > 0 and fast["host_leaves"] == 0
+  assert (plain["route"], fast["route"]) == ("plain", "shard_wise")  # 4 train, 4 rollout devices
   assert fast["bytes"] * 2 == plain["bytes"] == 4 * plain["params"]
   assert fast["publish_s"] > 0 and plain["held_s"] == plain["publish_s"] > 0
