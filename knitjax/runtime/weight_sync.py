@@ -86,6 +86,12 @@ def wire_spec(spec: PartitionSpec, dst_shape: dict, src_mesh, ndim: int) -> Part
   return PartitionSpec(*kept)
 
 
+def _mesh_of(s: jax.sharding.Sharding) -> jax.sharding.Mesh:
+  if isinstance(s, NamedSharding):
+    return s.mesh
+  return jax.sharding.Mesh(np.array(sorted(s.device_set, key=lambda d: d.id)), ("devices",))
+
+
 def staging_sharding(
   src: jax.sharding.Sharding, dst: jax.sharding.Sharding, shape
 ) -> NamedSharding:
@@ -94,11 +100,7 @@ def staging_sharding(
   The destination's spec by :func:`wire_spec`; if that still misses a destination slice, the
   leaf is staged fully replicated.
   """
-  if isinstance(src, NamedSharding):
-    mesh = src.mesh
-  else:
-    devices = sorted(src.device_set, key=lambda d: d.id)
-    mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
+  mesh = _mesh_of(src)
   if isinstance(dst, NamedSharding):
     staged = NamedSharding(mesh, wire_spec(dst.spec, dict(dst.mesh.shape), mesh, len(shape)))
     if not via_host(staged, dst, shape):
@@ -214,9 +216,13 @@ class WeightSync:
       self._raise_error()
     if self._stage is None:
       self._stage = self._build_stage(leaves)
-    moved = jax.device_put(self._stage(leaves), self._wire)
+    # Each jitted part runs under its own devices' mesh (publish is called under the trainer's).
+    with jax.set_mesh(_mesh_of(leaves[0].sharding)):
+      staged = self._stage(leaves)
+    moved = jax.device_put(staged, self._wire)
     if self._gather is not None:
-      moved = self._gather(moved)
+      with jax.set_mesh(self._dst[0].mesh):
+        moved = self._gather(moved)
     moved = jax.tree.unflatten(treedef, moved)
     if self._thread is None or block:
       jax.block_until_ready(moved)

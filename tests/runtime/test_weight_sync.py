@@ -89,7 +89,8 @@ def test_publish_copies_device_to_device_with_exact_values(
   assert len(host_reads) == plain and (plain > 0) == (mesh != "data")
   host_reads.clear()
   sync = WeightSync(rollout_shardings, sync_dtype=dtype)
-  sync.publish(params, 5)
+  with jax.set_mesh(params["embed"].sharding.mesh):  # as the trainer calls it
+    sync.publish(params, 5)
   sync.wait()
   assert host_reads == []
   assert sync.route == ("shard_wise" if rollout_devices == 4 else "staged")
