@@ -34,6 +34,8 @@ from knitjax.transfer.admission import POLICIES
 # Choices the runtime implements; runtime sits above config, so config owns their names.
 MODES = ("colocated", "disaggregated")
 WEIGHT_SYNC = ("minibatch", "step")
+SYNC_DTYPES = ("auto", "bfloat16", "float32")
+SYNC_PUBLISH = ("async", "blocking")
 STORAGE = ("in_process", "ray")
 TRANSFER = ("on_demand", "centralized")
 # "auto": the multi-turn rollout for tasks with an environment, else the continuous engine for
@@ -317,6 +319,11 @@ class RuntimeConfig:
   steps: int = 100
   log_every: int = 10
   weight_sync: str = "minibatch"
+  # Disaggregated weight publish: the dtype on the wire and the rollout's params ("auto":
+  # bfloat16 when config.model.dtype is bfloat16, else float32, so float32 runs stay exact), and
+  # whether the trainer waits for the copy ("blocking") or it completes in the background.
+  sync_dtype: str = "auto"
+  sync_publish: str = "async"
   max_lag_steps: float = 1.0
   # How depth capacity comes back: "step" (once a step's last mini-batch is consumed) or
   # "minibatch" (each consumed mini-batch frees its B/M groups; version-granular).
@@ -342,6 +349,8 @@ class RuntimeConfig:
   def __post_init__(self):
     one_of("config.runtime.mode", self.mode, MODES)
     one_of("config.runtime.weight_sync", self.weight_sync, WEIGHT_SYNC)
+    one_of("config.runtime.sync_dtype", self.sync_dtype, SYNC_DTYPES)
+    one_of("config.runtime.sync_publish", self.sync_publish, SYNC_PUBLISH)
     one_of("config.runtime.lag_unit", self.lag_unit, LAG_UNITS)
     one_of("config.runtime.adoption", self.adoption, ADOPTION)
     one_of("config.runtime.storage", self.storage, STORAGE)

@@ -96,6 +96,26 @@ def place(
   return out
 
 
+@jax.jit
+def _take_rows(tokens, logprobs, length, rows):
+  return tokens[rows], logprobs[rows], length[rows]
+
+
+def ended_rows(state, ended: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Tokens, log-probs and lengths of the ``ended`` slots, as NumPy rows in that order.
+
+  The rows are gathered on device first, so the host reads only them rather than every slot's
+  buffers; the row count is padded to a power of two (repeating a row) to bound recompiles.
+  """
+  size = 1 << (len(ended) - 1).bit_length()
+  rows = np.asarray(ended + ended[:1] * (size - len(ended)), np.int32)
+  tokens, logprobs, length = sharding.to_host(
+    _take_rows(state.tokens, state.logprobs, state.length, rows)
+  )
+  n = len(ended)
+  return tokens[:n], logprobs[:n], length[:n]
+
+
 class ContinuousEngine:
   """Host side of the engine: slot and lane bookkeeping, weight versions and the jitted calls.
 
@@ -388,17 +408,16 @@ class ContinuousEngine:
     ]
     if not ended:
       return []
-    st = self._state
-    tokens, logprobs, length = sharding.to_host((st.tokens, st.logprobs, st.length))
+    tokens, logprobs, length = ended_rows(self._state, ended)
     out = []
-    for s in ended:
-      n = int(length[s])
+    for i, s in enumerate(ended):
+      n = int(length[i])
       first, newest = self._slot_versions[s]
       out.append(
         Finished(
           tag=self._slot_req[s].tag,
-          tokens=tokens[s, :n].copy(),
-          logprobs=logprobs[s, :n].copy(),
+          tokens=tokens[i, :n].copy(),
+          logprobs=logprobs[i, :n].copy(),
           version=first,
           version_newest=newest,
         )

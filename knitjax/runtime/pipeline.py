@@ -24,7 +24,7 @@ from knitjax.runtime.metrics import fault_counters
 from knitjax.runtime.released import ReleasedQueue
 from knitjax.runtime.rollout_thread import RolloutThread
 from knitjax.runtime.versions import VersionClock
-from knitjax.runtime.weight_sync import WeightSync
+from knitjax.runtime.weight_sync import WeightSync, resolve_sync_dtype
 from knitjax.transfer.feed import Prepared, exposed_transfer
 from knitjax.transfer.snapshot import snapshot_groups
 from knitjax.transfer.storage import release_groups
@@ -77,9 +77,13 @@ class Pipeline:
       lag_unit=config.runtime.lag_unit,
     )
     self.weights = WeightSync(
-      sharding.state_shardings(learner.state.params, mesh), base=self._rollout_base(mesh)
+      sharding.state_shardings(learner.state.params, mesh),
+      base=self._rollout_base(mesh),
+      sync_dtype=resolve_sync_dtype(config.runtime.sync_dtype, config.model.dtype),
+      publish=config.runtime.sync_publish,
     )
-    self.weights.publish(learner.state.params, learner.version)
+    # The first version is complete before the rollout starts, so it never idles waiting for it.
+    self.weights.publish(learner.state.params, learner.version, block=True)
     # consumed.jsonl: one row per consumed mini-batch; offered.jsonl: one row per offered group.
     self.log = _jsonl_log(workdir, "consumed.jsonl", lambda r: r["step"] < start_step)
     self.offered = _jsonl_log(workdir, "offered.jsonl", lambda r: r["seq"] <= stats0["offered"])
@@ -140,6 +144,7 @@ class Pipeline:
 
   def step_begins(self) -> None:
     self._t0, self._busy0, self._idle0 = time.time(), self.busy_s, self.idle_s
+    self._w0 = _publish_counters(self.weights)
 
   def consume(self, feed, step: int, j: int) -> dict:
     """Takes mini-batch ``j`` of ``step`` from the feed, applies it, publishes, releases."""
@@ -180,6 +185,7 @@ class Pipeline:
       **_queue_metrics(
         self.admission, self.queue, self.thread, self.rollout, self.consumed, self.lock
       ),
+      **_publish_metrics(self._w0, _publish_counters(self.weights)),
       "step_s": step_s,
       "wall_s": now - self.t_start,
     }
@@ -210,6 +216,7 @@ class Pipeline:
 
   def close(self) -> None:
     self.stop()
+    self.weights.close()
     self.rollout.close()
     self.log.close()
     self.offered.close()
@@ -234,6 +241,9 @@ class Pipeline:
       "trainer_minibatch_s": self.mb_seconds,
       "weight_publish_s_mean": self.weights.publish_s / max(self.weights.published, 1),
       "weight_publish_bytes_mean": self.weights.published_bytes / max(self.weights.published, 1),
+      "weight_publish_blocked_s_mean": self.weights.blocked_s / max(self.weights.published, 1),
+      "weight_sync_dtype": self.weights.sync_dtype,
+      "weight_sync_publish": self.weights.mode,
       "lengths": self.thread.lengths,
       "restarts": self.restarts,
     }
@@ -249,6 +259,21 @@ def _rollout_counters(rollout: RolloutThread, now: float) -> dict:
     "tokens": stats.tokens,
     "iterations": stats.decode_iterations,
     "groups_started": rollout.groups_started,
+  }
+
+
+def _publish_counters(w: WeightSync) -> tuple[int, float, float, int]:
+  return w.published, w.publish_s, w.blocked_s, w.published_bytes
+
+
+def _publish_metrics(prev: tuple, cur: tuple) -> dict:
+  """Per version completed during the step: seconds from dispatch until the rollout can adopt
+  it, seconds the trainer's thread was held by the publish, and bytes on the wire."""
+  n = max(cur[0] - prev[0], 1)
+  return {
+    "weight_publish_s": (cur[1] - prev[1]) / n,
+    "weight_publish_blocked_s": (cur[2] - prev[2]) / n,
+    "weight_publish_bytes": (cur[3] - prev[3]) / n,
   }
 
 

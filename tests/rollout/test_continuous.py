@@ -8,7 +8,7 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
-from knitjax.rollout.continuous import ContinuousEngine, Request
+from knitjax.rollout.continuous import ContinuousEngine, Request, ended_rows
 from knitjax.rollout.sampler import SamplingConfig
 from knitjax.train.batch import make_batch, pack_rows
 from knitjax.train.step import sequence_logprobs
@@ -327,3 +327,21 @@ def test_a_version_transition_decodes_each_versions_rows_once(model):
   rows, unsplit = engine.rows_decoded - before[0], engine.rows_unsplit - before[1]
   print(f"rows decoded {rows}; one pass per live version: {unsplit}")
   assert rows < 0.8 * unsplit, (rows, unsplit)
+
+
+def test_harvest_reads_only_the_ended_rows_in_their_order():
+  mesh = sharding.make_mesh((-1, 1, 1), devices=jax.devices()[:4])
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 16, size=(8, 5)).astype(np.int32)
+  logprobs = rng.normal(size=(8, 5)).astype(np.float32)
+  length = rng.integers(1, 6, size=(8,)).astype(np.int32)
+  state = type("State", (), {})()
+  state.tokens = jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
+  state.logprobs = jax.device_put(logprobs, sharding.batch_sharding(mesh, 2))
+  state.length = jax.device_put(length, sharding.batch_sharding(mesh, 1))
+  for ended in ([5], [6, 1, 3], [7, 0, 2, 4, 1]):  # 1, 4 (padded from 3) and 8 (from 5) rows
+    got = ended_rows(state, ended)
+    assert [g.shape[0] for g in got] == [len(ended)] * 3
+    np.testing.assert_array_equal(got[0], tokens[ended])
+    np.testing.assert_array_equal(got[1], logprobs[ended])
+    np.testing.assert_array_equal(got[2], length[ended])

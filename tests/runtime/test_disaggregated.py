@@ -76,6 +76,11 @@ def test_quick_run_versions_quotas_and_conservation(tmp_path):
   assert set(timings["lengths"]) == {"arith", "think"}
   assert all(1 <= n <= 4 for n in timings["lengths"]["arith"])
   assert rows[-1]["reward_mean"] is not None and os.path.exists(tmp_path / "reward.png")
+  # Weight sync: float32 model, so float32 on the wire; the trainer is held only for dispatch.
+  assert (timings["weight_sync_dtype"], timings["weight_sync_publish"]) == ("float32", "async")
+  assert sum(r["weight_publish_s"] for r in rows) > 0
+  assert timings["weight_publish_blocked_s_mean"] > 0
+  assert timings["weight_publish_bytes_mean"] == max(r["weight_publish_bytes"] for r in rows) > 0
 
 
 @pytest.mark.slow

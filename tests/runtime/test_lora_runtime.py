@@ -59,6 +59,7 @@ def test_weight_sync_publishes_only_adapters():
   placed = jax.device_put(base, sharding.state_shardings(base, rollout_mesh))
   sync = WeightSync(sharding.state_shardings(adapters, rollout_mesh), base=placed)
   sync.publish(adapters, 3)
+  sync.wait()
   assert sync.published_bytes == lora.tree_bytes(adapters) < lora.tree_bytes(base)
   version, policy = sync.take_newer(None)
   assert version == 3
