@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from knitjax.models import layers, lora
+from knitjax.models import attention, layers, lora
 
 # TransformerConfig fields that choose how the model runs (kernels, memory), not its shape or
 # weights: a config may set them on top of a checkpoint's shape (`config.init_from`).
-EXECUTION_FIELDS = ("dtype",)
+EXECUTION_FIELDS = ("dtype", "attention")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +40,10 @@ class TransformerConfig:
   qk_norm: bool = False  # Qwen3
   qkv_bias: bool = False  # Qwen2 / Qwen2.5
   dtype: str = "float32"  # "float32" | "bfloat16"
+  # Attention implementation (knitjax.models.attention): "auto" (cudnn on GPU, splash on TPU,
+  # blockwise "xla" on the CPU, "dense" there when one block holds it all), "xla", "dense",
+  # "cudnn", "splash".
+  attention: str = "auto"
   # A critic head on the shared trunk (`logits_and_values`); PPO with GAE sets it.
   value_head: bool = False
   # LoRA (knitjax.models.lora): rank 0 trains every param; rank r > 0 puts adapters of rank r
@@ -67,6 +71,11 @@ class TransformerConfig:
     if self.dtype not in layers.DTYPES:
       raise ValueError(
         f"TransformerConfig.dtype must be one of {sorted(layers.DTYPES)}, got {self.dtype!r}."
+      )
+    if self.attention not in attention.IMPLS:
+      raise ValueError(
+        f"TransformerConfig.attention must be one of {list(attention.IMPLS)}, "
+        f"got {self.attention!r}."
       )
     if not self.rope_theta > 0:
       raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
@@ -128,15 +137,6 @@ class KVCache:
     return self.valid_bs.shape[1]
 
 
-def _attention_mask(causal_ts: jax.Array, valid_bs: jax.Array, self_ts: jax.Array) -> jax.Array:
-  """Query t sees key s if s is not later and valid; a padding query sees only itself.
-
-  The self-slot only matters for padding queries (a valid query's own key is valid): it keeps
-  their (discarded) outputs causal instead of averaging over every key.
-  """
-  return causal_ts[None] & (valid_bs[:, None, :] | self_ts[None])
-
-
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -154,12 +154,17 @@ class Block(nnx.Module):
       qkv_bias=config.qkv_bias,
       dtype=dtype,
       rngs=rngs,
+      attention=config.attention,
     )
     self.mlp_norm = layers.RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
     self.mlp = layers.MLP(config.d_model, config.ffn_dim, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_btd, sin_cos, mask_bts, kv_cache=None, cache_index=None):
-    attn_out, kv = self.attn(self.attn_norm(x_btd), sin_cos, mask_bts, kv_cache, cache_index)
+  def __call__(
+    self, x_btd, sin_cos, valid_bs, kv_cache=None, cache_index=None, segment_ids_bt=None
+  ):
+    attn_out, kv = self.attn(
+      self.attn_norm(x_btd), sin_cos, valid_bs, kv_cache, cache_index, segment_ids_bt
+    )
     x_btd = x_btd + attn_out
     return x_btd + self.mlp(self.mlp_norm(x_btd)), kv
 
@@ -217,6 +222,7 @@ class Transformer(nnx.Module):
     valid_bt: jax.Array,
     *,
     embeddings_btd: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
   ) -> jax.Array:
     """Full-sequence forward: float32 logits [B, T, V].
 
@@ -225,11 +231,19 @@ class Transformer(nnx.Module):
       positions_bt: RoPE positions (`cumsum(valid) - 1`, clipped at 0).
       valid_bt: bool, False on padding; a query sees keys that are earlier-or-equal AND valid.
       embeddings_btd: used instead of `embed(tokens_bt)` when given (e.g. image rows spliced in).
+      segment_ids_bt: int32 packed-sequence ids, 0 on padding and >= 1 per sequence packed in a
+        row: a query also needs the key in its own segment. None: one sequence per row.
     """
-    return self._logits(self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd))
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt)
+    return self._logits(x)
 
   def logits_and_values(
-    self, tokens_bt: jax.Array, positions_bt: jax.Array, valid_bt: jax.Array
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    valid_bt: jax.Array,
+    *,
+    segment_ids_bt: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """Full-sequence forward of policy and critic: float32 logits [B, T, V] and values [B, T].
 
@@ -238,18 +252,20 @@ class Transformer(nnx.Module):
     """
     if self.value_head is None:
       raise ValueError("logits_and_values needs a value head; set TransformerConfig.value_head.")
-    x = self._hidden(tokens_bt, positions_bt, valid_bt, None)
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt)
     return self._logits(x), self.value_head(self.final_norm(x))
 
-  def _hidden(self, tokens_bt, positions_bt, valid_bt, embeddings_btd) -> jax.Array:
+  def _hidden(
+    self, tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt=None
+  ) -> jax.Array:
     """The last block's output [B, T, D] (before the final norm)."""
     x = self._inputs(tokens_bt, embeddings_btd)
-    t = x.shape[1]
-    causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
-    mask_bts = _attention_mask(causal_ts, valid_bt.astype(jnp.bool_), jnp.eye(t, dtype=jnp.bool_))
+    valid_bt = valid_bt.astype(jnp.bool_)
+    if segment_ids_bt is not None:
+      segment_ids_bt = segment_ids_bt.astype(jnp.int32)
     sin_cos = self._rope(positions_bt)
     for block in self.blocks:
-      x, _ = block(x, sin_cos, mask_bts)
+      x, _ = block(x, sin_cos, valid_bt, segment_ids_bt=segment_ids_bt)
     return x
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
@@ -269,14 +285,11 @@ class Transformer(nnx.Module):
     valid_bs = jax.lax.dynamic_update_slice(
       cache.valid_bs, valid_bt.astype(jnp.bool_), (0, cache.index)
     )
-    query_slot_t = cache.index + jnp.arange(t)
-    slot_s = jnp.arange(cache.max_len)
-    causal_ts = slot_s[None, :] <= query_slot_t[:, None]
-    mask_bts = _attention_mask(causal_ts, valid_bs, slot_s[None, :] == query_slot_t[:, None])
     sin_cos = self._rope(positions_bt)
     new_k, new_v = [], []
     for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
-      x_btd, (k, v) = block(x_btd, sin_cos, mask_bts, (k, v), cache.index)
+      # Query t sits in slot index + t; the blockwise path reads only slots <= index + T - 1.
+      x_btd, (k, v) = block(x_btd, sin_cos, valid_bs, (k, v), cache.index)
       new_k.append(k)
       new_v.append(v)
     return x_btd, KVCache(tuple(new_k), tuple(new_v), valid_bs, cache.index + t)
