@@ -57,6 +57,7 @@ def resolve(impl: str, *, t: int, s: int, dtype, cached: bool) -> str:
     elif backend == "tpu":
       impl = "splash"
     elif backend == "cpu" and t <= BLOCK_Q and s <= BLOCK_K:
+      # One block holds it all: blockwise would compute the same scores, plus loop overhead.
       return "dense"
     else:
       return "xla"
@@ -84,8 +85,8 @@ def attend(
   q_segment_bt: jax.Array | None = None,
   kv_segment_bs: jax.Array | None = None,
   impl: str = "auto",
-  block_q: int = BLOCK_Q,
-  block_k: int = BLOCK_K,
+  block_q: int | None = None,
+  block_k: int | None = None,
 ) -> jax.Array:
   """Softmax attention of T queries over S keys (GQA: K kv-heads serve N = K * G query heads).
 
@@ -100,8 +101,8 @@ def attend(
       None: no segments.
     kv_segment_bs: the keys' segment ids; needed with ``q_segment_bt``.
     impl: one of `IMPLS`.
-    block_q: query block of the xla path (clipped to T).
-    block_k: key block of the xla path (clipped to S).
+    block_q: query block of the xla path (clipped to T); None: `BLOCK_Q`.
+    block_k: key block of the xla path (clipped to S); None: `BLOCK_K`.
 
   Returns:
     The attention output [B, T, N, H] in the dtype of ``q_btnh``.
@@ -119,7 +120,7 @@ def attend(
   if impl == "dense":
     out = _dense(q, k_bskh, v_bskh, q_offset, kv_valid_bs, q_segment_bt, kv_segment_bs, scale)
   elif impl == "xla":
-    bq, bk = min(block_q, t), min(block_k, s)
+    bq, bk = min(block_q or BLOCK_Q, t), min(block_k or BLOCK_K, s)
     segs = None if q_segment_bt is None else (q_segment_bt, kv_segment_bs)
     out = _flash(q, k_bskh, v_bskh, q_offset, kv_valid_bs, segs, scale, bq, bk)
   elif impl == "cudnn":
