@@ -315,12 +315,13 @@ def _cudnn(q, k, v, kv_valid, q_seg, kv_seg, scale):
   )
 
 
-def _splash(q, k, v, kv_valid, q_seg, kv_seg, scale):
+def _splash(q, k, v, kv_valid, q_seg, kv_seg, scale, *, interpret=False):
   """The Pallas splash kernel on a full sequence: causal, key validity as segment 0.
 
-  The kernel takes one sequence [heads, T, H] with keys [K... S, H]: GQA runs the MQA kernel per
-  kv-head (its G query heads share one key/value head), batch and kv-heads by `jax.vmap`. Lengths
-  are padded to a multiple of 128 (the kernel's block) with segment-0 padding.
+  The kernel takes one sequence, queries [heads, T, H]; GQA runs its MQA form per kv-head (the G
+  query heads of a group share one key/value head [S, H]), over batch and kv-heads by
+  `jax.vmap`. Lengths are padded to a multiple of 128 (the kernel's smallest block) with
+  segment-0 padding. ``interpret`` runs the kernel in the Pallas interpreter (any backend: tests).
   """
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
     splash_attention_kernel as splash,
@@ -342,14 +343,16 @@ def _splash(q, k, v, kv_valid, q_seg, kv_seg, scale):
   kv_ids = jnp.where(kv_valid, kv_seg, 0).astype(jnp.int32)
   widths = ((0, 0), (0, pad))
   q_ids, kv_ids = jnp.pad(q_ids, widths), jnp.pad(kv_ids, widths)
-  block = min(512, length)
+  block = next(b for b in (512, 256, 128) if length % b == 0)
   sizes = splash.BlockSizes(
     block_q=block, block_kv=block, block_kv_compute=block,
     block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
     block_q_dq=block, block_kv_dq=block,
   )  # fmt: skip
   mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length)) for _ in range(g)])
-  kernel = splash.make_splash_mqa(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
+  kernel = splash.make_splash_mqa(
+    mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+  )
   qp = jnp.pad(q * jnp.asarray(scale, q.dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
   kp, vp = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
   # [B, K, G, T, H] queries against [B, K, S, H] keys.

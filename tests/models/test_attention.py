@@ -172,18 +172,23 @@ _TINY_FIELDS = dict(
 )  # fmt: skip
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-  """Blocks of 4 queries x 3 keys, so short test sequences span several of each."""
-  monkeypatch.setattr(attention, "BLOCK_Q", 4)
-  monkeypatch.setattr(attention, "BLOCK_K", 3)
+@pytest.fixture(scope="module")
+def models():
+  """A dense and an xla model with the same params; the xla path with blocks of 4 queries x 3
+  keys, so short test sequences span several of each."""
+  dense = Transformer(TransformerConfig(**_TINY_FIELDS, attention="dense"), rngs=nnx.Rngs(0))
+  xla = nnx.clone(dense)  # one random init (slow on a busy CPU), the implementation switched
+  for block in xla.blocks:
+    block.attn.attention = "xla"
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(attention, "BLOCK_Q", 4)
+    patch.setattr(attention, "BLOCK_K", 3)
+    yield dense, xla
 
 
-def _models(**fields):
-  config = TransformerConfig(**{**_TINY_FIELDS, **fields})
-  dense = Transformer(dataclasses.replace(config, attention="dense"), rngs=nnx.Rngs(0))
-  xla = Transformer(dataclasses.replace(config, attention="xla"), rngs=nnx.Rngs(0))
-  return dense, xla
+@nnx.jit
+def _forward(model, tokens, positions, valid, segments=None):
+  return model(tokens, positions, valid, segment_ids_bt=segments)
 
 
 def _batch(rng, pads, t, vocab=64):
@@ -193,18 +198,17 @@ def _batch(rng, pads, t, vocab=64):
   return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid)
 
 
-@pytest.mark.parametrize("segments", [False, True])
-def test_transformer_xla_matches_dense_logits_and_param_gradients(small_blocks, segments):
-  dense, xla = _models()
+def test_transformer_xla_matches_dense_logits_and_param_gradients(models):
+  dense, xla = models
   tokens, positions, valid = _batch(np.random.default_rng(5), [3, 0], 11)
-  seg = _packed_segments(valid, 6) if segments else None
-  mask = valid.astype(jnp.float32)[..., None]
+  seg = _packed_segments(valid, 6)
+  mask = valid.astype(jnp.float32)
 
   @nnx.jit
   def loss_and_grad(model):
     def loss(model):
       logits = model(tokens, positions, valid, segment_ids_bt=seg)
-      return jnp.sum(jax.nn.log_softmax(logits)[..., 1] * mask[..., 0]), logits
+      return jnp.sum(jax.nn.log_softmax(logits)[..., 1] * mask), logits
 
     return nnx.value_and_grad(loss, has_aux=True)(model)
 
@@ -212,38 +216,41 @@ def test_transformer_xla_matches_dense_logits_and_param_gradients(small_blocks, 
   (_, want), want_grad = loss_and_grad(dense)
   v = np.asarray(valid)
   np.testing.assert_allclose(np.asarray(got)[v], np.asarray(want)[v], atol=1e-4, rtol=1e-4)
+  want_grad = dict(nnx.to_flat_state(want_grad))
   for path, g in nnx.to_flat_state(got_grad):
-    w = dict(nnx.to_flat_state(want_grad))[path]
-    np.testing.assert_allclose(g[...], w[...], atol=1e-4, rtol=1e-4, err_msg=str(path))
+    np.testing.assert_allclose(
+      g[...], want_grad[path][...], atol=1e-4, rtol=1e-4, err_msg=str(path)
+    )
 
 
-def test_packed_rows_match_each_sequence_alone(small_blocks):
-  _, model = _models()
+def test_packed_rows_match_each_sequence_alone(models):
+  _, model = models
   rng = np.random.default_rng(6)
   a, b = rng.integers(1, 64, 5), rng.integers(1, 64, 6)
-  tokens = jnp.asarray(np.concatenate([a, b])[None], jnp.int32)
-  positions = jnp.asarray(np.concatenate([np.arange(5), np.arange(6)])[None], jnp.int32)
-  seg = jnp.asarray([[1] * 5 + [2] * 6], jnp.int32)
-  packed = model(tokens, positions, jnp.ones((1, 11), bool), segment_ids_bt=seg)
-  for part, sl in ((a, slice(0, 5)), (b, slice(5, 11))):
-    n = len(part)
-    alone = model(jnp.asarray(part[None], jnp.int32), jnp.arange(n)[None], jnp.ones((1, n), bool))
-    np.testing.assert_allclose(packed[:, sl], alone, atol=1e-4, rtol=1e-4)
+  tokens = np.zeros((3, 11), np.int32)
+  tokens[0] = np.concatenate([a, b])  # packed: [a | b]
+  tokens[1, 6:], tokens[2, 5:] = a, b  # alone, left-padded to the same width
+  positions = np.stack([np.r_[np.arange(5), np.arange(6)], np.r_[[0] * 6, np.arange(5)],
+                        np.r_[[0] * 5, np.arange(6)]]).astype(np.int32)  # fmt: skip
+  valid = tokens > 0
+  seg = np.stack([np.r_[[1] * 5, [2] * 6], valid[1], valid[2]]).astype(np.int32)
+  logits = _forward(model, *map(jnp.asarray, (tokens, positions, valid, seg)))
+  np.testing.assert_allclose(logits[0, :5], logits[1, 6:], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(logits[0, 5:], logits[2, 5:], atol=1e-4, rtol=1e-4)
 
 
-def test_prefill_and_decode_match_the_full_forward(small_blocks):
-  dense, model = _models()
-  prompt, steps = 7, 5
+def test_prefill_and_decode_match_the_full_forward(models):
+  dense, model = models
+  prompt, steps = 7, 4
   tokens, positions, valid = _batch(np.random.default_rng(7), [2, 0], prompt + steps)
-  full = nnx.jit(lambda m: m(tokens, positions, valid))(model)
-  np.testing.assert_allclose(full, dense(tokens, positions, valid), atol=1e-4, rtol=1e-4)
+  full = _forward(model, tokens, positions, valid)
+  np.testing.assert_allclose(full, _forward(dense, tokens, positions, valid), atol=1e-4, rtol=1e-4)
 
   @nnx.jit
   def run(model):
     cache = model.init_cache(2, 16)
-    logits, cache = model.prefill(
-      tokens[:, :prompt], positions[:, :prompt], valid[:, :prompt], cache
-    )
+    p = slice(0, prompt)
+    logits, cache = model.prefill(tokens[:, p], positions[:, p], valid[:, p], cache)
     out = [logits]
     for i in range(prompt, prompt + steps - 1):
       logits, cache = model.decode_step(tokens[:, i], positions[:, i], cache)
@@ -253,12 +260,13 @@ def test_prefill_and_decode_match_the_full_forward(small_blocks):
   np.testing.assert_allclose(run(model), full[:, prompt - 1 : -1], atol=1e-4, rtol=1e-4)
 
 
-def test_per_row_cache_index_under_vmap(small_blocks):
+def test_per_row_cache_index_under_vmap(models):
   """The continuous engine's layout: a cache row per slot, each at its own index (vmap)."""
-  dense, model = _models()
+  dense, model = models
   tokens, positions, valid = _batch(np.random.default_rng(8), [0, 0, 0], 9)
   lens = jnp.asarray([3, 6, 8])  # each row has decoded up to a different slot
 
+  @nnx.jit
   def step(model):
     def one(tok, pos, length, row_tok, row_pos):
       cache = model.init_cache(1, 12)
@@ -270,8 +278,32 @@ def test_per_row_cache_index_under_vmap(small_blocks):
     take = lambda x: x[jnp.arange(3), lens]  # noqa: E731
     return jax.vmap(one)(take(tokens), take(positions), lens, tokens, positions)
 
-  got = nnx.jit(step)(model)
-  want = nnx.jit(step)(dense)
-  full = dense(tokens, positions, valid)
-  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-  np.testing.assert_allclose(got, full[jnp.arange(3), lens], atol=1e-4, rtol=1e-4)
+  full = _forward(dense, tokens, positions, valid)
+  np.testing.assert_allclose(step(model), full[jnp.arange(3), lens], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow  # the Pallas interpreter compiles slowly
+def test_splash_wrapper_matches_dense_in_the_pallas_interpreter():
+  """The TPU kernel's wrapper (GQA per kv-head, validity as segment 0, 128-padding), run by the
+  Pallas interpreter on the CPU: outputs and gradients at real (non-padding) queries."""
+  rng = np.random.default_rng(9)
+  q, kk, v = _qkv(rng, 2, 13, 13, 4, 2, 8)
+  valid = _left_valid(2, 13, [3, 0])
+  seg = _packed_segments(valid, 8)
+  w = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid[:, :, None, None]
+
+  def splash(q, kk, v):
+    return attention._splash(q, kk, v, valid, seg, seg, 8**-0.5, interpret=True)
+
+  def dense(q, kk, v):
+    return attention.attend(q, kk, v, kv_valid_bs=valid, q_segment_bt=seg, kv_segment_bs=seg,
+                            impl="dense")  # fmt: skip
+
+  def grads(fn):
+    return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2)))(q, kk, v)
+
+  v_ = np.asarray(valid)
+  np.testing.assert_allclose(np.asarray(splash(q, kk, v))[v_], np.asarray(dense(q, kk, v))[v_],
+                             atol=ATOL)  # fmt: skip
+  for got, want in zip(grads(splash), grads(dense), strict=True):
+    np.testing.assert_allclose(got, want, atol=ATOL)
