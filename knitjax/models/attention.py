@@ -163,6 +163,25 @@ def _dense(q, k, v, q_offset, kv_valid, q_seg, kv_seg, scale):
 # already covered ("stale": slot < i * block) are masked out wherever they would count twice.
 
 
+def _varying(*trees) -> tuple[str, ...]:
+  """The manual mesh axes (inside `jax.shard_map`) any of the arrays varies over."""
+  axes = set()
+  for x in jax.tree.leaves(trees):
+    axes |= set(jax.typeof(x).manual_axis_type.varying)
+  return tuple(sorted(axes))
+
+
+def _vary(tree, axes):
+  """``tree`` typed as varying over ``axes``: loop carries created from constants must match the
+  type of what the loop body makes of the (batch-sharded) inputs."""
+
+  def one(x):
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(one, tree)
+
+
 def _start(i, block, length):
   return jnp.minimum(i * block, length - block)
 
@@ -188,6 +207,7 @@ def _flash_forward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk):
   b, t, kh, g, h = q.shape
   s = k.shape[1]
   n_q = -(-t // bq)
+  axes = _varying(q, k, v, q_offset, kv_valid, segs)
 
   def query_block(i, carry):
     out, lse = carry
@@ -207,10 +227,13 @@ def _flash_forward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk):
                       preferred_element_type=jnp.float32)  # fmt: skip
       return m_new, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * o + pv
 
-    init = (
-      jnp.full((b, kh, g, bq), _MASK_VALUE, jnp.float32),
-      jnp.zeros((b, kh, g, bq), jnp.float32),
-      jnp.zeros((b, kh, g, bq, h), jnp.float32),
+    init = _vary(
+      (
+        jnp.full((b, kh, g, bq), _MASK_VALUE, jnp.float32),
+        jnp.zeros((b, kh, g, bq), jnp.float32),
+        jnp.zeros((b, kh, g, bq, h), jnp.float32),
+      ),
+      axes,
     )
     n_k = _n_key_blocks(q_offset + qs + bq - 1, bk, s)
     m, denom, o = jax.lax.fori_loop(0, n_k, key_block, init)
@@ -221,7 +244,7 @@ def _flash_forward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk):
     lse = jax.lax.dynamic_update_slice_in_dim(lse, m + jnp.log(denom), qs, axis=3)
     return out, lse
 
-  init = (jnp.zeros(q.shape, q.dtype), jnp.zeros((b, kh, g, t), jnp.float32))
+  init = _vary((jnp.zeros(q.shape, q.dtype), jnp.zeros((b, kh, g, t), jnp.float32)), axes)
   return jax.lax.fori_loop(0, n_q, query_block, init)
 
 
@@ -238,6 +261,7 @@ def _flash_backward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk, out, lse, 
   b, t, kh, g, h = q.shape
   s = k.shape[1]
   n_q = -(-t // bq)
+  axes = _varying(q, k, v, q_offset, kv_valid, segs, d_out)
   # D_i = rowsum(dO_i * O_i) [B, K, G, T]: the softmax backward's per-row correction.
   delta = jnp.einsum("btkgh,btkgh->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
@@ -266,17 +290,17 @@ def _flash_backward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk, out, lse, 
 
     # Query blocks wholly before this key block's first slot cannot see it.
     first = jnp.clip((ks - q_offset) // bq, 0, n_q)
-    zeros = jnp.zeros((b, bk, kh, h), jnp.float32)
+    zeros = _vary(jnp.zeros((b, bk, kh, h), jnp.float32), axes)
     dq, dk_j, dv_j = jax.lax.fori_loop(first, n_q, query_block, (dq, zeros, zeros))
     dk = jax.lax.dynamic_update_slice_in_dim(dk, _slice(dk, ks, bk) + dk_j, ks, axis=1)
     dv = jax.lax.dynamic_update_slice_in_dim(dv, _slice(dv, ks, bk) + dv_j, ks, axis=1)
     return dq, dk, dv
 
-  init = (
-    jnp.zeros(q.shape, jnp.float32),
-    jnp.zeros(k.shape, jnp.float32),
-    jnp.zeros(v.shape, jnp.float32),
-  )
+  init = _vary(
+    (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+     jnp.zeros(v.shape, jnp.float32)),
+    axes,
+  )  # fmt: skip
   n_k = _n_key_blocks(q_offset + t - 1, bk, s)
   dq, dk, dv = jax.lax.fori_loop(0, n_k, key_block, init)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

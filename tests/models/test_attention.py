@@ -307,3 +307,28 @@ def test_splash_wrapper_matches_dense_in_the_pallas_interpreter():
                              atol=ATOL)  # fmt: skip
   for got, want in zip(grads(splash), grads(dense), strict=True):
     np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_xla_inside_shard_map_matches_dense():
+  """The samplers run the model inside `jax.shard_map` over the batch: the loop carries must be
+  typed as varying over the batch axes like the inputs they meet."""
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))  # fmt: skip
+  rng = np.random.default_rng(10)
+  q, kk, v = _qkv(rng, 2, 5, 12, 4, 2, 8)
+  valid = jnp.asarray(rng.random((2, 12)) > 0.2)
+
+  def run(impl):
+    def shard(q, kk, v, valid):
+      def attend(q):
+        return attention.attend(q, kk, v, kv_valid_bs=valid, q_offset=jnp.int32(3), impl=impl,
+                                block_q=2, block_k=3)  # fmt: skip
+
+      return attend(q), jax.grad(lambda q: jnp.sum(attend(q) ** 2))(q)
+
+    spec = jax.sharding.PartitionSpec("data")
+    fn = jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec))
+    return jax.jit(fn)(q, kk, v, valid)
+
+  for got, want in zip(run("xla"), run("dense"), strict=True):
+    np.testing.assert_allclose(got, want, atol=ATOL)
