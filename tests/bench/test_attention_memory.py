@@ -3,13 +3,10 @@
 import json
 import os
 
-import pytest
-
 from configs.bench import attention_memory as bench_config
 from knitjax.bench import attention_memory
 
 
-@pytest.mark.slow  # eight compiles of a 2k-token layer
 def test_blockwise_layer_holds_less_and_grows_slower(tmp_path):
   result = attention_memory.run(bench_config.get_config("quick"), str(tmp_path))
   rows = {(r["T"], r["impl"]): r for r in result["rows"]}

@@ -152,7 +152,6 @@ def _temp_bytes(impl, t, *, n=2, k=1, h=16, block=128):
   return compiled_memory(fn, shape, kv, kv, valid)["temp_bytes"]
 
 
-@pytest.mark.slow  # four compiles of a 4k-token forward + backward
 def test_xla_temp_memory_grows_linearly_with_length():
   xla = [_temp_bytes("xla", t) for t in (1024, 4096)]
   dense = [_temp_bytes("dense", t) for t in (1024, 4096)]
@@ -282,7 +281,6 @@ def test_per_row_cache_index_under_vmap(models):
   np.testing.assert_allclose(step(model), full[jnp.arange(3), lens], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.slow  # the Pallas interpreter compiles slowly
 def test_splash_wrapper_matches_dense_in_the_pallas_interpreter():
   """The TPU kernel's wrapper (GQA per kv-head, validity as segment 0, 128-padding), run by the
   Pallas interpreter on the CPU: outputs and gradients at real (non-padding) queries."""
