@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from knitjax.models import attention as attention_lib
 from knitjax.models import lora as lora_lib
 
 # Compute dtypes a model may run in, by the name configs use (`TransformerConfig.dtype`).
@@ -31,11 +32,6 @@ def resolve_dtype(name: str) -> str:
   if name != AUTO_DTYPE:
     return name
   return "bfloat16" if jax.default_backend() in ("tpu", "gpu") else "float32"
-
-
-# Masked attention scores: finite so that a query with no visible key (a left-padding slot) gets a
-# harmless uniform average instead of NaN.
-_MASK_VALUE = -1e30
 
 
 def param(
@@ -274,9 +270,11 @@ class Attention(nnx.Module):
     qkv_bias: bool,
     dtype: jnp.dtype,
     rngs: nnx.Rngs,
+    attention: str = "auto",
   ):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.rope_theta, self.dtype = rope_theta, dtype
+    self.attention = attention  # implementation of `attention_lib.attend` (IMPLS)
     fan_in = _normal(d_model**-0.5)
     self.q_kernel = param(
       rngs, fan_in, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim")
@@ -323,18 +321,22 @@ class Attention(nnx.Module):
     self,
     x_btd: jax.Array,
     sin_cos: tuple[jax.Array, jax.Array],
-    mask_bts: jax.Array,
+    valid_bs: jax.Array,
     kv_cache: tuple[jax.Array, jax.Array] | None = None,
     cache_index: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Attends the T new positions to the keys of `mask_bts` (S = T, or the cache length).
+    """Attends the T new positions to the earlier-or-equal valid keys (`attention_lib.attend`).
 
     Args:
       x_btd: normalised inputs of the new positions.
       sin_cos: RoPE tables of the new positions.
-      mask_bts: True where query t may see key slot s.
+      valid_bs: bool key validity: [B, T] for a full sequence, [B, S] over the cache's slots
+        (the new positions included) with `kv_cache`.
       kv_cache: (k, v) [B, S, K, H] of this layer; the new keys are written at `cache_index`.
       cache_index: scalar slot of the first new position in the cache.
+      segment_ids_bt: int32 [B, T] packed-sequence ids of a full sequence (0 on padding): a query
+        sees a key only in its own segment. None: one sequence per row.
 
     Returns:
       The attention output [B, T, D] and the (updated) keys and values.
@@ -345,17 +347,18 @@ class Attention(nnx.Module):
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
+    q_offset = 0
     if kv_cache is not None:
+      if segment_ids_bt is not None:
+        raise ValueError("segment_ids_bt applies to a full sequence, not to a KV cache.")
       start = (0, cache_index, 0, 0)
       k = jax.lax.dynamic_update_slice(kv_cache[0], k.astype(kv_cache[0].dtype), start)
       v = jax.lax.dynamic_update_slice(kv_cache[1], v.astype(kv_cache[1].dtype), start)
-    b, t = q.shape[:2]
-    groups = self.num_heads // self.num_kv_heads
-    q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask_bts[:, None, None], scores * self.head_dim**-0.5, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, self.num_heads, self.head_dim)
+      q_offset = cache_index
+    out = attention_lib.attend(
+      q, k, v, kv_valid_bs=valid_bs, q_offset=q_offset, q_segment_bt=segment_ids_bt,
+      kv_segment_bs=segment_ids_bt, impl=self.attention,
+    )  # fmt: skip
     proj = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(self.dtype))
     if self.o_lora is not None:
       proj = proj + self.o_lora(out)

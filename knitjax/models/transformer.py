@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from knitjax.models import layers, lora
+from knitjax.models import attention, layers, lora
 
 # TransformerConfig fields that choose how the model runs (kernels, memory), not its shape or
 # weights: a config may set them on top of a checkpoint's shape (`config.init_from`).
-EXECUTION_FIELDS = ("dtype", "remat", "scan_layers")
+EXECUTION_FIELDS = ("dtype", "attention", "remat", "scan_layers")
 
 # Rematerialisation policies of the full-sequence forward (`TransformerConfig.remat`): what each
 # decoder block keeps for the backward pass; the rest is recomputed there.
@@ -49,6 +49,10 @@ class TransformerConfig:
   qk_norm: bool = False  # Qwen3
   qkv_bias: bool = False  # Qwen2 / Qwen2.5
   dtype: str = "float32"  # "float32" | "bfloat16" | "auto" (layers.resolve_dtype: bf16 on TPU/GPU)
+  # Attention implementation (knitjax.models.attention): "auto" (cudnn on GPU, splash on TPU,
+  # blockwise "xla" on the CPU, "dense" there when one block holds it all), "xla", "dense",
+  # "cudnn", "splash".
+  attention: str = "auto"
   # A critic head on the shared trunk (`logits_and_values`); PPO with GAE sets it.
   value_head: bool = False
   # LoRA (knitjax.models.lora): rank 0 trains every param; rank r > 0 puts adapters of rank r
@@ -93,6 +97,11 @@ class TransformerConfig:
     if not isinstance(self.scan_layers, bool):
       raise ValueError(
         f"TransformerConfig.scan_layers must be true or false, got {self.scan_layers!r}."
+      )
+    if self.attention not in attention.IMPLS:
+      raise ValueError(
+        f"TransformerConfig.attention must be one of {list(attention.IMPLS)}, "
+        f"got {self.attention!r}."
       )
     if not self.rope_theta > 0:
       raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
@@ -154,25 +163,6 @@ class KVCache:
     return self.valid_bs.shape[1]
 
 
-def _attention_mask(
-  causal_ts: jax.Array,
-  valid_bs: jax.Array,
-  self_ts: jax.Array,
-  segment_ids_bs: jax.Array | None = None,
-) -> jax.Array:
-  """Query t sees key s if s is not later and valid; a padding query sees only itself.
-
-  The self-slot only matters for padding queries (a valid query's own key is valid): it keeps
-  their (discarded) outputs causal instead of averaging over every key. With packed rows
-  (``segment_ids_bs`` int32, one id per row of a sequence, 0 on padding; queries and keys are
-  the same positions) a query also needs the key's segment to be its own.
-  """
-  mask = causal_ts[None] & (valid_bs[:, None, :] | self_ts[None])
-  if segment_ids_bs is None:
-    return mask
-  return mask & (segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :])
-
-
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -190,12 +180,17 @@ class Block(nnx.Module):
       qkv_bias=config.qkv_bias,
       dtype=dtype,
       rngs=rngs,
+      attention=config.attention,
     )
     self.mlp_norm = layers.RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
     self.mlp = layers.MLP(config.d_model, config.ffn_dim, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_btd, sin_cos, mask_bts, kv_cache=None, cache_index=None):
-    attn_out, kv = self.attn(self.attn_norm(x_btd), sin_cos, mask_bts, kv_cache, cache_index)
+  def __call__(
+    self, x_btd, sin_cos, valid_bs, kv_cache=None, cache_index=None, segment_ids_bt=None
+  ):
+    attn_out, kv = self.attn(
+      self.attn_norm(x_btd), sin_cos, valid_bs, kv_cache, cache_index, segment_ids_bt
+    )
     x_btd = x_btd + attn_out
     return x_btd + self.mlp(self.mlp_norm(x_btd)), kv
 
@@ -271,9 +266,8 @@ class Transformer(nnx.Module):
       positions_bt: RoPE positions (`cumsum(valid) - 1`, clipped at 0; per packed row: from 0).
       valid_bt: bool, False on padding; a query sees keys that are earlier-or-equal AND valid.
       embeddings_btd: used instead of `embed(tokens_bt)` when given (e.g. image rows spliced in).
-      segment_ids_bt: int32 with several rows packed per sequence (`knitjax.train.packing`):
-        each row's id (>= 1; 0 on padding); a query then sees only keys of its own segment.
-        None: one row per sequence.
+      segment_ids_bt: int32 packed-sequence ids, 0 on padding and >= 1 per sequence packed in a
+        row: a query also needs the key in its own segment. None: one sequence per row.
     """
     x = self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt)
     return self._logits(x)
@@ -337,12 +331,10 @@ class Transformer(nnx.Module):
   ) -> jax.Array:
     """The last block's output [B, T, D] (before the final norm)."""
     x = self._inputs(tokens_bt, embeddings_btd)
-    t = x.shape[1]
-    causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
-    mask_bts = _attention_mask(
-      causal_ts, valid_bt.astype(jnp.bool_), jnp.eye(t, dtype=jnp.bool_), segment_ids_bt
-    )
-    return self._blocks(x, self._rope(positions_bt), mask_bts)
+    valid_bt = valid_bt.astype(jnp.bool_)
+    if segment_ids_bt is not None:
+      segment_ids_bt = segment_ids_bt.astype(jnp.int32)
+    return self._blocks(x, self._rope(positions_bt), valid_bt, None, None, segment_ids_bt)
 
   def _blocks(self, x_btd: jax.Array, *block_args) -> jax.Array:
     """Every decoder block over a full sequence, with the configured remat and layer scan."""
@@ -389,14 +381,11 @@ class Transformer(nnx.Module):
     valid_bs = jax.lax.dynamic_update_slice(
       cache.valid_bs, valid_bt.astype(jnp.bool_), (0, cache.index)
     )
-    query_slot_t = cache.index + jnp.arange(t)
-    slot_s = jnp.arange(cache.max_len)
-    causal_ts = slot_s[None, :] <= query_slot_t[:, None]
-    mask_bts = _attention_mask(causal_ts, valid_bs, slot_s[None, :] == query_slot_t[:, None])
     sin_cos = self._rope(positions_bt)
     new_k, new_v = [], []
     for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
-      x_btd, (k, v) = block(x_btd, sin_cos, mask_bts, (k, v), cache.index)
+      # Query t sits in slot index + t; the blockwise path reads only slots <= index + T - 1.
+      x_btd, (k, v) = block(x_btd, sin_cos, valid_bs, (k, v), cache.index)
       new_k.append(k)
       new_v.append(v)
     return x_btd, KVCache(tuple(new_k), tuple(new_v), valid_bs, cache.index + t)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitjax import sharding
-from knitjax.models import lora, transformer
+from knitjax.models import attention, lora
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import losses, packing
 from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
@@ -142,12 +142,8 @@ def test_segment_mask_matches_brute_force():
   seg = np.sort(rng.integers(0, 4, (b, t)), axis=1)[:, ::-1].copy()  # padding (0) last
   seg = np.where(seg > 0, 4 - seg, 0).astype(np.int32)
   valid = seg > 0
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  got = np.asarray(
-    transformer._attention_mask(
-      causal, jnp.asarray(valid), jnp.eye(t, dtype=bool), jnp.asarray(seg)
-    )
-  )
+  seg_j = jnp.asarray(seg)
+  got = np.asarray(attention.dense_mask(t, jnp.asarray(valid), 0, seg_j, seg_j))
   for i in range(b):
     for q in range(t):
       for k in range(t):

@@ -1,0 +1,392 @@
+"""Grouped-query attention behind one function, `attend`, with implementations chosen by backend.
+
+Which key a query sees comes from per-position information only: the cache slot of each query
+(``q_offset + t``; key ``s`` sits in slot ``s``), key validity ``[B, S]`` and optional segment ids
+(packed sequences). Query at slot ``i`` sees key ``s`` iff ``s <= i`` AND (key ``s`` is valid OR
+``s == i``: a padding query sees only itself, so its discarded output stays finite) AND, with
+segment ids, both are in the same segment.
+
+Implementations (`TransformerConfig.attention`):
+  * ``"xla"``: blockwise (flash-style) attention in pure JAX. An online softmax over key blocks
+    for each query block, and a `jax.custom_vjp` whose backward recomputes each block's scores
+    from the saved output and log-sum-exp, so neither pass ever holds ``[T, S]`` scores. Key
+    blocks after a query block's last slot are skipped (a loop with a dynamic trip count), which
+    also bounds decode by the cache index instead of ``max_len``. K/V are never repeated for GQA.
+  * ``"dense"``: one einsum softmax over float32 ``[B, K, G, T, S]`` scores and a dense mask: the
+    reference the tests compare against, and the fastest at tiny lengths.
+  * ``"cudnn"``: `jax.nn.dot_product_attention(implementation="cudnn")` on GPU (bfloat16 or
+    float16 only). cuDNN's sequence-length inputs describe right padding; knitjax left-pads, so
+    validity and segments go in as a boolean ``[B, 1, T, S]`` mask (broadcast over heads), plus
+    ``is_causal`` for a full sequence, which lets cuDNN skip the blocks above the diagonal.
+  * ``"splash"``: the Pallas TPU splash-attention kernel, causal, with segment ids carrying key
+    validity (a padding key is in segment 0, which no real query has).
+  * ``"auto"``: cudnn on GPU (bfloat16/float16; xla in float32), splash on TPU, and on the CPU
+    dense when the whole attention fits in one block (``T <= BLOCK_Q`` and ``S <= BLOCK_K``,
+    where blockwise would compute the very same scores plus loop overhead), else xla.
+
+cudnn and splash take a full sequence (no cache offset): attention against a KV cache (prefill,
+decode) runs ``"xla"`` for them, which also attends only the filled part of the cache.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "xla", "dense", "cudnn", "splash")
+
+# Block sizes of the xla path: a query block's scores against a key block are the largest
+# temporary, [B, K, G, BLOCK_Q, BLOCK_K] float32 (14 MiB for Qwen2.5-0.5B's 14 heads, batch 1).
+BLOCK_Q = 512
+BLOCK_K = 512
+
+# Masked scores: finite, so a block where a row sees no key gives exp(-huge) = 0, never NaN.
+_MASK_VALUE = -1e30
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def resolve(impl: str, *, t: int, s: int, dtype, cached: bool) -> str:
+  """The implementation `attend` runs: ``impl`` with "auto" (and kernels that cannot take a
+  cache offset, when ``cached``) turned into a concrete one for this backend and shape."""
+  if impl not in IMPLS:
+    raise ValueError(f"attention implementation must be one of {list(IMPLS)}, got {impl!r}.")
+  backend = jax.default_backend()
+  if impl == "auto":
+    if backend == "gpu" and jnp.dtype(dtype) in _CUDNN_DTYPES:
+      impl = "cudnn"
+    elif backend == "tpu":
+      impl = "splash"
+    elif backend == "cpu" and t <= BLOCK_Q and s <= BLOCK_K:
+      # One block holds it all: blockwise would compute the same scores, plus loop overhead.
+      return "dense"
+    else:
+      return "xla"
+  if impl == "cudnn":
+    if backend != "gpu":
+      raise ValueError(f"attention 'cudnn' needs a GPU; this backend is {backend!r}.")
+    if jnp.dtype(dtype) not in _CUDNN_DTYPES:
+      raise ValueError(
+        f"attention 'cudnn' needs dtype bfloat16 or float16, got {jnp.dtype(dtype).name}."
+      )
+  if impl == "splash" and backend != "tpu":
+    raise ValueError(f"attention 'splash' needs a TPU; this backend is {backend!r}.")
+  if impl in ("cudnn", "splash") and cached:
+    return "xla"
+  return impl
+
+
+def attend(
+  q_btnh: jax.Array,
+  k_bskh: jax.Array,
+  v_bskh: jax.Array,
+  *,
+  kv_valid_bs: jax.Array,
+  q_offset: jax.Array | int = 0,
+  q_segment_bt: jax.Array | None = None,
+  kv_segment_bs: jax.Array | None = None,
+  impl: str = "auto",
+  block_q: int | None = None,
+  block_k: int | None = None,
+) -> jax.Array:
+  """Softmax attention of T queries over S keys (GQA: K kv-heads serve N = K * G query heads).
+
+  Args:
+    q_btnh: queries [B, T, N, H] (RoPE applied), in the compute dtype.
+    k_bskh: keys [B, S, K, H]; key ``s`` sits in cache slot ``s``.
+    v_bskh: values [B, S, K, H].
+    kv_valid_bs: bool, True where the key holds a real token.
+    q_offset: slot of the first query (int32 scalar; 0 for a full sequence, the cache index when
+      extending a cache).
+    q_segment_bt: int32 segment ids of the queries (0 on padding, >= 1 per packed sequence);
+      None: no segments.
+    kv_segment_bs: the keys' segment ids; needed with ``q_segment_bt``.
+    impl: one of `IMPLS`.
+    block_q: query block of the xla path (clipped to T); None: `BLOCK_Q`.
+    block_k: key block of the xla path (clipped to S); None: `BLOCK_K`.
+
+  Returns:
+    The attention output [B, T, N, H] in the dtype of ``q_btnh``.
+  """
+  b, t, n, h = q_btnh.shape
+  s, kh = k_bskh.shape[1], k_bskh.shape[2]
+  if (q_segment_bt is None) != (kv_segment_bs is None):
+    raise ValueError("attend needs both q_segment_bt and kv_segment_bs, or neither.")
+  full = isinstance(q_offset, int) and q_offset == 0 and t == s
+  impl = resolve(impl, t=t, s=s, dtype=q_btnh.dtype, cached=not full)
+  scale = float(h) ** -0.5
+  q = q_btnh.reshape(b, t, kh, n // kh, h)
+  q_offset = jnp.asarray(q_offset, jnp.int32)
+  kv_valid_bs = kv_valid_bs.astype(jnp.bool_)
+  if impl == "dense":
+    out = _dense(q, k_bskh, v_bskh, q_offset, kv_valid_bs, q_segment_bt, kv_segment_bs, scale)
+  elif impl == "xla":
+    bq, bk = min(block_q or BLOCK_Q, t), min(block_k or BLOCK_K, s)
+    segs = None if q_segment_bt is None else (q_segment_bt, kv_segment_bs)
+    out = _flash(q, k_bskh, v_bskh, q_offset, kv_valid_bs, segs, scale, bq, bk)
+  elif impl == "cudnn":
+    return _cudnn(q_btnh, k_bskh, v_bskh, kv_valid_bs, q_segment_bt, kv_segment_bs, scale)
+  else:
+    return _splash(q_btnh, k_bskh, v_bskh, kv_valid_bs, q_segment_bt, kv_segment_bs, scale)
+  return out.reshape(b, t, n, h)
+
+
+def _visible(q_slot, k_slot, kv_valid, q_seg=None, kv_seg=None):
+  """[B, Tq, Sk] bool from per-position inputs: q_slot [Tq], k_slot [Sk], kv_valid [B, Sk],
+  segment ids [B, Tq] / [B, Sk]."""
+  causal = k_slot[None, :] <= q_slot[:, None]
+  own = k_slot[None, :] == q_slot[:, None]
+  mask = causal[None] & (kv_valid[:, None, :] | own[None])
+  if q_seg is not None:
+    mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
+  return mask
+
+
+def dense_mask(t: int, kv_valid_bs, q_offset=0, q_segment_bt=None, kv_segment_bs=None):
+  """The [B, T, S] mask of the dense and cudnn paths."""
+  q_slot = jnp.asarray(q_offset, jnp.int32) + jnp.arange(t)
+  k_slot = jnp.arange(kv_valid_bs.shape[1])
+  return _visible(q_slot, k_slot, kv_valid_bs.astype(jnp.bool_), q_segment_bt, kv_segment_bs)
+
+
+def _dense(q, k, v, q_offset, kv_valid, q_seg, kv_seg, scale):
+  """Reference: [B, K, G, T, S] float32 scores, masked, softmax, weighted sum of values."""
+  mask = dense_mask(q.shape[1], kv_valid, q_offset, q_seg, kv_seg)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(mask[:, None, None], scores * scale, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  return jnp.einsum("bkgts,bskh->btkgh", probs, v)
+
+
+# ---- xla: blockwise attention -------------------------------------------------------------------
+# Blocks that do not divide the length start at min(i * block, length - block) (no padded copy of
+# a whole cache): the last block overlaps the one before it, and rows of it that an earlier block
+# already covered ("stale": slot < i * block) are masked out wherever they would count twice.
+
+
+def _varying(*trees) -> tuple[str, ...]:
+  """The manual mesh axes (inside `jax.shard_map`) any of the arrays varies over."""
+  axes = set()
+  for x in jax.tree.leaves(trees):
+    axes |= set(jax.typeof(x).manual_axis_type.varying)
+  return tuple(sorted(axes))
+
+
+def _vary(tree, axes):
+  """``tree`` typed as varying over ``axes``: loop carries created from constants must match the
+  type of what the loop body makes of the (batch-sharded) inputs."""
+
+  def one(x):
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(one, tree)
+
+
+def _start(i, block, length):
+  return jnp.minimum(i * block, length - block)
+
+
+def _slice(x, start, size, axis=1):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _key_block(j, k, v, kv_valid, segs, bk):
+  """Key block j: its start, keys, values, validity, segments and slots."""
+  ks = _start(j, bk, k.shape[1])
+  k_slot = ks + jnp.arange(bk)
+  kv_seg = None if segs is None else _slice(segs[1], ks, bk)
+  return ks, _slice(k, ks, bk), _slice(v, ks, bk), _slice(kv_valid, ks, bk), kv_seg, k_slot
+
+
+def _n_key_blocks(last_slot, bk, s):
+  """Key blocks up to the one holding ``last_slot`` (later keys are in no query's past)."""
+  return jnp.clip(last_slot // bk + 1, 0, -(-s // bk))
+
+
+def _flash_forward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk):
+  b, t, kh, g, h = q.shape
+  s = k.shape[1]
+  n_q = -(-t // bq)
+  axes = _varying(q, k, v, q_offset, kv_valid, segs)
+
+  def query_block(i, carry):
+    out, lse = carry
+    qs = _start(i, bq, t)
+    q_blk = _slice(q, qs, bq)
+    q_slot = q_offset + qs + jnp.arange(bq)
+    q_seg = None if segs is None else _slice(segs[0], qs, bq)
+
+    def key_block(j, acc):
+      m, denom, o = acc
+      ks, k_blk, v_blk, valid, kv_seg, k_slot = _key_block(j, k, v, kv_valid, segs, bk)
+      sc, mask = _stale_masked(q_blk, q_slot, q_seg, k_blk, valid, kv_seg, k_slot, j * bk, scale)
+      m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+      p = jnp.where(mask, jnp.exp(sc - m_new[..., None]), 0.0)
+      alpha = jnp.exp(m - m_new)
+      pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), v_blk,
+                      preferred_element_type=jnp.float32)  # fmt: skip
+      return m_new, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * o + pv
+
+    init = _vary(
+      (
+        jnp.full((b, kh, g, bq), _MASK_VALUE, jnp.float32),
+        jnp.zeros((b, kh, g, bq), jnp.float32),
+        jnp.zeros((b, kh, g, bq, h), jnp.float32),
+      ),
+      axes,
+    )
+    n_k = _n_key_blocks(q_offset + qs + bq - 1, bk, s)
+    m, denom, o = jax.lax.fori_loop(0, n_k, key_block, init)
+    # Every query sees its own slot (denom > 0); this guards a query slot past the cache's end.
+    denom = jnp.where(denom > 0, denom, 1.0)
+    o_blk = jnp.transpose(o / denom[..., None], (0, 3, 1, 2, 4)).astype(q.dtype)
+    out = jax.lax.dynamic_update_slice_in_dim(out, o_blk, qs, axis=1)
+    lse = jax.lax.dynamic_update_slice_in_dim(lse, m + jnp.log(denom), qs, axis=3)
+    return out, lse
+
+  init = _vary((jnp.zeros(q.shape, q.dtype), jnp.zeros((b, kh, g, t), jnp.float32)), axes)
+  return jax.lax.fori_loop(0, n_q, query_block, init)
+
+
+def _stale_masked(q_blk, q_slot, q_seg, k_blk, valid, kv_seg, k_slot, first_fresh, scale):
+  """Block scores [B, K, G, bq, bk] with keys before ``first_fresh`` (counted by the block
+  before) hidden from every query, its own slot included."""
+  mask = _visible(q_slot, k_slot, valid, q_seg, kv_seg) & (k_slot >= first_fresh)[None, None]
+  sc = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
+  mask = mask[:, None, None]
+  return jnp.where(mask, sc * scale, _MASK_VALUE), mask
+
+
+def _flash_backward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk, out, lse, d_out):
+  b, t, kh, g, h = q.shape
+  s = k.shape[1]
+  n_q = -(-t // bq)
+  axes = _varying(q, k, v, q_offset, kv_valid, segs, d_out)
+  # D_i = rowsum(dO_i * O_i) [B, K, G, T]: the softmax backward's per-row correction.
+  delta = jnp.einsum("btkgh,btkgh->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+  def key_block(j, carry):
+    dq, dk, dv = carry
+    ks, k_blk, v_blk, valid, kv_seg, k_slot = _key_block(j, k, v, kv_valid, segs, bk)
+
+    def query_block(i, acc):
+      dq, dk_j, dv_j = acc
+      qs = _start(i, bq, t)
+      q_blk, do_blk = _slice(q, qs, bq), _slice(d_out, qs, bq)
+      q_slot = q_offset + qs + jnp.arange(bq)
+      q_seg = None if segs is None else _slice(segs[0], qs, bq)
+      sc, mask = _stale_masked(q_blk, q_slot, q_seg, k_blk, valid, kv_seg, k_slot, j * bk, scale)
+      # Rows an earlier query block already covered add to dq, dk and dv once only.
+      mask = mask & (qs + jnp.arange(bq) >= i * bq)[:, None]
+      p = jnp.where(mask, jnp.exp(sc - _slice(lse, qs, bq, axis=3)[..., None]), 0.0)
+      dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+      ds = p * (dp - _slice(delta, qs, bq, axis=3)[..., None]) * scale
+      f32 = dict(preferred_element_type=jnp.float32)
+      dv_j = dv_j + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(d_out.dtype), do_blk, **f32)
+      dk_j = dk_j + jnp.einsum("bkgqs,bqkgh->bskh", ds.astype(q.dtype), q_blk, **f32)
+      dq_blk = jnp.einsum("bkgqs,bskh->bqkgh", ds.astype(k.dtype), k_blk, **f32)
+      dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, qs, bq) + dq_blk, qs, axis=1)
+      return dq, dk_j, dv_j
+
+    # Query blocks wholly before this key block's first slot cannot see it.
+    first = jnp.clip((ks - q_offset) // bq, 0, n_q)
+    zeros = _vary(jnp.zeros((b, bk, kh, h), jnp.float32), axes)
+    dq, dk_j, dv_j = jax.lax.fori_loop(first, n_q, query_block, (dq, zeros, zeros))
+    dk = jax.lax.dynamic_update_slice_in_dim(dk, _slice(dk, ks, bk) + dk_j, ks, axis=1)
+    dv = jax.lax.dynamic_update_slice_in_dim(dv, _slice(dv, ks, bk) + dv_j, ks, axis=1)
+    return dq, dk, dv
+
+  init = _vary(
+    (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+     jnp.zeros(v.shape, jnp.float32)),
+    axes,
+  )  # fmt: skip
+  n_k = _n_key_blocks(q_offset + t - 1, bk, s)
+  dq, dk, dv = jax.lax.fori_loop(0, n_k, key_block, init)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, q_offset, kv_valid, segs, scale, bq, bk):
+  return _flash_forward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk)[0]
+
+
+def _flash_fwd(q, k, v, q_offset, kv_valid, segs, scale, bq, bk):
+  out, lse = _flash_forward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk)
+  # Saved for the backward: inputs, output and log-sum-exp, all O(T) or O(S); no scores.
+  return out, (q, k, v, q_offset, kv_valid, segs, out, lse)
+
+
+def _flash_bwd(scale, bq, bk, res, d_out):
+  q, k, v, q_offset, kv_valid, segs, out, lse = res
+  dq, dk, dv = _flash_backward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk, out, lse, d_out)
+  no_segs = None if segs is None else (None, None)
+  return dq, dk, dv, None, None, no_segs
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ---- accelerator kernels (written from the JAX documentation; no GPU/TPU to run them here) -------
+
+
+def _cudnn(q, k, v, kv_valid, q_seg, kv_seg, scale):
+  """cuDNN flash attention on a full sequence (T == S, no cache offset)."""
+  t = q.shape[1]
+  mask = dense_mask(t, kv_valid, 0, q_seg, kv_seg)[:, None]  # [B, 1, T, S], shared by heads
+  return jax.nn.dot_product_attention(
+    q, k, v, mask=mask, scale=scale, is_causal=True, implementation="cudnn"
+  )
+
+
+def _splash(q, k, v, kv_valid, q_seg, kv_seg, scale, *, interpret=False):
+  """The Pallas splash kernel on a full sequence: causal, key validity as segment 0.
+
+  The kernel takes one sequence, queries [heads, T, H]; GQA runs its MQA form per kv-head (the G
+  query heads of a group share one key/value head [S, H]), over batch and kv-heads by
+  `jax.vmap`. Lengths are padded to a multiple of 128 (the kernel's smallest block) with
+  segment-0 padding. ``interpret`` runs the kernel in the Pallas interpreter (any backend: tests).
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+    splash_attention_kernel as splash,
+  )
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+    splash_attention_mask as mask_lib,
+  )
+
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  g = n // kh
+  pad = -t % 128
+  length = t + pad
+  if q_seg is None:
+    q_seg, kv_seg = jnp.ones((b, t), jnp.int32), jnp.ones((b, t), jnp.int32)
+  # A padding key is in segment 0 and no real query is: real queries never see it, and a padding
+  # query (segment 0 too) sees only padding keys, which keeps its discarded output finite.
+  q_ids = jnp.where(kv_valid, q_seg, 0).astype(jnp.int32)
+  kv_ids = jnp.where(kv_valid, kv_seg, 0).astype(jnp.int32)
+  widths = ((0, 0), (0, pad))
+  q_ids, kv_ids = jnp.pad(q_ids, widths), jnp.pad(kv_ids, widths)
+  block = next(b for b in (512, 256, 128) if length % b == 0)
+  sizes = splash.BlockSizes(
+    block_q=block, block_kv=block, block_kv_compute=block,
+    block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+    block_q_dq=block, block_kv_dq=block,
+  )  # fmt: skip
+  mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length)) for _ in range(g)])
+  kernel = splash.make_splash_mqa(
+    mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+  )
+  qp = jnp.pad(q * jnp.asarray(scale, q.dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  kp, vp = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
+  # [B, K, G, T, H] queries against [B, K, S, H] keys.
+  qp = jnp.transpose(qp.reshape(b, length, kh, g, h), (0, 2, 3, 1, 4))
+  kp, vp = jnp.transpose(kp, (0, 2, 1, 3)), jnp.transpose(vp, (0, 2, 1, 3))
+
+  def one(q_ghd, k_sd, v_sd, qi, ki):
+    return kernel(q_ghd, k_sd, v_sd, segment_ids=splash.SegmentIds(q=qi, kv=ki))
+
+  per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # kv-heads
+  out = jax.vmap(per_head)(qp, kp, vp, q_ids, kv_ids)  # [B, K, G, T', H]
+  out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, length, n, h)
+  return out[:, :t].astype(q.dtype)
