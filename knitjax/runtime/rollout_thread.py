@@ -125,6 +125,11 @@ class RolloutThread:
     while not self.clock.stopped:
       t0 = time.perf_counter()
       seen = self.clock.version
+      if rollout.version is not None and seen > rollout.version:
+        # An asynchronous publish lets the clock run ahead of the adoptable weights: take the
+        # copy in flight before starting groups, so none starts on weights older than the
+        # depth bound assumes (the order a blocking publish gave).
+        self.weights.wait()
       newer = self.weights.take_newer(rollout.version)
       if newer is not None:
         rollout.adopt(newer[1], newer[0])

@@ -20,6 +20,7 @@ def test_auto_is_float32_on_the_cpu():
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_auto_is_bfloat16_on_accelerators(monkeypatch, backend):
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  monkeypatch.setattr(layers, "_accelerator", lambda: backend in ("tpu", "gpu"))
   assert layers.resolve_dtype("auto") == "bfloat16"
   assert TransformerConfig(**SHAPE, ffn_dim=8, dtype="auto").compute_dtype == jnp.bfloat16
   vision = VisionConfig(dtype="auto")
@@ -33,10 +34,25 @@ def test_a_config_without_a_dtype_gets_the_backend_default(monkeypatch):
   raw = configs.arith_tiny.get_config().to_dict()
   del raw["model"]["dtype"]
   assert config_lib.from_config_dict(raw).model.dtype == "float32"
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(layers, "_accelerator", lambda: True)
   assert config_lib.from_config_dict(raw).model.dtype == "bfloat16"
 
 
 def test_an_unknown_dtype_is_refused():
   with pytest.raises(ValueError, match=r"dtype must be one of \['bfloat16', 'float32'\] or 'auto'"):
     TransformerConfig(**SHAPE, ffn_dim=8, dtype="float16")
+
+
+def test_auto_does_not_start_a_backend():
+  # Configs are read before jax.distributed.initialize, which must precede any backend start.
+  code = (
+    "from jax._src import xla_bridge\n"
+    "from knitjax.models import layers\n"
+    "assert layers.resolve_dtype('auto') == 'float32'\n"
+    "assert not xla_bridge.backends_are_initialized()\n"
+  )
+  import subprocess
+  import sys
+
+  env = {k: v for k, v in __import__("os").environ.items() if k != "JAX_PLATFORMS"}
+  subprocess.run([sys.executable, "-c", code], check=True, env=env)
