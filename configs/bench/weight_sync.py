@@ -15,21 +15,7 @@ fits a small CPU machine's memory beside the replicated rollout copies; ``:quick
 import ml_collections
 
 from configs import common
-
-QWEN25_05B = dict(
-  vocab_size=151936,
-  num_layers=24,
-  d_model=896,
-  num_heads=14,
-  num_kv_heads=2,
-  head_dim=64,
-  ffn_dim=4864,
-  qk_norm=False,
-  qkv_bias=True,
-  rope_theta=1000000.0,
-  tie_embeddings=True,
-  dtype="bfloat16",
-)
+from configs.bench.mfu import QWEN25_05B
 
 
 def get_config(arg=None):

@@ -17,11 +17,16 @@ def compiled_memory(fn: Callable, *args, **jit_kwargs) -> dict[str, int]:
   """Bytes XLA assigns to ``jax.jit(fn, **jit_kwargs)`` at the shapes of ``args``.
 
   Returns:
-    ``argument_bytes``, ``output_bytes``, ``temp_bytes`` (scratch the executable needs) and
-    ``peak_bytes`` (their sum minus outputs aliased to donated arguments: an upper bound on
-    what the call holds at once).
+    ``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes`` (scratch the
+    executable needs) and ``peak_bytes`` (their sum minus outputs aliased to donated
+    arguments: an upper bound on what the call holds at once).
   """
-  compiled = jax.jit(fn, **jit_kwargs).lower(*args).compile()
+  return memory_stats(jax.jit(fn, **jit_kwargs).lower(*args).compile())
+
+
+def memory_stats(compiled) -> dict[str, int]:
+  """The memory analysis of an already compiled executable (``jitted.lower(...).compile()``),
+  in the keys `compiled_memory` returns."""
   stats = compiled.memory_analysis()
   if stats is None:
     raise ValueError(f"the {jax.default_backend()} backend gives no compiled memory analysis.")
@@ -30,6 +35,7 @@ def compiled_memory(fn: Callable, *args, **jit_kwargs) -> dict[str, int]:
   return {
     "argument_bytes": int(argument),
     "output_bytes": int(output),
+    "alias_bytes": int(alias),
     "temp_bytes": int(temp),
     "peak_bytes": int(argument + output + temp - alias),
   }

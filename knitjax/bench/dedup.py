@@ -35,6 +35,7 @@ import optax
 from flax import nnx
 
 from knitjax import sharding
+from knitjax.bench.compiled_memory import memory_stats
 from knitjax.bench.report import format_table, write_json
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.models.vision import VisionConfig
@@ -105,15 +106,10 @@ def make_workload(
 
 def _memory(compiled) -> dict[str, int] | None:
   try:
-    m = compiled.memory_analysis()
+    m = memory_stats(compiled)
   except Exception:  # noqa: BLE001 - not every backend implements it
     return None
-  if m is None:
-    return None
-  peak = (
-    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  )
-  return {"temp_bytes": int(m.temp_size_in_bytes), "peak_bytes": int(peak)}
+  return {"temp_bytes": m["temp_bytes"], "peak_bytes": m["peak_bytes"]}
 
 
 def _encoder_fn(graphdef, params, images, mesh):

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from knitjax import sharding
+from knitjax.bench.compiled_memory import memory_stats
 from knitjax.bench.report import format_table, write_json
 from knitjax.models import lora
 from knitjax.models.transformer import Transformer, TransformerConfig
@@ -100,16 +101,7 @@ def measure(model: TransformerConfig, mesh, *, rows: int, seq_len: int, micro_ba
     step = compile_train_step(mesh=mesh, with_ref=kl_coef > 0, **kwargs)
     extra = [state.params] if kl_coef > 0 else []
   with jax.set_mesh(mesh):
-    stats = step.lower(state, batch, *extra).compile().memory_analysis()
-  out = {
-    "argument_bytes": int(stats.argument_size_in_bytes),
-    "output_bytes": int(stats.output_size_in_bytes),
-    "alias_bytes": int(stats.alias_size_in_bytes),
-    "temp_bytes": int(stats.temp_size_in_bytes),
-  }
-  out["peak_bytes"] = (
-    out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
-  )
+    out = memory_stats(step.lower(state, batch, *extra).compile())
   return {
     **out,
     "trained_param_bytes": lora.tree_bytes(params),

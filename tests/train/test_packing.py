@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from knitjax import sharding
 from knitjax.models import attention, lora
-from knitjax.models.transformer import Transformer, TransformerConfig
+from knitjax.models.transformer import Transformer
 from knitjax.train import losses, packing
 from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
 from knitjax.train.step import (
@@ -26,11 +26,7 @@ from knitjax.train.step import (
   init_train_state,
   train_step,
 )
-
-CFG = TransformerConfig(
-  vocab_size=32, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
-)
-P_LEN, N_NEW, ROWS = 4, 6, 8
+from tests.train.test_losses_menu_step import CFG, N_NEW, P_LEN, ROWS
 
 
 def _minibatch(seed=0, rows=ROWS, p_len=P_LEN, n_new=N_NEW):
