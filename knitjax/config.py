@@ -18,7 +18,7 @@ from knitjax.config_checkpoint import (
   vision_from_checkpoint,
 )
 from knitjax.config_fields import build_section, one_of, positive, to_plain
-from knitjax.models.layers import AUTO_DTYPE
+from knitjax.models.dtypes import AUTO_DTYPE
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.rollout.continuous import ADOPTION

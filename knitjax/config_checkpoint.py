@@ -15,7 +15,7 @@ from typing import Any
 
 from knitjax.config_fields import to_plain
 from knitjax.models import lora
-from knitjax.models.layers import AUTO_DTYPE, resolve_dtype
+from knitjax.models.dtypes import AUTO_DTYPE, resolve_dtype
 from knitjax.models.transformer import EXECUTION_FIELDS, TransformerConfig
 from knitjax.models.vision import VisionConfig
 

@@ -23,7 +23,7 @@ from flax import nnx
 
 from knitjax.bench.compiled_memory import MIB, compiled_memory
 from knitjax.bench.report import format_table, write_json
-from knitjax.models import layers
+from knitjax.models import dtypes, layers
 
 PASSES = ("forward", "forward_backward")
 
@@ -44,14 +44,14 @@ def _layer(shape: Shape, impl: str) -> layers.Attention:
   return layers.Attention(
     d_model=shape.d_model, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
     head_dim=shape.head_dim, rope_theta=1e6, norm_eps=1e-6, qk_norm=False, qkv_bias=True,
-    dtype=layers.DTYPES[shape.dtype], rngs=nnx.Rngs(0), attention=impl,
+    dtype=dtypes.DTYPES[shape.dtype], rngs=nnx.Rngs(0), attention=impl,
   )  # fmt: skip
 
 
 def measure(shape: Shape, impl: str, t: int) -> dict[str, dict[str, int]]:
   """Compiled bytes of the forward and of forward + backward of one layer at length ``t``."""
   graphdef, params = nnx.split(nnx.eval_shape(lambda: _layer(shape, impl)))
-  dtype = layers.DTYPES[shape.dtype]
+  dtype = dtypes.DTYPES[shape.dtype]
   x = jax.ShapeDtypeStruct((shape.batch, t, shape.d_model), dtype)
   valid = jax.ShapeDtypeStruct((shape.batch, t), jnp.bool_)
   positions = jax.ShapeDtypeStruct((shape.batch, t), jnp.int32)

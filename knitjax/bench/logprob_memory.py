@@ -20,7 +20,7 @@ import numpy as np
 
 from knitjax.bench.compiled_memory import MIB, compiled_memory
 from knitjax.bench.report import format_table, write_json
-from knitjax.models import layers
+from knitjax.models import dtypes
 from knitjax.train.logprobs import token_logprobs_and_entropy
 
 
@@ -43,7 +43,7 @@ def measure(*, vocab: int, d_model: int, seq_len: int, rows: int, chunk: int, dt
             temperature: float = 1.0) -> dict:  # fmt: skip
   """Compiled memory of one setting's forward and forward + backward."""
   shapes = (
-    jax.ShapeDtypeStruct((rows, seq_len, d_model), layers.DTYPES[dtype]),
+    jax.ShapeDtypeStruct((rows, seq_len, d_model), dtypes.DTYPES[dtype]),
     jax.ShapeDtypeStruct((vocab, d_model), jnp.float32),
     jax.ShapeDtypeStruct((rows, seq_len), jnp.int32),
   )

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from knitjax.models import attention, layers, lora
+from knitjax.models import attention, dtypes, layers, lora
 
 # TransformerConfig fields that choose how the model runs (kernels, memory), not its shape or
 # weights: a config may set them on top of a checkpoint's shape (`config.init_from`).
@@ -48,7 +48,7 @@ class TransformerConfig:
   tie_embeddings: bool = True
   qk_norm: bool = False  # Qwen3
   qkv_bias: bool = False  # Qwen2 / Qwen2.5
-  dtype: str = "float32"  # "float32" | "bfloat16" | "auto" (layers.resolve_dtype: bf16 on TPU/GPU)
+  dtype: str = "float32"  # "float32" | "bfloat16" | "auto" (dtypes.resolve_dtype: bf16 on TPU/GPU)
   # Attention implementation (knitjax.models.attention): "auto" (cudnn on GPU, splash on TPU,
   # blockwise "xla" on the CPU, "dense" there when one block holds it all), "xla", "dense",
   # "cudnn", "splash".
@@ -83,11 +83,11 @@ class TransformerConfig:
         f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
         f"({self.num_kv_heads})."
       )
-    if self.dtype == layers.AUTO_DTYPE:
-      object.__setattr__(self, "dtype", layers.resolve_dtype(self.dtype))
-    if self.dtype not in layers.DTYPES:
+    if self.dtype == dtypes.AUTO_DTYPE:
+      object.__setattr__(self, "dtype", dtypes.resolve_dtype(self.dtype))
+    if self.dtype not in dtypes.DTYPES:
       raise ValueError(
-        f"TransformerConfig.dtype must be one of {sorted(layers.DTYPES)} or 'auto', got "
+        f"TransformerConfig.dtype must be one of {sorted(dtypes.DTYPES)} or 'auto', got "
         f"{self.dtype!r}."
       )
     if self.remat not in REMAT_POLICIES:
@@ -134,7 +134,7 @@ class TransformerConfig:
 
   @property
   def compute_dtype(self) -> jnp.dtype:
-    return layers.DTYPES[self.dtype]
+    return dtypes.DTYPES[self.dtype]
 
   @property
   def lora(self) -> lora.LoraSpec | None:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from knitjax.models import layers
+from knitjax.models import dtypes, layers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,11 +99,11 @@ class VisionConfig:
       raise ValueError(
         f"VisionConfig.drop_first_token=True leaves no image token of {self.num_patches} patch."
       )
-    if self.dtype == layers.AUTO_DTYPE:
-      object.__setattr__(self, "dtype", layers.resolve_dtype(self.dtype))
-    if self.dtype not in layers.DTYPES:
+    if self.dtype == dtypes.AUTO_DTYPE:
+      object.__setattr__(self, "dtype", dtypes.resolve_dtype(self.dtype))
+    if self.dtype not in dtypes.DTYPES:
       raise ValueError(
-        f"VisionConfig.dtype must be one of {sorted(layers.DTYPES)} or 'auto', got {self.dtype!r}."
+        f"VisionConfig.dtype must be one of {sorted(dtypes.DTYPES)} or 'auto', got {self.dtype!r}."
       )
     if not self.norm_eps > 0:
       raise ValueError(f"VisionConfig.norm_eps must be > 0, got {self.norm_eps!r}.")
@@ -125,7 +125,7 @@ class VisionConfig:
 
   @property
   def compute_dtype(self) -> jnp.dtype:
-    return layers.DTYPES[self.dtype]
+    return dtypes.DTYPES[self.dtype]
 
 
 ACTIVATIONS = {

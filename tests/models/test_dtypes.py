@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from knitjax import config as config_lib
-from knitjax.models import layers
+from knitjax.models import dtypes
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 
@@ -13,19 +13,19 @@ SHAPE = dict(vocab_size=8, num_layers=1, d_model=8, num_heads=2, num_kv_heads=1,
 
 
 def test_auto_is_float32_on_the_cpu():
-  assert layers.resolve_dtype("auto") == "float32"
+  assert dtypes.resolve_dtype("auto") == "float32"
   assert TransformerConfig(**SHAPE, ffn_dim=8, dtype="auto").dtype == "float32"
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_auto_is_bfloat16_on_accelerators(monkeypatch, backend):
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
-  monkeypatch.setattr(layers, "_accelerator", lambda: backend in ("tpu", "gpu"))
-  assert layers.resolve_dtype("auto") == "bfloat16"
+  monkeypatch.setattr(dtypes, "_accelerator", lambda: backend in ("tpu", "gpu"))
+  assert dtypes.resolve_dtype("auto") == "bfloat16"
   assert TransformerConfig(**SHAPE, ffn_dim=8, dtype="auto").compute_dtype == jnp.bfloat16
   vision = VisionConfig(dtype="auto")
   assert vision.dtype == "bfloat16"
-  assert layers.resolve_dtype("float32") == "float32"  # an explicit choice stays
+  assert dtypes.resolve_dtype("float32") == "float32"  # an explicit choice stays
 
 
 def test_a_config_without_a_dtype_gets_the_backend_default(monkeypatch):
@@ -34,7 +34,7 @@ def test_a_config_without_a_dtype_gets_the_backend_default(monkeypatch):
   raw = configs.arith_tiny.get_config().to_dict()
   del raw["model"]["dtype"]
   assert config_lib.from_config_dict(raw).model.dtype == "float32"
-  monkeypatch.setattr(layers, "_accelerator", lambda: True)
+  monkeypatch.setattr(dtypes, "_accelerator", lambda: True)
   assert config_lib.from_config_dict(raw).model.dtype == "bfloat16"
 
 
@@ -47,8 +47,8 @@ def test_auto_does_not_start_a_backend():
   # Configs are read before jax.distributed.initialize, which must precede any backend start.
   code = (
     "from jax._src import xla_bridge\n"
-    "from knitjax.models import layers\n"
-    "assert layers.resolve_dtype('auto') == 'float32'\n"
+    "from knitjax.models import dtypes\n"
+    "assert dtypes.resolve_dtype('auto') == 'float32'\n"
     "assert not xla_bridge.backends_are_initialized()\n"
   )
   import subprocess

@@ -75,7 +75,7 @@ def wrong_type(annotation) -> st.SearchStrategy:
 
 def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
   from knitjax import config
-  from knitjax.models import layers, vision
+  from knitjax.models import dtypes, vision
   from knitjax.rollout.continuous import ADOPTION
   from knitjax.tasks.registry import TASKS
   from knitjax.tasks.rewards import REWARDS
@@ -103,8 +103,8 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     ("runtime", "lag_unit"): config.LAG_UNITS,
     ("runtime", "storage"): config.STORAGE,
     ("transfer", "mode"): config.TRANSFER,
-    ("model", "dtype"): tuple(layers.DTYPES),
-    ("vision", "dtype"): tuple(layers.DTYPES),
+    ("model", "dtype"): tuple(dtypes.DTYPES),
+    ("vision", "dtype"): tuple(dtypes.DTYPES),
     ("vision", "mlp_act"): tuple(vision.ACTIVATIONS),
     ("vision", "projector_act"): tuple(vision.ACTIVATIONS),
     ("task", "chat"): config.CHAT,
