@@ -345,6 +345,15 @@ class RuntimeConfig:
   rollout_workers: int = 0
   # Ray actor deaths (rollout actors, storage units) a run survives; one more ends it.
   actor_restarts: int = 3
+  # Disaggregated only: generate in this many rollout host processes instead of in process
+  # (each `python -m knitjax.main --role=rollout` with the same --config and --workdir, on its
+  # own machine or devices; knitjax.rollout.remote); the trainer then trains on every device.
+  rollout_hosts: int = 0
+  # Where the trainer listens for rollout hosts (host:port, port 0: a free one, written to
+  # WORKDIR/rollout_endpoint.json); use an address on the private network between hosts.
+  rollout_listen: str = "127.0.0.1:0"
+  # How long the trainer waits for its rollout hosts, and a host for the trainer (seconds).
+  rollout_host_wait_s: float = 600.0
 
   def __post_init__(self):
     one_of("config.runtime.mode", self.mode, MODES)
@@ -357,6 +366,10 @@ class RuntimeConfig:
     positive("config.runtime.rollout_workers", self.rollout_workers, allow_zero=True)
     positive("config.runtime.actor_restarts", self.actor_restarts, allow_zero=True)
     positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
+    positive("config.runtime.rollout_hosts", self.rollout_hosts, allow_zero=True)
+    positive("config.runtime.rollout_host_wait_s", self.rollout_host_wait_s)
+    if self.rollout_hosts:
+      _check_rollout_hosts(self)
     if self.param_slots < 1 + (self.adoption == "new_groups"):
       raise ValueError(
         f"config.runtime.param_slots={self.param_slots!r} is not accepted; adoption="
@@ -367,6 +380,26 @@ class RuntimeConfig:
     positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
     positive("config.runtime.prefetch", self.prefetch, allow_zero=True)
     positive("config.runtime.locality_slack", self.locality_slack, allow_zero=True)
+
+
+def _check_rollout_hosts(runtime) -> None:
+  """What ``runtime.rollout_hosts > 0`` needs of the other runtime fields."""
+  if runtime.mode != "disaggregated":
+    raise ValueError(
+      f"config.runtime.rollout_hosts={runtime.rollout_hosts} needs config.runtime.mode="
+      f"'disaggregated' (got {runtime.mode!r}): colocated runs generate on the train devices."
+    )
+  if runtime.rollout_workers or runtime.storage != "in_process":
+    raise ValueError(
+      "config.runtime.rollout_hosts is not accepted with rollout_workers or storage='ray': "
+      "rollout hosts keep the payloads in their own storage units; choose one of them."
+    )
+  host, sep, port = runtime.rollout_listen.rpartition(":")
+  if not sep or not host or not port.isdigit():
+    raise ValueError(
+      f"config.runtime.rollout_listen={runtime.rollout_listen!r} is not accepted; give "
+      "host:port, e.g. '127.0.0.1:0' or '10.0.0.2:7000' (port 0: a free one)."
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

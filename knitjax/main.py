@@ -28,6 +28,13 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
   "process_id", None, "With --distributed: this process's index, 0..num_processes-1."
 )
+_ROLE = flags.DEFINE_enum(
+  "role",
+  "train",
+  ["train", "rollout"],
+  "train: run (or resume) training; rollout: serve as one of a disaggregated trainer's rollout "
+  "hosts (config.runtime.rollout_hosts), same --config and --workdir as the trainer.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -43,6 +50,16 @@ def main(argv):
   cli.request_cpu_devices(config.mesh.cpu_devices)
   import jax
 
+  if _ROLE.value == "rollout":
+    if _DISTRIBUTED.value:
+      sys.exit("error: --role=rollout runs one rollout host on its own; drop --distributed.")
+    from knitjax.runtime.rollout_hosts import serve
+
+    try:
+      serve(config, _WORKDIR.value)
+    except (ValueError, FileNotFoundError, TimeoutError) as e:
+      sys.exit(f"error: {e}")
+    return
   if _DISTRIBUTED.value:
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):  # older JAX: no default
       jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes need it
@@ -54,7 +71,7 @@ def main(argv):
   logging.info("devices: %s", jax.devices())
   try:
     final = train(config, _WORKDIR.value)
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
   # Every process reports what it holds (param_norm is read from its own replica of the params).
   summary = {k: final[k] for k in ("step", "version", "loss", "param_norm") if k in final}

@@ -26,7 +26,7 @@ from absl import logging
 
 from knitjax import sharding
 from knitjax.config import Config
-from knitjax.runtime import builder
+from knitjax.runtime import builder, rollout_hosts
 from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.metrics import MetricsWriter, mean_rows, plot_reward
 from knitjax.runtime.pipeline import Pipeline
@@ -59,12 +59,28 @@ def run(
   Returns:
     The last step's metrics.
   """
-  rollout_devices, train_devices = split_devices(config)
+  if jax.process_count() > 1:
+    raise ValueError(
+      f"disaggregated mode runs its trainer in one process ({jax.process_count()} found): put "
+      "the rollout in rollout hosts (config.runtime.rollout_hosts, `--role=rollout`) or Ray "
+      "workers and the trainer on one host; a multi-process trainer would need the one admission "
+      "index to feed every train process, which knitjax does not do yet."
+    )
+  hosts = config.runtime.rollout_hosts
+  if hosts:  # the rollout runs in other processes: every device here trains
+    rollout_devices, train_devices = [], list(jax.devices())
+  else:
+    rollout_devices, train_devices = split_devices(config)
   train_mesh = builder.build_mesh(config, devices=train_devices)
-  rollout_mesh = sharding.make_mesh((-1, 1, 1), devices=rollout_devices)
   prompts = builder.build_prompts(config)
   graphdef, learner = builder.build_learner(config, train_mesh, workdir)
-  rollout = builder.build_rollout(config, graphdef, rollout_mesh, prompts)
+  if hosts:
+    # Versions are staged on the train mesh; the hosts pull them from there.
+    rollout_mesh = train_mesh
+    rollout = rollout_hosts.remote_rollout(config, train_mesh, learner.state.params, workdir)
+  else:
+    rollout_mesh = sharding.make_mesh((-1, 1, 1), devices=rollout_devices)
+    rollout = builder.build_rollout(config, graphdef, rollout_mesh, prompts)
   admission = builder.build_admission(
     config, on_reject=lambda g: release_groups(rollout.storage, [g])
   )
@@ -85,8 +101,8 @@ def run(
     checkpoint_every=config.checkpoint.every_steps,
   )
   logging.info(
-    "disaggregated: rollout on %d devices, training steps %d..%d on %d devices",
-    len(rollout_devices),
+    "disaggregated: rollout on %s, training steps %d..%d on %d devices",
+    f"{hosts} rollout hosts" if hosts else f"{len(rollout_devices)} devices",
     start + 1,
     total,
     len(train_devices),

@@ -108,10 +108,11 @@ class Pipeline:
 
   def _rollout_base(self, mesh):
     """With LoRA, the frozen base placed once on the rollout mesh: versions then carry only the
-    adapters. Ray rollout actors hold their own base (built from the same config) and load the
-    published adapters into it, so none is placed here for them."""
+    adapters. Ray rollout actors and rollout hosts hold their own base (built from the same
+    config) and load the published adapters into it, so none is placed here for them."""
     frozen = self.learner.frozen
-    if frozen is None or self.config.runtime.rollout_workers:
+    r = self.config.runtime
+    if frozen is None or r.rollout_workers or r.rollout_hosts:
       return None
     return jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
 

@@ -14,10 +14,12 @@ size there. Shard ``i`` of the pull then gets the slice the rollout's device ``i
 a data-parallel rollout mesh every leaf is replicated on the wire (measured to work with 4 train
 and 2 rollout devices).
 
-Version discovery is the caller's: the rollout must learn that version ``v`` is offered (in a
-multi-host run through ``jax.distributed``'s key-value store or the run's metadata channel) and
-then ``pull(v)``. Each offer serves one pull; the trainer keeps the staged arrays of an offer
-until it is pulled, so it offers only versions the rollout will take (e.g. on request).
+Version discovery is the caller's: the rollout must learn under which id version ``v`` is
+offered and then ``pull(id)``; rollout hosts (`knitjax.runtime.rollout_hosts`) learn it from the
+trainer's ``adopt`` call on their control connection, one id per host and version. Each offer
+serves one pull; the trainer keeps the staged arrays of an offer until it is pulled, so it
+offers only versions the rollout will take (the hosts' ``adopt``, which the rollout thread calls
+for the newest version only).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from knitjax.runtime.weight_sync import SYNC_DTYPES, wire_dtype, wire_spec
 
 
-def leaf_uuids(version: int, n: int) -> range:
-  """Transfer ids of a version's ``n`` leaves. One pull per leaf: on the CPU backend of JAX
+def leaf_uuids(offer_id: int, n: int) -> range:
+  """Transfer ids of an offer's ``n`` leaves. One pull per leaf: on the CPU backend of JAX
   0.10.2 a pull of several arrays failed ("Async transfer object was deleted before transfers
   completed") when the two sides had different device counts (4 train, 2 rollout), while
   single-array pulls succeeded."""
-  return range(version * n, (version + 1) * n)
+  return range(offer_id * n, (offer_id + 1) * n)
 
 
 class WeightServer:
@@ -81,13 +83,16 @@ class WeightServer:
 
     return jax.jit(stage, out_shardings=wire)
 
-  def offer(self, params, version: int) -> None:
-    """Stages ``params`` and offers them as ``version`` for one pull (does not wait for it)."""
+  def offer(self, params, *offer_ids: int) -> None:
+    """Stages ``params`` once and offers them under each id (e.g. the version), one pull per id
+    (does not wait for the pulls)."""
     leaves = jax.tree.leaves(params)
     if self._stage is None:
       self._stage = self._build_stage(leaves)
-    for uuid, x in zip(leaf_uuids(version, len(leaves)), self._stage(leaves), strict=True):
-      self._server.await_pull(uuid, [x])
+    staged = self._stage(leaves)
+    for offer_id in offer_ids:
+      for uuid, x in zip(leaf_uuids(offer_id, len(leaves)), staged, strict=True):
+        self._server.await_pull(uuid, [x])
 
 
 class WeightClient:
@@ -107,8 +112,8 @@ class WeightClient:
     self._server = transfer.start_transfer_server(client, address, [address])
     self._conn = self._server.connect(server_address)
 
-  def pull(self, version: int):
-    """The params offered as ``version`` (waits until they are offered and arrive)."""
-    uuids = leaf_uuids(version, len(self._avals))
+  def pull(self, offer_id: int):
+    """The params offered under ``offer_id`` (waits until they are offered and arrive)."""
+    uuids = leaf_uuids(offer_id, len(self._avals))
     leaves = [self._conn.pull(u, [a])[0] for u, a in zip(uuids, self._avals, strict=True)]
     return jax.tree.unflatten(self._treedef, leaves)

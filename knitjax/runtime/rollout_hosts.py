@@ -1,0 +1,194 @@
+"""Rollout hosts: a disaggregated run whose rollout runs in other processes than its trainer.
+
+With ``config.runtime.rollout_hosts = N`` the trainer (``python -m knitjax.main``, one process,
+training on all of its devices) listens on ``runtime.rollout_listen``, writes the bound address
+to ``WORKDIR/rollout_endpoint.json`` and waits for N rollout hosts: processes started with
+``python -m knitjax.main --role=rollout`` and the same ``--config`` and ``--workdir``, each on
+its own machine or devices. Each host builds the configured rollout on its local devices and a
+storage unit in its memory, and is then driven by the trainer's rollout thread through
+`knitjax.rollout.remote` (metadata to the trainer's one admission index, payloads fetched on
+demand from the host's unit). Weights go device to device: the trainer stages each version in
+the wire dtype and layout and offers it with a `WeightServer`; each host pulls it with a
+`WeightClient` straight into its rollout's shardings (`knitjax.runtime.weight_transfer`).
+
+The run's token authenticates both connections: ``KNITJAX_ROLLOUT_TOKEN`` when set (use that
+when the workdir is shared more widely than the run), otherwise ``WORKDIR/rollout_token``,
+created by the trainer with owner-only permissions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+
+import jax
+from absl import logging
+from flax import nnx
+
+from knitjax import workdir as wd
+from knitjax.config import Config
+from knitjax.rollout import remote
+from knitjax.runtime import builder
+from knitjax.runtime.weight_sync import resolve_sync_dtype, wire_dtype
+from knitjax.runtime.weight_transfer import WeightClient, WeightServer
+from knitjax.transfer.storage import InProcessStorageUnit
+
+ENDPOINT = "rollout_endpoint.json"
+TOKEN_FILE = "rollout_token"
+TOKEN_ENV = "KNITJAX_ROLLOUT_TOKEN"
+
+
+def run_token(workdir: str, *, create: bool) -> bytes:
+  """The run's token: ``$KNITJAX_ROLLOUT_TOKEN``, else ``WORKDIR/rollout_token`` (the trainer
+  creates it when ``create``; a host waits for it)."""
+  env = os.environ.get(TOKEN_ENV)
+  if env:
+    return env.encode()
+  path = wd.path(workdir, TOKEN_FILE)
+  if create and not path.exists():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(32)
+    if wd.is_remote(workdir):
+      path.write_text(token)
+    else:  # owner-only from the start: no moment where others may read it
+      fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+      with os.fdopen(fd, "w") as f:
+        f.write(token)
+  if not path.exists():
+    raise FileNotFoundError(
+      f"no rollout token at {path} and {TOKEN_ENV} is not set; start the trainer first or set "
+      f"{TOKEN_ENV} to the same value for the trainer and every rollout host."
+    )
+  return path.read_text().strip().encode()
+
+
+class _Channel:
+  """`remote.WeightChannel` over a `WeightServer` (params arrive as an nnx.State)."""
+
+  def __init__(self, server: WeightServer):
+    self._server = server
+
+  @property
+  def address(self) -> str:
+    return self._server.address
+
+  def offer(self, params, *offer_ids: int) -> None:
+    self._server.offer(jax.tree.leaves(nnx.to_pure_dict(params)), *offer_ids)
+
+
+def remote_rollout(config: Config, train_mesh, params, workdir: str) -> remote.RemoteRollout:
+  """The trainer's side: waits for ``runtime.rollout_hosts`` hosts and returns them as one
+  rollout. ``params``: the published params (the policy, or the LoRA adapters)."""
+  r = config.runtime
+  sync = resolve_sync_dtype(r.sync_dtype, config.model.dtype)
+  wire = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, wire_dtype(x.dtype, sync)), nnx.to_pure_dict(params)
+  )
+  host = remote.split_address(r.rollout_listen)[0]
+  endpoint = wd.path(workdir, ENDPOINT)
+
+  def weights(specs, mesh_shape):
+    server = WeightServer(train_mesh, specs, mesh_shape, sync_dtype=sync, address=f"{host}:0")
+    return _Channel(server)
+
+  def on_listen(address):
+    endpoint.parent.mkdir(parents=True, exist_ok=True)
+    endpoint.write_text(json.dumps({"address": address, "pid": os.getpid(), "time": time.time()}))
+    logging.info(
+      "waiting for %d rollout host(s) at %s: start each with `python -m knitjax.main "
+      "--role=rollout --config ... --workdir %s`",
+      r.rollout_hosts,
+      address,
+      workdir,
+    )
+
+  return remote.RemoteRollout(
+    r.rollout_hosts,
+    r.rollout_listen,
+    run_token(workdir, create=True),
+    published=wire,
+    weights=weights,
+    timeout_s=r.rollout_host_wait_s,
+    on_listen=on_listen,
+  )
+
+
+def _attach(config: Config, unit_id: int, paths: list) -> remote.Attached:
+  """Builds a host's rollout (on all its local devices) and storage unit ``unit_id``."""
+  prompts = builder.build_prompts(config)
+  unit = InProcessStorageUnit(builder.build_storage_limits(config, prompts), unit_id=unit_id)
+  hosted = builder.hosted_rollout(config, unit)
+  own = dict(remote.leaf_paths(nnx.to_pure_dict(hosted.params)))
+  leaves = []
+  for path, shape, dtype in paths:
+    x = own.get(tuple(path))
+    if x is None or tuple(x.shape) != tuple(shape):
+      raise ValueError(
+        f"the trainer publishes {'/'.join(map(str, path))} with shape {tuple(shape)} but this "
+        f"host's model has {None if x is None else tuple(x.shape)}: give the host the trainer's "
+        "config."
+      )
+    leaves.append(jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype), sharding=x.sharding))
+
+  def puller(address: str):
+    client = WeightClient(address, leaves, address=f"{_own_host(address)}:0")
+
+    def fetch(offer_id: int):
+      pure: dict = {}
+      for (path, _, _), x in zip(paths, client.pull(offer_id), strict=True):
+        node = pure
+        for k in path[:-1]:
+          node = node.setdefault(k, {})
+        node[path[-1]] = x
+      state = jax.tree.map(lambda x: x, hosted.params)  # a new State of the same structure
+      nnx.replace_by_pure_dict(state, pure)
+      return state
+
+    return fetch
+
+  specs = [x.sharding.spec for x in leaves]
+  return remote.Attached(hosted.rollout, unit, hosted.mesh, specs, puller)
+
+
+def _own_host(trainer_address: str) -> str:
+  """Where this host's transfer server listens: loopback when the trainer is local, else all
+  interfaces (the pulls come from this side, but the transport needs a listening socket)."""
+  host = remote.split_address(trainer_address)[0]
+  return host if host in ("127.0.0.1", "localhost", "::1") else "[::]"
+
+
+def _endpoint(workdir: str, wait_s: float) -> str:
+  path, deadline = wd.path(workdir, ENDPOINT), time.monotonic() + wait_s
+  while not path.exists():
+    if time.monotonic() > deadline:
+      raise TimeoutError(
+        f"no trainer wrote {path} within {wait_s:.0f} s; start the trainer with "
+        "config.runtime.rollout_hosts > 0 and the same --workdir."
+      )
+    time.sleep(0.5)
+  return json.loads(path.read_text())["address"]
+
+
+def serve(config: Config, workdir: str) -> dict:
+  """``python -m knitjax.main --role=rollout``: serves as one of the trainer's rollout hosts
+  until the trainer is done; returns this host's counters."""
+  r = config.runtime
+  if not r.rollout_hosts:
+    raise ValueError(
+      "--role=rollout needs config.runtime.rollout_hosts > 0 (the trainer waits for that many "
+      "hosts); set it for the trainer and the hosts alike."
+    )
+  address = _endpoint(workdir, r.rollout_host_wait_s)
+  token = run_token(workdir, create=False)
+  logging.info("rollout host: connecting to the trainer at %s", address)
+  counts = remote.serve(
+    address,
+    token,
+    lambda unit_id, paths: _attach(config, unit_id, paths),
+    timeout_s=r.rollout_host_wait_s,
+    hello={"devices": jax.local_device_count()},
+  )
+  logging.info("rollout host finished: %s", json.dumps(counts))
+  return counts

@@ -1,0 +1,257 @@
+"""The rollout contract over rollout hosts (knitjax.rollout.remote), with hosts as threads.
+
+The hosts here serve a scripted rollout (each started group completes after a set number of its
+host's steps, writing a synthetic payload into the host's unit), so the protocol is what is
+tested: starts go where there is room, capacity stays right while answers are in flight,
+``adopt`` reaches a host before the starts sent after it, every group comes back once, storage
+calls (and their errors) cross by type, and a wrong token is refused.
+"""
+
+import threading
+import time
+from multiprocessing import connection as mpc
+
+import jax
+import numpy as np
+import pytest
+
+from knitjax.rollout import remote
+from knitjax.rollout.contract import RolloutStats
+from knitjax.tasks.prompts import Prompt
+from knitjax.transfer.group import GroupMeta
+from knitjax.transfer.payload import synthetic_payload
+from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
+
+TOKEN = b"test-token"
+G, P, N = 2, 3, 4
+LIMITS = StorageLimits(vocab_size=32, max_seq_len=P + N, max_bytes=1 << 20)
+
+
+class ScriptedRollout:
+  """Holds ``slots`` groups; a group completes on the ``steps``-th host step after its start."""
+
+  def __init__(self, unit, *, slots=3, steps=2):
+    self.unit, self.slots, self.steps = unit, slots, steps
+    self.version, self.live, self.log = None, {}, []
+    self._stats = RolloutStats()
+
+  @property
+  def inflight(self):
+    return len(self.live)
+
+  def adopt(self, params, version):
+    self.version = version
+    self.log.append(("adopt", version, float(params["w"][0])))
+
+  def capacity(self):
+    return self.slots - len(self.live)
+
+  def start(self, prompt, group_id):
+    assert len(self.live) < self.slots, "started past capacity"
+    self.live[group_id] = [prompt, 0, self.version]
+    self.log.append(("start", group_id, self.version))
+
+  def step(self, rng, *, want_room=False):
+    done = []
+    for gid, entry in list(self.live.items()):
+      entry[1] += 1
+      if entry[1] >= self.steps:
+        payload = synthetic_payload(
+          np.random.default_rng(gid), group_size=G, prompt_len=P, response_len=N, vocab_size=32
+        )
+        self.unit.put(gid, payload)
+        lens = tuple(int(x) for x in payload["response_lengths"])
+        done.append(
+          GroupMeta(
+            group_id=gid,
+            cls=entry[0].cls,
+            gen_version=entry[2],
+            num_samples=G,
+            prompt_tokens=(P,) * G,
+            response_tokens=lens,
+            storage_unit=self.unit.unit_id,
+          )
+        )
+        del self.live[gid]
+    self._stats.decode_iterations += 1
+    self._stats.live_samples = G * len(self.live)
+    return done
+
+  def stats(self):
+    return self._stats
+
+  def close(self):
+    pass
+
+
+class Channel:
+  """Weights through a dict: ``offer`` keeps the params under each id, hosts read them."""
+
+  def __init__(self):
+    self.offers, self.address = {}, "in-memory"
+
+  def offer(self, params, *ids):
+    for i in ids:
+      self.offers[i] = params
+
+
+def _prompt(i):
+  return Prompt(prompt_id=i, cls="a", text=str(i), tokens=np.arange(P, dtype=np.int32), answer="")
+
+
+def _start_hosts(n, channel, rollouts, results, token=TOKEN):
+  def attach(unit_id, paths):
+    assert [p[0] for p in paths] == [("w",)]
+    unit = InProcessStorageUnit(LIMITS, unit_id=unit_id)
+    rollouts[unit_id] = ScriptedRollout(unit)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    specs = [jax.sharding.PartitionSpec()]
+    return remote.Attached(rollouts[unit_id], unit, mesh, specs, lambda a: channel.offers.get)
+
+  def host(k):
+    try:
+      results[k] = remote.serve(ADDRESS[0], token, attach, timeout_s=30)
+    except Exception as e:  # noqa: BLE001 - surfaced by the test
+      results[k] = e
+
+  threads = [threading.Thread(target=host, args=(k,), daemon=True) for k in range(n)]
+  for t in threads:
+    t.start()
+  return threads
+
+
+ADDRESS = [""]
+
+
+def _wait_for_address():
+  for _ in range(3000):
+    if ADDRESS[0]:
+      return
+    time.sleep(0.01)
+  raise AssertionError("the trainer side never listened")
+
+
+def _rollout(n, channel, **kw):
+  def on_listen(address):
+    ADDRESS[0] = address
+
+  published = {"w": np.zeros(1, np.float32)}
+  return remote.RemoteRollout(
+    n,
+    "127.0.0.1:0",
+    TOKEN,
+    published=published,
+    weights=lambda s, m: channel,
+    on_listen=on_listen,
+    **kw,
+  )
+
+
+def _run(n_hosts):
+  channel, rollouts, results = Channel(), {}, {}
+  holder = {}
+  t = threading.Thread(target=lambda: holder.setdefault("r", _rollout(n_hosts, channel)))
+  t.start()
+  _wait_for_address()
+  threads = _start_hosts(n_hosts, channel, rollouts, results)
+  t.join(30)
+  return holder["r"], channel, rollouts, results, threads
+
+
+def test_groups_come_back_once_with_the_version_they_started_on():
+  ADDRESS[0] = ""
+  r, channel, rollouts, results, threads = _run(2)
+  try:
+    assert sorted(r.storage) == [0, 1]
+    assert r.capacity() == 6 and r.version is None
+    with pytest.raises(RuntimeError, match="no policy"):
+      r.start(_prompt(0), 0)
+    r.adopt({"w": np.full(1, 1.0, np.float32)}, 1)
+    started, got, gid = [], [], 0
+    key = jax.random.key(0)
+    for call in range(40):
+      if gid == 6 and r.version == 1:  # the first six start on version 1, the rest on 2
+        r.adopt({"w": np.full(1, 2.0, np.float32)}, 2)
+      while r.capacity() and gid < 14:
+        r.start(_prompt(gid), gid)
+        started.append(gid)
+        gid += 1
+      got += r.step(jax.random.fold_in(key, call))
+      if len(got) == 14:
+        break
+    assert sorted(m.group_id for m in got) == list(range(14))
+    assert r.inflight == 0
+    # each host saw its adopts before the starts sent after them: versions follow send order
+    for ro in rollouts.values():
+      versions = [e[2] for e in ro.log if e[0] == "start"]
+      assert versions == sorted(versions)
+      assert [e[1:] for e in ro.log if e[0] == "adopt"] == [(1, 1.0), (2, 2.0)]
+    by_gid = {m.group_id: m for m in got}
+    assert {by_gid[g].gen_version for g in range(6)} == {1}
+    assert {by_gid[g].gen_version for g in range(6, 14)} == {2}
+    # both hosts worked; payloads stay in each host's unit and are read through the trainer's view
+    units = {m.storage_unit for m in got}
+    assert units == {0, 1}
+    m = got[0]
+    payload = r.storage[m.storage_unit].get([m.group_id])[0]
+    assert payload.response_lengths.tolist() == list(m.response_tokens)
+    stats = r.stats()
+    assert stats.tokens == sum(sum(m.response_tokens) for m in got)
+    assert stats.decode_iterations > 0
+  finally:
+    r.close()
+  for t in threads:
+    t.join(10)
+  assert all(results[k]["groups"] == sum(m.storage_unit == k for m in got) for k in (0, 1))
+  assert sum(results[k]["versions"] for k in (0, 1)) == 4
+
+
+def test_storage_calls_and_their_errors_cross_by_type():
+  ADDRESS[0] = ""
+  r, channel, rollouts, results, threads = _run(1)
+  try:
+    unit = r.storage[0]
+    payload = synthetic_payload(
+      np.random.default_rng(0), group_size=G, prompt_len=P, response_len=N, vocab_size=32
+    )
+    assert unit.put(7, payload) > 0
+    assert unit.get([7])[0].prompt_tokens.shape == (G, P)
+    with pytest.raises(KeyError, match=r"groups \[8\] are not held by storage unit 0"):
+      unit.get([8])
+    with pytest.raises(remote.HostError, match="PayloadError"):
+      unit.put(7, payload)  # a duplicate id is refused by the host's unit
+    unit.release([7, 9])
+    stats = unit.stats()
+    assert stats["groups"] == 0 and stats["release_misses"] == 1
+  finally:
+    r.close()
+  for t in threads:
+    t.join(10)
+
+
+def test_a_wrong_token_is_refused_and_the_wait_ends_in_one_sentence():
+  ADDRESS[0] = ""
+  holder = {}
+
+  def trainer():
+    try:
+      _rollout(1, Channel(), timeout_s=3)
+    except TimeoutError as e:
+      holder["error"] = e
+
+  t = threading.Thread(target=trainer)
+  t.start()
+  _wait_for_address()
+  host, port = remote.split_address(ADDRESS[0])
+  with pytest.raises(mpc.AuthenticationError):
+    mpc.Client((host, port), authkey=b"wrong")
+  t.join(10)
+  msg = str(holder["error"])
+  assert "0 of 1 rollout hosts attached" in msg and "--role=rollout" in msg
+
+
+def test_split_address():
+  assert remote.split_address("10.0.0.2:7000") == ("10.0.0.2", 7000)
+  assert remote.split_address("[::1]:0") == ("::1", 0)
+  with pytest.raises(ValueError, match="not host:port"):
+    remote.split_address("localhost")
