@@ -65,7 +65,7 @@ class WeightChannel(Protocol):
 
 
 def split_address(address: str) -> tuple[str, int]:
-  """``"host:port"`` -> ``(host, port)`` (IPv6 hosts in brackets)."""
+  """``"host:port"`` -> ``(host, port)`` (IPv4 addresses or host names)."""
   host, sep, port = address.rpartition(":")
   if not sep or not port.isdigit():
     raise ValueError(f"address {address!r} is not host:port.")
@@ -185,11 +185,9 @@ class RemoteRollout:
     self._make_weights, self._weights = weights, None
     self._layout: tuple | None = None
     host, port = split_address(address)
-    self._listener = mpc.Listener(
-      (host, port), family="AF_INET6" if ":" in host else "AF_INET", authkey=authkey
-    )
+    self._listener = mpc.Listener((host, port), family="AF_INET", authkey=authkey)
     bound = self._listener.address
-    self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+    self.address = f"{bound[0]}:{bound[1]}"
     self._hosts: list[_Host] = []
     self._version: int | None = None
     self._tokens = 0
@@ -382,16 +380,22 @@ class Attached:
   puller: Callable[[str], Callable[[int], object]]
 
 
-def connect(address: str, authkey: bytes, hello: dict, timeout_s: float) -> mpc.Connection:
-  """Connects to the trainer, retrying until ``timeout_s`` (it may not be listening yet)."""
-  host, port = split_address(address)
+def connect(
+  address: str | Callable[[], str], authkey: bytes, hello: dict, timeout_s: float
+) -> mpc.Connection:
+  """Connects to the trainer, retrying until ``timeout_s`` (it may not be listening yet).
+
+  ``address`` may be a function, asked again before every try: a resumed trainer listens on a
+  new port, and a host started before it may first read the previous run's address.
+  """
   deadline = time.monotonic() + timeout_s
   while True:
     try:
-      conn = mpc.Client((host, port), authkey=authkey)
+      where = address() if callable(address) else address
+      conn = mpc.Client(split_address(where), authkey=authkey)
       conn.send(hello)
       return conn
-    except (ConnectionRefusedError, FileNotFoundError, OSError):
+    except OSError:  # refused, reset, unreachable: not up (yet)
       if time.monotonic() > deadline:
         raise
       time.sleep(0.2)
@@ -414,7 +418,7 @@ def _serve_storage(conn: mpc.Connection, unit: StorageUnit) -> None:
 
 
 def serve(
-  address: str,
+  address: str | Callable[[], str],
   authkey: bytes,
   attach: Callable[[int, list], Attached],
   *,
@@ -424,7 +428,7 @@ def serve(
   """Runs one rollout host until the trainer closes the connection; returns its counters.
 
   Args:
-    address: the trainer's rollout endpoint.
+    address: the trainer's rollout endpoint (or a function returning it, see `connect`).
     authkey: the run's token.
     attach: ``attach(unit_id, published_paths) -> Attached``: builds the rollout and its unit.
     timeout_s: how long to keep trying to reach the trainer.

@@ -184,7 +184,7 @@ def serve(config: Config, workdir: str) -> dict:
   token = run_token(workdir, create=False)
   logging.info("rollout host: connecting to the trainer at %s", address)
   counts = remote.serve(
-    address,
+    lambda: _endpoint(workdir, r.rollout_host_wait_s),
     token,
     lambda unit_id, paths: _attach(config, unit_id, paths),
     timeout_s=r.rollout_host_wait_s,
