@@ -11,7 +11,7 @@ with the most room, ``step`` asks every host with work to take one step of its o
 answered, ``adopt`` offers the version for the hosts to pull. Only ``GroupMeta`` crosses to the
 trainer; payloads stay in each host's storage unit, which the trainer's consumers read through
 :class:`RemoteStorageUnit` (a second connection, served by its own thread on the host, so
-fetches never wait behind generation). :func:`serve` is the host's side.
+fetches never wait behind generation). `knitjax.rollout.remote_host` is the host's side.
 
 Each host keeps two connections to the trainer (``multiprocessing.connection``, authenticated
 with the run's token by an HMAC challenge before anything is unpickled): *control* (contract
@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -38,7 +36,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from knitjax.rollout.contract import Rollout, RolloutStats
+from knitjax.rollout.contract import RolloutStats
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.storage import StorageFull, StorageUnit
@@ -72,7 +70,7 @@ def split_address(address: str) -> tuple[str, int]:
   return host.strip("[]"), int(port)
 
 
-def _reply(conn: mpc.Connection, fn: Callable[[], object]) -> None:
+def reply(conn: mpc.Connection, fn: Callable[[], object]) -> None:
   try:
     out = ("ok", fn())
   except Exception as e:  # answered, not raised: the host keeps serving
@@ -80,7 +78,7 @@ def _reply(conn: mpc.Connection, fn: Callable[[], object]) -> None:
   conn.send(out)
 
 
-def _result(reply, who: str):
+def result(reply, who: str):
   if reply[0] == "ok":
     return reply[1]
   _, kind, msg = reply
@@ -98,7 +96,7 @@ class RemoteStorageUnit(StorageUnit):
     with self._lock:
       try:
         self._conn.send(msg)
-        return _result(self._conn.recv(), self._who)
+        return result(self._conn.recv(), self._who)
       except (EOFError, OSError) as e:
         raise HostError(f"{self._who} closed its storage connection ({e!r}).") from e
 
@@ -231,7 +229,7 @@ class RemoteRollout:
             continue
           who = f"rollout host {i} ({hello['hostname']}, pid {hello['pid']})"
           conn.send(("ok", {"unit_id": i, "paths": self._paths}))
-          ready = _result(conn.recv(), who)  # the host has built its rollout: its layout
+          ready = result(conn.recv(), who)  # the host has built its rollout: its layout
           self._ensure_weights(ready["specs"], ready["mesh_shape"], who)
           conn.send(("ok", {"weights": self._weights.address}))
           pending[i] = (conn, who)
@@ -240,7 +238,7 @@ class RemoteRollout:
           ctl, who = pending.pop(hello["unit_id"])
           unit = RemoteStorageUnit(conn, hello["unit_id"], who)
           ctl.send(("ok", None))  # both connections are up: the host starts serving
-          capacity = _result(ctl.recv(), who)["capacity"]
+          capacity = result(ctl.recv(), who)["capacity"]
           self._hosts.append(_Host(hello["unit_id"], who, ctl, unit, capacity=capacity))
           self._hosts.sort(key=lambda h: h.index)
         else:
@@ -313,7 +311,7 @@ class RemoteRollout:
     except (EOFError, OSError) as e:
       raise HostError(f"{h.who} went away ({e!r}); its groups in flight are lost.") from e
     kind = h.expected.pop(0)
-    out = _result(reply, f"{h.who} ({kind})")
+    out = result(reply, f"{h.who} ({kind})")
     if kind == "adopt":
       return []
     # Starts sent after this call are not in its capacity yet.
@@ -363,121 +361,3 @@ class RemoteRollout:
       h.unit.close()
     self._hosts = []
     self._listener.close()
-
-
-# ---- the host's side --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Attached:
-  """What the host builds once it knows its unit id: its rollout, unit and weight puller."""
-
-  rollout: Rollout
-  storage: StorageUnit
-  mesh: jax.sharding.Mesh
-  specs: list  # one PartitionSpec per published leaf, in the trainer's order
-  # ``pull(weights_address)`` -> ``fetch(offer_id) -> params`` for ``rollout.adopt``
-  puller: Callable[[str], Callable[[int], object]]
-
-
-def connect(
-  address: str | Callable[[], str], authkey: bytes, hello: dict, timeout_s: float
-) -> mpc.Connection:
-  """Connects to the trainer, retrying until ``timeout_s`` (it may not be listening yet).
-
-  ``address`` may be a function, asked again before every try: a resumed trainer listens on a
-  new port, and a host started before it may first read the previous run's address.
-  """
-  deadline = time.monotonic() + timeout_s
-  while True:
-    try:
-      where = address() if callable(address) else address
-      conn = mpc.Client(split_address(where), authkey=authkey)
-      conn.send(hello)
-      return conn
-    except OSError:  # refused, reset, unreachable: not up (yet)
-      if time.monotonic() > deadline:
-        raise
-      time.sleep(0.2)
-
-
-def _serve_storage(conn: mpc.Connection, unit: StorageUnit) -> None:
-  calls = {
-    "put": unit.put,
-    "get": unit.get,
-    "get_images": unit.get_images,
-    "release": unit.release,
-    "stats": unit.stats,
-  }
-  while True:
-    try:
-      kind, *args = conn.recv()
-    except (EOFError, OSError):
-      return
-    _reply(conn, lambda kind=kind, args=args: calls[kind](*args))
-
-
-def serve(
-  address: str | Callable[[], str],
-  authkey: bytes,
-  attach: Callable[[int, list], Attached],
-  *,
-  timeout_s: float = 600.0,
-  hello: Mapping | None = None,
-) -> dict:
-  """Runs one rollout host until the trainer closes the connection; returns its counters.
-
-  Args:
-    address: the trainer's rollout endpoint (or a function returning it, see `connect`).
-    authkey: the run's token.
-    attach: ``attach(unit_id, published_paths) -> Attached``: builds the rollout and its unit.
-    timeout_s: how long to keep trying to reach the trainer.
-    hello: extra fields the trainer logs.
-  """
-  who = {"hostname": socket.gethostname(), "pid": os.getpid(), **(hello or {})}
-  control = connect(address, authkey, {"role": "control", **who}, timeout_s)
-  welcome = _result(control.recv(), "the trainer")
-  unit_id = welcome["unit_id"]
-  try:
-    a = attach(unit_id, welcome["paths"])
-  except Exception as e:  # the trainer says it in its own error, then this host fails too
-    control.send(("error", type(e).__name__, str(e)))
-    raise
-  control.send(("ok", {"specs": a.specs, "mesh_shape": dict(a.mesh.shape), "devices": a.mesh.size}))
-  fetch = a.puller(_result(control.recv(), "the trainer")["weights"])
-  storage = connect(address, authkey, {"role": "storage", "unit_id": unit_id}, timeout_s)
-  threading.Thread(target=_serve_storage, args=(storage, a.storage), daemon=True).start()
-  _result(control.recv(), "the trainer")  # both connections are up
-  control.send(("ok", {"capacity": a.rollout.capacity()}))
-  counts = {"unit_id": unit_id, "groups": 0, "versions": 0, "steps": 0}
-  rollout = a.rollout
-
-  def adopt(offer_id, version):
-    rollout.adopt(fetch(offer_id), version)
-    counts["versions"] += 1
-    return {"capacity": rollout.capacity(), "stats": rollout.stats()}
-
-  def start(prompt, group_id):
-    rollout.start(prompt, group_id)
-    return {"capacity": rollout.capacity(), "stats": rollout.stats()}
-
-  def step(key, want_room):
-    metas = rollout.step(jax.random.wrap_key_data(key), want_room=want_room)
-    counts["groups"] += len(metas)
-    counts["steps"] += 1
-    return {"metas": metas, "capacity": rollout.capacity(), "stats": rollout.stats()}
-
-  calls = {"adopt": adopt, "start": start, "step": step}
-  with jax.set_mesh(a.mesh):
-    while True:
-      try:
-        kind, *args = control.recv()
-      except (EOFError, OSError):
-        break  # the trainer is gone
-      if kind == "close":
-        break
-      _reply(control, lambda kind=kind, args=args: calls[kind](*args))
-  control.close()
-  storage.close()
-  rollout.close()
-  return counts

@@ -29,7 +29,7 @@ from flax import nnx
 
 from knitjax import workdir as wd
 from knitjax.config import Config
-from knitjax.rollout import remote
+from knitjax.rollout import remote, remote_host
 from knitjax.runtime import builder
 from knitjax.runtime.weight_sync import resolve_sync_dtype, wire_dtype
 from knitjax.runtime.weight_transfer import WeightClient, WeightServer
@@ -115,7 +115,7 @@ def remote_rollout(config: Config, train_mesh, params, workdir: str) -> remote.R
   )
 
 
-def _attach(config: Config, unit_id: int, paths: list) -> remote.Attached:
+def _attach(config: Config, unit_id: int, paths: list) -> remote_host.Attached:
   """Builds a host's rollout (on all its local devices) and storage unit ``unit_id``."""
   prompts = builder.build_prompts(config)
   unit = InProcessStorageUnit(builder.build_storage_limits(config, prompts), unit_id=unit_id)
@@ -149,7 +149,7 @@ def _attach(config: Config, unit_id: int, paths: list) -> remote.Attached:
     return fetch
 
   specs = [x.sharding.spec for x in leaves]
-  return remote.Attached(hosted.rollout, unit, hosted.mesh, specs, puller)
+  return remote_host.Attached(hosted.rollout, unit, hosted.mesh, specs, puller)
 
 
 def _own_host(trainer_address: str) -> str:
@@ -183,7 +183,7 @@ def serve(config: Config, workdir: str) -> dict:
   address = _endpoint(workdir, r.rollout_host_wait_s)
   token = run_token(workdir, create=False)
   logging.info("rollout host: connecting to the trainer at %s", address)
-  counts = remote.serve(
+  counts = remote_host.serve(
     lambda: _endpoint(workdir, r.rollout_host_wait_s),
     token,
     lambda unit_id, paths: _attach(config, unit_id, paths),

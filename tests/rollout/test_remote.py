@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from knitjax.rollout import remote
+from knitjax.rollout import remote, remote_host
 from knitjax.rollout.contract import RolloutStats
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta
@@ -106,11 +106,11 @@ def _start_hosts(n, channel, rollouts, results, token=TOKEN):
     rollouts[unit_id] = ScriptedRollout(unit)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     specs = [jax.sharding.PartitionSpec()]
-    return remote.Attached(rollouts[unit_id], unit, mesh, specs, lambda a: channel.offers.get)
+    return remote_host.Attached(rollouts[unit_id], unit, mesh, specs, lambda a: channel.offers.get)
 
   def host(k):
     try:
-      results[k] = remote.serve(ADDRESS[0], token, attach, timeout_s=30)
+      results[k] = remote_host.serve(ADDRESS[0], token, attach, timeout_s=30)
     except Exception as e:  # noqa: BLE001 - surfaced by the test
       results[k] = e
 
@@ -202,8 +202,11 @@ def test_groups_come_back_once_with_the_version_they_started_on():
     r.close()
   for t in threads:
     t.join(10)
-  assert all(results[k]["groups"] == sum(m.storage_unit == k for m in got) for k in (0, 1))
-  assert sum(results[k]["versions"] for k in (0, 1)) == 4
+  served = {res["unit_id"]: res for res in results.values()}  # thread order != unit order
+  assert {u: served[u]["groups"] for u in (0, 1)} == {
+    u: sum(m.storage_unit == u for m in got) for u in (0, 1)
+  }
+  assert [served[u]["versions"] for u in (0, 1)] == [2, 2]
 
 
 def test_storage_calls_and_their_errors_cross_by_type():

@@ -1,0 +1,139 @@
+"""A rollout host's side of `knitjax.rollout.remote`: serve one rollout to the trainer.
+
+:func:`serve` connects to the trainer's rollout endpoint (two authenticated connections),
+builds the host's rollout and storage unit once the trainer has named its unit id
+(``attach``), then answers the trainer's contract calls (``start``, ``step``, ``adopt``) in
+order on the control connection, while a thread answers storage calls (``get``, ``put``,
+``release``, ``stats``) on the other, until the trainer closes the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from multiprocessing import connection as mpc
+
+import jax
+
+from knitjax.rollout.contract import Rollout
+from knitjax.rollout.remote import reply, result, split_address
+from knitjax.transfer.storage import StorageUnit
+
+
+@dataclasses.dataclass(frozen=True)
+class Attached:
+  """What the host builds once it knows its unit id: its rollout, unit and weight puller."""
+
+  rollout: Rollout
+  storage: StorageUnit
+  mesh: jax.sharding.Mesh
+  specs: list  # one PartitionSpec per published leaf, in the trainer's order
+  # ``pull(weights_address)`` -> ``fetch(offer_id) -> params`` for ``rollout.adopt``
+  puller: Callable[[str], Callable[[int], object]]
+
+
+def connect(
+  address: str | Callable[[], str], authkey: bytes, hello: dict, timeout_s: float
+) -> mpc.Connection:
+  """Connects to the trainer, retrying until ``timeout_s`` (it may not be listening yet).
+
+  ``address`` may be a function, asked again before every try: a resumed trainer listens on a
+  new port, and a host started before it may first read the previous run's address.
+  """
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      where = address() if callable(address) else address
+      conn = mpc.Client(split_address(where), authkey=authkey)
+      conn.send(hello)
+      return conn
+    except OSError:  # refused, reset, unreachable: not up (yet)
+      if time.monotonic() > deadline:
+        raise
+      time.sleep(0.2)
+
+
+def _serve_storage(conn: mpc.Connection, unit: StorageUnit) -> None:
+  calls = {
+    "put": unit.put,
+    "get": unit.get,
+    "get_images": unit.get_images,
+    "release": unit.release,
+    "stats": unit.stats,
+  }
+  while True:
+    try:
+      kind, *args = conn.recv()
+    except (EOFError, OSError):
+      return
+    reply(conn, lambda kind=kind, args=args: calls[kind](*args))
+
+
+def serve(
+  address: str | Callable[[], str],
+  authkey: bytes,
+  attach: Callable[[int, list], Attached],
+  *,
+  timeout_s: float = 600.0,
+  hello: Mapping | None = None,
+) -> dict:
+  """Runs one rollout host until the trainer closes the connection; returns its counters.
+
+  Args:
+    address: the trainer's rollout endpoint (or a function returning it, see `connect`).
+    authkey: the run's token.
+    attach: ``attach(unit_id, published_paths) -> Attached``: builds the rollout and its unit.
+    timeout_s: how long to keep trying to reach the trainer.
+    hello: extra fields the trainer logs.
+  """
+  who = {"hostname": socket.gethostname(), "pid": os.getpid(), **(hello or {})}
+  control = connect(address, authkey, {"role": "control", **who}, timeout_s)
+  welcome = result(control.recv(), "the trainer")
+  unit_id = welcome["unit_id"]
+  try:
+    a = attach(unit_id, welcome["paths"])
+  except Exception as e:  # the trainer says it in its own error, then this host fails too
+    control.send(("error", type(e).__name__, str(e)))
+    raise
+  control.send(("ok", {"specs": a.specs, "mesh_shape": dict(a.mesh.shape), "devices": a.mesh.size}))
+  fetch = a.puller(result(control.recv(), "the trainer")["weights"])
+  storage = connect(address, authkey, {"role": "storage", "unit_id": unit_id}, timeout_s)
+  threading.Thread(target=_serve_storage, args=(storage, a.storage), daemon=True).start()
+  result(control.recv(), "the trainer")  # both connections are up
+  control.send(("ok", {"capacity": a.rollout.capacity()}))
+  counts = {"unit_id": unit_id, "groups": 0, "versions": 0, "steps": 0}
+  rollout = a.rollout
+
+  def adopt(offer_id, version):
+    rollout.adopt(fetch(offer_id), version)
+    counts["versions"] += 1
+    return {"capacity": rollout.capacity(), "stats": rollout.stats()}
+
+  def start(prompt, group_id):
+    rollout.start(prompt, group_id)
+    return {"capacity": rollout.capacity(), "stats": rollout.stats()}
+
+  def step(key, want_room):
+    metas = rollout.step(jax.random.wrap_key_data(key), want_room=want_room)
+    counts["groups"] += len(metas)
+    counts["steps"] += 1
+    return {"metas": metas, "capacity": rollout.capacity(), "stats": rollout.stats()}
+
+  calls = {"adopt": adopt, "start": start, "step": step}
+  with jax.set_mesh(a.mesh):
+    while True:
+      try:
+        kind, *args = control.recv()
+      except (EOFError, OSError):
+        break  # the trainer is gone
+      if kind == "close":
+        break
+      reply(control, lambda kind=kind, args=args: calls[kind](*args))
+  control.close()
+  storage.close()
+  rollout.close()
+  return counts
