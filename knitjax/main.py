@@ -66,6 +66,7 @@ def main(argv):
     jax.distributed.initialize(
       _COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value
     )
+  from knitjax.rollout.remote import HostError
   from knitjax.runtime.train import train
 
   logging.info("devices: %s", jax.devices())
@@ -73,6 +74,11 @@ def main(argv):
     final = train(config, _WORKDIR.value)
   except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
+  except RuntimeError as e:  # a rollout host gone (raised in the rollout thread or a fetch)
+    host = e if isinstance(e, HostError) else e.__cause__
+    if not isinstance(host, HostError):
+      raise
+    sys.exit(f"error: {host}")
   # Every process reports what it holds (param_norm is read from its own replica of the params).
   summary = {k: final[k] for k in ("step", "version", "loss", "param_norm") if k in final}
   logging.info(

@@ -52,6 +52,12 @@ class HostError(RuntimeError):
   """A rollout host failed a call or went away."""
 
 
+_RESUME = (
+  "the run stops here; start the trainer and its rollout hosts again to resume from the last "
+  "checkpoint."
+)
+
+
 class WeightChannel(Protocol):
   """The trainer's side of weight transfer: offers a version for pulls by id."""
 
@@ -98,7 +104,7 @@ class RemoteStorageUnit(StorageUnit):
         self._conn.send(msg)
         return result(self._conn.recv(), self._who)
       except (EOFError, OSError) as e:
-        raise HostError(f"{self._who} closed its storage connection ({e!r}).") from e
+        raise HostError(f"{self._who} closed its storage connection ({e!r}); {_RESUME}") from e
 
   def put(self, group_id, payload, images=()) -> int:
     return self._call("put", group_id, payload, list(images))
@@ -279,7 +285,7 @@ class RemoteRollout:
     try:
       h.control.send((kind, *args))
     except OSError as e:
-      raise HostError(f"{h.who} went away ({e!r}).") from e
+      raise HostError(f"{h.who} went away ({e!r}); {_RESUME}") from e
     h.expected.append(kind)
 
   def adopt(self, params, version: int) -> None:
@@ -309,7 +315,7 @@ class RemoteRollout:
     try:
       reply = h.control.recv()
     except (EOFError, OSError) as e:
-      raise HostError(f"{h.who} went away ({e!r}); its groups in flight are lost.") from e
+      raise HostError(f"{h.who} went away ({e!r}); {_RESUME}") from e
     kind = h.expected.pop(0)
     out = result(reply, f"{h.who} ({kind})")
     if kind == "adopt":

@@ -7,6 +7,8 @@ tested: starts go where there is room, capacity stays right while answers are in
 calls (and their errors) cross by type, and a wrong token is refused.
 """
 
+import os
+import socket
 import threading
 import time
 from multiprocessing import connection as mpc
@@ -258,3 +260,23 @@ def test_split_address():
   assert remote.split_address("localhost:0") == ("localhost", 0)
   with pytest.raises(ValueError, match="not host:port"):
     remote.split_address("localhost")
+
+
+def test_a_host_that_goes_away_ends_the_call_in_one_sentence():
+  ADDRESS[0] = ""
+  r, channel, rollouts, results, threads = _run(1)
+  try:
+    r.adopt({"w": np.full(1, 1.0, np.float32)}, 1)
+    r.start(_prompt(0), 0)
+    # the host's end of both connections goes away (as when its process is killed)
+    for conn in (r._hosts[0].control, r._hosts[0].unit._conn):
+      socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+    with pytest.raises(remote.HostError, match=r"rollout host 0 .* went away .* resume from"):
+      for call in range(10):
+        r.step(jax.random.key(call))
+    with pytest.raises(remote.HostError, match="closed its storage connection"):
+      r.storage[0].get([0])
+  finally:
+    r.close()
+  for t in threads:
+    t.join(10)
