@@ -2,7 +2,9 @@
 
 A run is ``python -m knitjax.main --config DIR/configs/<name>.py --workdir DIR/runs/<name>``
 in a fresh process (its own fake CPU devices, compile caches and memory), the exact command
-anyone can re-run; the generated config file holds the run's whole ConfigDict. ``in_process``
+anyone can re-run; the generated config file holds the run's whole ConfigDict. A config with
+``runtime.rollout_hosts = N`` also starts N rollout hosts (the same command with
+``--role=rollout``) beside the trainer. ``in_process``
 runs call `knitjax.runtime.train.train` directly instead (tests, where the devices exist
 already and compiled functions are shared between runs).
 """
@@ -57,10 +59,32 @@ def launch(config: mc.ConfigDict, root: str, name: str, *, in_process: bool = Fa
   else:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("XLA_FLAGS", None)  # knitjax.main sets the run's own device count
+    # runtime.rollout_hosts: the rollout runs in that many more processes beside the trainer
+    hosts = [
+      subprocess.Popen(
+        [*command, "--role=rollout"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+      )
+      for _ in range(config.runtime.get("rollout_hosts", 0))
+    ]
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode:
+    host_errors = []
+    for h in hosts:
+      try:
+        err = h.communicate(timeout=120)[1]
+      except subprocess.TimeoutExpired:
+        h.kill()
+        err = h.communicate()[1]
+      if h.returncode:
+        host_errors.append("\n".join(err.splitlines()[-15:]))
+    if proc.returncode or host_errors:
       tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-      raise RuntimeError(f"run {name!r} failed ({' '.join(command)}):\n{tail}")
+      hosts_tail = "".join(f"\n--- rollout host:\n{e}" for e in host_errors)
+      raise RuntimeError(f"run {name!r} failed ({' '.join(command)}):\n{tail}{hosts_tail}")
   return {"workdir": workdir, "command": " ".join(command)}
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -74,6 +76,14 @@ def split_address(address: str) -> tuple[str, int]:
   if not sep or not port.isdigit():
     raise ValueError(f"address {address!r} is not host:port.")
   return host.strip("[]"), int(port)
+
+
+def no_delay(conn: mpc.Connection) -> mpc.Connection:
+  """Turns off Nagle's algorithm on ``conn``'s socket: the protocol sends small messages back to
+  back (starts, answers), which Nagle plus delayed ACKs would hold up to ~40 ms each."""
+  with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same socket, a second fd
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  return conn
 
 
 def reply(conn: mpc.Connection, fn: Callable[[], object]) -> None:
@@ -219,7 +229,7 @@ class RemoteRollout:
         logging.warning("a connection to the rollout endpoint failed authentication; ignored.")
         continue
       hello = conn.recv()
-      return conn, hello
+      return no_delay(conn), hello
 
   def _attach(self, hosts: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s

@@ -20,7 +20,7 @@ from multiprocessing import connection as mpc
 import jax
 
 from knitjax.rollout.contract import Rollout
-from knitjax.rollout.remote import reply, result, split_address
+from knitjax.rollout.remote import no_delay, reply, result, split_address
 from knitjax.transfer.storage import StorageUnit
 
 
@@ -48,7 +48,7 @@ def connect(
   while True:
     try:
       where = address() if callable(address) else address
-      conn = mpc.Client(split_address(where), authkey=authkey)
+      conn = no_delay(mpc.Client(split_address(where), authkey=authkey))
       conn.send(hello)
       return conn
     except OSError:  # refused, reset, unreachable: not up (yet)
@@ -105,7 +105,7 @@ def serve(
   threading.Thread(target=_serve_storage, args=(storage, a.storage), daemon=True).start()
   result(control.recv(), "the trainer")  # both connections are up
   control.send(("ok", {"capacity": a.rollout.capacity()}))
-  counts = {"unit_id": unit_id, "groups": 0, "versions": 0, "steps": 0}
+  counts = {"unit_id": unit_id, "groups": 0, "versions": 0, "steps": 0, "step_s": 0.0}
   rollout = a.rollout
 
   def adopt(offer_id, version):
@@ -118,7 +118,9 @@ def serve(
     return {"capacity": rollout.capacity(), "stats": rollout.stats()}
 
   def step(key, want_room):
+    t0 = time.perf_counter()
     metas = rollout.step(jax.random.wrap_key_data(key), want_room=want_room)
+    counts["step_s"] += time.perf_counter() - t0
     counts["groups"] += len(metas)
     counts["steps"] += 1
     return {"metas": metas, "capacity": rollout.capacity(), "stats": rollout.stats()}
