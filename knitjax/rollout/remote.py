@@ -5,13 +5,16 @@ rollout host processes (``python -m knitjax.main --role=rollout``, each with its
 accelerators and its own JAX runtime, not part of the trainer's ``jax.distributed`` cluster)
 connect to it. :class:`RemoteRollout` is the trainer's view of them, one rollout behind the
 contract of `knitjax.rollout.contract`, so the trainer's rollout thread, admission index and
-depth bound drive it exactly as they drive an in-process rollout: ``start`` goes to the host
-with the most room, ``step`` asks every host with work to take one step of its own rollout
-(continuous engine, batched sampler or multi-turn) and returns the groups of the hosts that
-answered, ``adopt`` offers the version for the hosts to pull. Only ``GroupMeta`` crosses to the
-trainer; payloads stay in each host's storage unit, which the trainer's consumers read through
-:class:`RemoteStorageUnit` (a second connection, served by its own thread on the host, so
-fetches never wait behind generation). `knitjax.rollout.remote_host` is the host's side.
+depth bound drive it as they drive an in-process rollout: ``start`` goes to the host with the
+most room, ``adopt`` offers the version for the hosts to pull, ``step`` returns the groups the
+hosts reported. A host does not wait to be asked: while it holds groups it steps its own
+rollout (continuous engine, batched sampler or multi-turn) and reports after every step (the
+groups completed, its room, its counters), reading the trainer's messages (starts, adopts)
+between steps in the order they were sent, so generation never waits for a round trip. Only
+``GroupMeta`` crosses to the trainer; payloads stay in each host's storage unit, which the
+trainer's consumers read through :class:`RemoteStorageUnit` (a second connection, served by
+its own thread on the host, so fetches never wait behind generation).
+`knitjax.rollout.remote_host` is the host's side.
 
 Each host keeps two connections to the trainer (``multiprocessing.connection``, authenticated
 with the run's token by an HMAC challenge before anything is unpickled): *control* (contract
@@ -145,12 +148,8 @@ class _Host:
   unit: RemoteStorageUnit
   capacity: int = 0
   inflight: int = 0
-  expected: list = dataclasses.field(default_factory=list)  # reply kinds, in send order
+  starts_sent: int = 0
   stats: RolloutStats = dataclasses.field(default_factory=RolloutStats)
-
-  @property
-  def stepping(self) -> bool:
-    return "step" in self.expected
 
 
 def leaf_paths(tree) -> list[tuple[tuple, object]]:
@@ -205,6 +204,7 @@ class RemoteRollout:
     self._hosts: list[_Host] = []
     self._version: int | None = None
     self._tokens = 0
+    self._seeded, self._want_room = False, False
     if on_listen is not None:
       on_listen(self.address)
     try:
@@ -296,7 +296,6 @@ class RemoteRollout:
       h.control.send((kind, *args))
     except OSError as e:
       raise HostError(f"{h.who} went away ({e!r}); {_RESUME}") from e
-    h.expected.append(kind)
 
   def adopt(self, params, version: int) -> None:
     if version == self._version:
@@ -320,43 +319,40 @@ class RemoteRollout:
     self._send(h, "start", prompt, group_id)
     h.capacity -= 1
     h.inflight += 1
+    h.starts_sent += 1
 
   def _receive(self, h: _Host) -> list[GroupMeta]:
+    """One report of host ``h``: the groups it completed since the last, its room and counters."""
     try:
-      reply = h.control.recv()
+      report = result(h.control.recv(), h.who)
     except (EOFError, OSError) as e:
       raise HostError(f"{h.who} went away ({e!r}); {_RESUME}") from e
-    kind = h.expected.pop(0)
-    out = result(reply, f"{h.who} ({kind})")
-    if kind == "adopt":
-      return []
-    # Starts sent after this call are not in its capacity yet.
-    h.capacity = out["capacity"] - h.expected.count("start")
-    h.stats = out["stats"]
-    metas = out.get("metas", [])
-    h.inflight -= len(metas)
-    return metas
+    # Starts the host had not read yet when it reported are not in its capacity.
+    h.capacity = report["capacity"] - (h.starts_sent - report["starts_seen"])
+    h.stats = report["stats"]
+    h.inflight -= len(report["metas"])
+    return report["metas"]
 
   def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
-    for h in self._hosts:
-      if h.inflight and not h.stepping:
-        key = np.asarray(jax.random.key_data(jax.random.fold_in(rng, h.index)))
-        self._send(h, "step", key, want_room)
+    """The groups the hosts reported since the last call, waiting up to 0.5 s for a report.
+
+    Hosts generate on their own between calls (they step while they hold groups); this call
+    passes on the caller's ``want_room`` and, the first time, the hosts' base keys.
+    """
+    if not self._seeded:
+      for h in self._hosts:
+        self._send(h, "seed", np.asarray(jax.random.key_data(jax.random.fold_in(rng, h.index))))
+      self._seeded = True
+    if want_room != self._want_room:
+      for h in self._hosts:
+        self._send(h, "room", want_room)
+      self._want_room = want_room
+    conns = [h.control for h in self._hosts]
+    if not mpc.wait(conns, timeout=0):
+      mpc.wait(conns, timeout=_WAIT_S)
     metas: list[GroupMeta] = []
-    deadline = time.monotonic() + _WAIT_S
-    answered = False  # wait until some host has answered a step (or the deadline)
-    while not answered:
-      stepping = [h for h in self._hosts if h.stepping]
-      left = deadline - time.monotonic()
-      ready = mpc.wait([h.control for h in stepping], timeout=max(0.0, left)) if stepping else []
-      if not ready:
-        break
-      for h in stepping:
-        if h.control in ready:
-          answered |= h.expected[0] == "step"
-          metas += self._receive(h)
-    for h in self._hosts:  # whatever else has arrived, without waiting
-      while h.expected and h.control.poll():
+    for h in self._hosts:
+      while h.control.poll():
         metas += self._receive(h)
     self._tokens += sum(sum(m.response_tokens) for m in metas)
     return sorted(metas, key=lambda m: m.group_id)

@@ -2,9 +2,11 @@
 
 :func:`serve` connects to the trainer's rollout endpoint (two authenticated connections),
 builds the host's rollout and storage unit once the trainer has named its unit id
-(``attach``), then answers the trainer's contract calls (``start``, ``step``, ``adopt``) in
-order on the control connection, while a thread answers storage calls (``get``, ``put``,
-``release``, ``stats``) on the other, until the trainer closes the run.
+(``attach``), then generates on its own: it reads the trainer's messages (``start``, ``adopt``,
+the base key, whether the trainer wants room) between steps, steps its rollout while it holds
+groups, and reports after each step on the control connection; a thread answers storage calls
+(``get``, ``put``, ``release``, ``stats``) on the other connection, until the trainer closes
+the run.
 """
 
 from __future__ import annotations
@@ -104,37 +106,56 @@ def serve(
   storage = connect(address, authkey, {"role": "storage", "unit_id": unit_id}, timeout_s)
   threading.Thread(target=_serve_storage, args=(storage, a.storage), daemon=True).start()
   result(control.recv(), "the trainer")  # both connections are up
-  control.send(("ok", {"capacity": a.rollout.capacity()}))
   counts = {"unit_id": unit_id, "groups": 0, "versions": 0, "steps": 0, "step_s": 0.0}
-  rollout = a.rollout
+  rollout, state = a.rollout, {"key": None, "room": False, "starts_seen": 0}
 
-  def adopt(offer_id, version):
-    rollout.adopt(fetch(offer_id), version)
-    counts["versions"] += 1
-    return {"capacity": rollout.capacity(), "stats": rollout.stats()}
+  def report(metas) -> None:
+    out = {"metas": metas, "capacity": rollout.capacity(), "stats": rollout.stats()}
+    control.send(("ok", {**out, "starts_seen": state["starts_seen"]}))
 
-  def start(prompt, group_id):
-    rollout.start(prompt, group_id)
-    return {"capacity": rollout.capacity(), "stats": rollout.stats()}
+  def handle(kind, *args) -> None:
+    if kind == "start":
+      rollout.start(*args)
+      state["starts_seen"] += 1
+    elif kind == "adopt":
+      offer_id, version = args
+      rollout.adopt(fetch(offer_id), version)
+      counts["versions"] += 1
+    elif kind == "seed":
+      state["key"] = jax.random.wrap_key_data(args[0])
+    elif kind == "room":
+      state["room"] = args[0]
+    else:
+      raise ValueError(f"unknown message {kind!r} from the trainer.")
 
-  def step(key, want_room):
-    t0 = time.perf_counter()
-    metas = rollout.step(jax.random.wrap_key_data(key), want_room=want_room)
-    counts["step_s"] += time.perf_counter() - t0
-    counts["groups"] += len(metas)
-    counts["steps"] += 1
-    return {"metas": metas, "capacity": rollout.capacity(), "stats": rollout.stats()}
-
-  calls = {"adopt": adopt, "start": start, "step": step}
   with jax.set_mesh(a.mesh):
+    report([])  # the first room
     while True:
+      can_step = rollout.inflight and state["key"] is not None
       try:
-        kind, *args = control.recv()
+        # Every message waiting, in order; with nothing to generate, wait for the next one.
+        read = False
+        while control.poll(0 if can_step or read else None):
+          kind, *args = control.recv()
+          if kind == "close":
+            raise EOFError
+          handle(kind, *args)
+          read = True
       except (EOFError, OSError):
-        break  # the trainer is gone
-      if kind == "close":
-        break
-      reply(control, lambda kind=kind, args=args: calls[kind](*args))
+        break  # the trainer closed the run, or is gone
+      except Exception as e:  # a call failed: the trainer raises it, and this host stops
+        control.send(("error", type(e).__name__, str(e)))
+        raise
+      if rollout.inflight and state["key"] is not None:
+        t0 = time.perf_counter()
+        key = jax.random.fold_in(state["key"], counts["steps"])
+        metas = rollout.step(key, want_room=state["room"])
+        counts["step_s"] += time.perf_counter() - t0
+        counts["groups"] += len(metas)
+        counts["steps"] += 1
+        report(metas)
+      elif read:
+        report([])  # room changed without a step
   control.close()
   storage.close()
   rollout.close()
