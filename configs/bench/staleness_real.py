@@ -48,6 +48,9 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   c.sim_seeds = 3
   c.tolerance = 0.2
   c.in_process = False
+  # > 0: disaggregated runs generate in that many rollout host processes (`--role=rollout`,
+  # config.runtime.rollout_hosts) instead of a thread of the trainer's process.
+  c.rollout_hosts = 0
   if arg in (None, ""):
     return c
   if arg == "quick":

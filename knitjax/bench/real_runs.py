@@ -51,6 +51,11 @@ def launch(config: mc.ConfigDict, root: str, name: str, *, in_process: bool = Fa
   with open(path, "w") as f:
     f.write(_CONFIG_FILE.format(name=name, payload=json.dumps(config.to_dict())))
   command = [sys.executable, "-m", "knitjax.main", "--config", path, "--workdir", workdir]
+  if in_process and config.runtime.get("rollout_hosts", 0):
+    raise ValueError(
+      f"run {name!r} has config.runtime.rollout_hosts > 0, which needs its runs as processes: "
+      "set in_process=False."
+    )
   if in_process:
     from knitjax.config import from_config_dict
     from knitjax.runtime.train import train

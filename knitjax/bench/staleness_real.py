@@ -52,6 +52,10 @@ def _variant(config: mc.ConfigDict, *, mode, policy, depth, steps, lr) -> mc.Con
   c.admission.policy = policy
   c.train.lr = lr
   c.checkpoint.every_steps = steps  # one checkpoint, at the end: no saves inside the window
+  if mode == "disaggregated" and config.get("rollout_hosts", 0):
+    # The rollout in its own process(es): each side keeps the device count it had in one process.
+    c.runtime.rollout_hosts = config.rollout_hosts
+    c.mesh.cpu_devices = c.runtime.rollout_devices or max(1, c.mesh.cpu_devices // 2)
   return c
 
 
