@@ -25,16 +25,16 @@ def evaluate(config, workdir: str) -> dict:
   """Evaluates the newest checkpoint of ``workdir``; returns the metrics with the step."""
   import jax
 
-  from knitjax.runtime import builder
+  from knitjax.runtime import builder, rollout_builder
 
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
   graphdef, learner = builder.build_learner(config, mesh, workdir)
   restored = learner.restore() if wd.path(workdir, "checkpoints").is_dir() else None
   step = 0 if restored is None else learner.version // config.admission.minibatches
-  evaluator = builder.build_evaluator(config, graphdef, mesh, prompts)
+  evaluator = rollout_builder.build_evaluator(config, graphdef, mesh, prompts)
   with jax.set_mesh(mesh):
-    rng = jax.random.fold_in(builder.eval_rng(config), step)
+    rng = jax.random.fold_in(rollout_builder.eval_rng(config), step)
     metrics, answers = evaluator(learner.policy_params, rng)
   learner.close()
   out = {"step": step, "checkpoint": restored is not None, **metrics}

@@ -7,9 +7,6 @@ loops themselves hold no construction logic and tests can swap parts.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import functools
-import math
 import os
 
 import jax
@@ -21,25 +18,16 @@ from knitjax.config import Config
 from knitjax.models import lora
 from knitjax.models.layers import ValueHead
 from knitjax.models.transformer import Transformer
-from knitjax.models.vlm import VLM, make_prompt_embedder
-from knitjax.rollout.continuous import ContinuousEngine
-from knitjax.rollout.contract import Rollout
-from knitjax.rollout.multiturn import MultiTurnRollout, stop_ids
-from knitjax.rollout.sampler import Sampler, SamplingConfig
-from knitjax.rollout.streaming import StreamingRollout
-from knitjax.rollout.worker import BatchedRollout, RolloutWorker
-from knitjax.runtime.evaluation import EvalLog, Evaluator, PeriodicEval
+from knitjax.models.vlm import VLM
 from knitjax.runtime.learner import Learner
 from knitjax.tasks import count_images
 from knitjax.tasks.prompts import Prompt, PromptSource
-from knitjax.tasks.registry import make_environment, make_prompt_source
-from knitjax.tasks.rewards import get_reward_fn
+from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.streams import ClassStreams
 from knitjax.tasks.tokenizer import CharTokenizer
 from knitjax.train import losses, mm_step, packing
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
-from knitjax.train.reward_shaping import with_overlong_penalty
 from knitjax.train.step import (
   StepHParams,
   TrainState,
@@ -53,7 +41,6 @@ from knitjax.transfer.centralized import CentralizedFeed, CentralizedPreparer
 from knitjax.transfer.feed import OnDemandFeed
 from knitjax.transfer.prepare import MiniBatchPreparer
 from knitjax.transfer.quota import QuotaSpec
-from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits, StorageUnit
 
 
 def _longest_prompt(source: PromptSource) -> int:
@@ -358,221 +345,6 @@ def build_learner(config: Config, mesh, workdir: str) -> tuple[nnx.GraphDef, Lea
   return graphdef, learner
 
 
-def _sampling(config: Config) -> SamplingConfig:
-  r = config.rollout
-  return SamplingConfig(
-    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p
-  )
-
-
-def training_reward(config: Config):
-  """The reward training rollouts score samples with: the task's verifier, plus DAPO's overlong
-  penalty when ``config.rollout.overlong_buffer`` is set (evaluation scores the verifier alone)."""
-  fn = get_reward_fn(config.task.reward)
-  r = config.rollout
-  if not r.overlong_buffer:
-    return fn
-  return with_overlong_penalty(
-    fn,
-    max_new_tokens=r.max_new_tokens,
-    class_max_new_tokens=r.class_max_new_tokens,
-    buffer=r.overlong_buffer,
-  )
-
-
-def build_worker(
-  config: Config,
-  graphdef,
-  mesh,
-  prompts: ClassStreams,
-  *,
-  sampling: SamplingConfig | None = None,
-  prompt_len: int | None = None,
-  reward: str = "",
-) -> RolloutWorker:
-  """The batched sampler, rewards and group assembly on ``mesh`` (evaluation passes its own
-  sampling, prompt length and reward)."""
-  r = config.rollout
-  prompt_len = prompt_len or prompts.prompt_len
-  sampler = Sampler(
-    graphdef,
-    mesh=mesh,
-    sampling=sampling or _sampling(config),
-    eos_id=prompts.tokenizer.eos_ids,
-    pad_id=prompts.tokenizer.pad_id,
-    prompt_len=prompt_len,
-  )
-  return RolloutWorker(
-    sampler=sampler,
-    tokenizer=prompts.tokenizer,
-    reward_fn=get_reward_fn(reward) if reward else training_reward(config),
-    group_size=r.group_size,
-    prompt_len=prompt_len,
-    class_max_new_tokens=r.class_max_new_tokens,
-    prompt_embedder=make_prompt_embedder(graphdef, mesh) if config.vision is not None else None,
-  )
-
-
-def build_periodic_eval(
-  config: Config, graphdef, mesh, prompts: ClassStreams, workdir: str, start_step: int
-) -> PeriodicEval | None:
-  """Evaluation during training when ``config.eval.every_steps`` > 0, else None."""
-  if not config.eval.every_steps:
-    return None
-  return PeriodicEval(
-    build_evaluator(config, graphdef, mesh, prompts),
-    EvalLog(workdir, start_step=start_step, primary=jax.process_index() == 0),
-    every_steps=config.eval.every_steps,
-    total_steps=config.runtime.steps,
-  )
-
-
-def eval_rng(config: Config) -> jax.Array:
-  """The evaluation RNG (folded with the step): the same prompts see the same draws per step."""
-  return jax.random.fold_in(jax.random.key(config.seed), 0x5EED)
-
-
-def build_evaluator(config: Config, graphdef, mesh, prompts: ClassStreams) -> Evaluator:
-  """Greedy accuracy and pass@k on ``config.eval``'s held-out prompts (`runtime.evaluation`)."""
-  e = config.eval
-  heldout = build_eval_prompts(config, prompts)
-  prompt_len = max(prompts.prompt_len, *(len(p.tokens) for p in heldout))
-  base = _sampling(config)
-  if e.max_new_tokens:
-    base = dataclasses.replace(base, max_new_tokens=e.max_new_tokens)
-  reward = e.reward or config.task.reward
-  make = functools.partial(
-    build_worker, config, graphdef, mesh, prompts, prompt_len=prompt_len, reward=reward
-  )
-  greedy = make(sampling=dataclasses.replace(base, temperature=0.0, top_k=0, top_p=1.0))
-  sampled = make(sampling=base) if e.samples else None
-  return Evaluator(
-    greedy=greedy,
-    sampled=sampled,
-    prompts=heldout,
-    reward_fn=get_reward_fn(reward),
-    tokenizer=prompts.tokenizer,
-    k=e.k,
-    samples=e.samples,
-    batch_prompts=e.batch_prompts,
-    batch_shards=math.prod(mesh.shape[a] for a in sharding.BATCH_AXES),
-  )
-
-
-def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> ContinuousEngine:
-  """The continuous-batching engine (``rollout.engine="continuous"``)."""
-  r, rt = config.rollout, config.runtime
-  return ContinuousEngine(
-    graphdef,
-    mesh=mesh,
-    sampling=_sampling(config),
-    slots=r.slots,
-    prompt_len=prompts.prompt_len,
-    eos_id=prompts.tokenizer.eos_ids,
-    pad_id=prompts.tokenizer.pad_id,
-    prefill_lanes=r.refill_groups,
-    prefill_chunk=r.prefill_chunk,
-    share_prefix=r.share_prefix,
-    decode_steps=r.decode_steps,
-    adoption=rt.adoption,
-    param_slots=rt.param_slots,
-  )
-
-
-def _groups_per_call(config: Config) -> int | None:
-  """Groups one batched call generates: a colocated step starts all; disaggregated waves fill
-  the slots."""
-  if config.runtime.mode == "colocated":
-    return None
-  return max(1, config.rollout.slots // config.rollout.group_size)
-
-
-def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: StorageUnit):
-  """The in-process rollout of ``rollout.engine`` on ``mesh``, writing into ``unit``."""
-  r = config.rollout
-  if r.engine == "multiturn":
-    return build_multiturn(config, graphdef, mesh, prompts, unit)
-  if r.engine == "continuous":
-    return StreamingRollout(
-      build_engine(config, graphdef, mesh, prompts),
-      unit,
-      reward_fn=training_reward(config),
-      tokenizer=prompts.tokenizer,
-      group_size=r.group_size,
-      budgets=r.class_max_new_tokens,
-    )
-  worker = build_worker(config, graphdef, mesh, prompts)
-  return BatchedRollout(worker, unit, max_groups=_groups_per_call(config))
-
-
-def build_multiturn(
-  config: Config, graphdef, mesh, prompts: ClassStreams, unit: StorageUnit
-) -> MultiTurnRollout:
-  """The multi-turn rollout (``rollout.engine="multiturn"``): a sampler whose prompt is a turn's
-  whole context (``P + N``), ``turn_tokens`` per turn, stopping also at the environment's stop
-  texts; waves of ``slots // group_size`` live groups in disaggregated runs."""
-  r = config.rollout
-  environment = make_environment(config.task.name)
-  sampler = Sampler(
-    graphdef,
-    mesh=mesh,
-    sampling=dataclasses.replace(
-      _sampling(config), max_new_tokens=r.turn_tokens or r.max_new_tokens
-    ),
-    eos_id=stop_ids(environment, prompts.tokenizer),
-    pad_id=prompts.tokenizer.pad_id,
-    prompt_len=prompts.prompt_len + r.max_new_tokens,
-  )
-  return MultiTurnRollout(
-    sampler,
-    unit,
-    environment=environment,
-    tokenizer=prompts.tokenizer,
-    group_size=r.group_size,
-    prompt_len=prompts.prompt_len,
-    max_new_tokens=r.max_new_tokens,
-    max_turns=r.max_turns,
-    max_groups=_groups_per_call(config),
-    adoption=config.runtime.adoption,
-  )
-
-
-def hosted_rollout(config: Config, storage: StorageUnit):
-  """A Ray actor's rollout (`knitjax.rollout.ray_worker.RolloutFactory`): the model skeleton and
-  the configured rollout on the actor's local devices, writing into ``storage``."""
-  from knitjax.rollout.ray_worker import HostedRollout
-
-  devices = jax.local_devices()
-  config = dataclasses.replace(
-    config, mesh=dataclasses.replace(config.mesh, shape=(len(devices), 1, 1))
-  )
-  mesh = build_mesh(config, devices=devices)
-  prompts = build_prompts(config)
-  graphdef, params = build_model(config, mesh)
-  return HostedRollout(_local_rollout(config, graphdef, mesh, prompts, storage), params, mesh)
-
-
-def build_rollout(config: Config, graphdef, mesh, prompts: ClassStreams) -> Rollout:
-  """The run's rollout: in process on ``mesh``, or ``runtime.rollout_workers`` Ray actors.
-
-  Either way it writes payloads into its storage units (``.storage``: unit id -> unit) and
-  returns ``GroupMeta``s (`knitjax.rollout.contract`).
-  """
-  n = config.runtime.rollout_workers
-  if not n:
-    return _local_rollout(config, graphdef, mesh, prompts, build_storage(config, prompts))
-  _ensure_ray(config)
-  from knitjax.rollout.ray_worker import RayRollout
-
-  return RayRollout(
-    functools.partial(hosted_rollout, config),
-    build_storage_limits(config, prompts),
-    n,
-    groups_per_call=_groups_per_call(config),
-    max_restarts=config.runtime.actor_restarts,
-  )
-
-
 def build_admission(config: Config, on_reject=None) -> AdmissionIndex:
   a = config.admission
   spec = QuotaSpec(
@@ -582,64 +354,6 @@ def build_admission(config: Config, on_reject=None) -> AdmissionIndex:
     max_per_minibatch=dict(a.max_per_minibatch),
   )
   return AdmissionIndex(spec, a.policy, dynamic_sampling=a.dynamic_sampling, on_reject=on_reject)
-
-
-def build_storage(config: Config, prompts: ClassStreams, *, unit_id: int = 0) -> StorageUnit:
-  """A storage unit sized for a few train steps of payload (float32 log-probs + int32 tokens).
-
-  ``runtime.storage="ray"`` puts it in a Ray actor (starting or joining Ray if needed).
-  """
-  limits = build_storage_limits(config, prompts)
-  if config.runtime.storage == "ray":
-    _ensure_ray(config)
-    from knitjax.transfer.ray_storage import RayStorageUnit
-
-    return RayStorageUnit(limits, unit_id=unit_id, max_restarts=config.runtime.actor_restarts)
-  return InProcessStorageUnit(limits, unit_id=unit_id)
-
-
-def build_storage_limits(config: Config, prompts: ClassStreams) -> StorageLimits:
-  r, v = config.rollout, config.vision
-  return StorageLimits.for_steps(
-    vocab_size=config.model.vocab_size,
-    max_seq_len=prompts.prompt_len + r.max_new_tokens,
-    groups_per_step=config.admission.groups_per_step,
-    group_size=r.group_size,
-    image_bytes=0 if v is None else v.image_size**2 * v.channels * 4,
-  )
-
-
-def _ensure_ray(config: Config) -> None:
-  """Joins ``runtime.ray_address``, or starts a local Ray that only accepts authenticated calls.
-
-  Ray's gRPC servers listen on every interface whatever node address ``ray.init`` is given (Ray
-  2.60 maps a loopback address to the node's own); what keeps a local cluster closed is Ray's
-  token authentication, so a local Ray is refused when ``RAY_AUTH_MODE=disabled``.
-  """
-  ensure_ray(
-    config.runtime.ray_address,
-    needed_by="config.runtime.storage='ray' / rollout_workers > 0",
-  )
-
-
-def ensure_ray(address: str = "", *, needed_by: str = "this run") -> None:
-  """:func:`_ensure_ray` for callers without a run config (benchmarks): joins ``address``, or
-  starts a local Ray that only accepts authenticated calls."""
-  try:
-    import ray
-  except ImportError:
-    raise ValueError(f"{needed_by} needs Ray: pip install -e '.[ray]'.") from None
-  if ray.is_initialized():
-    return
-  if address:
-    ray.init(address=address, include_dashboard=False)
-    return
-  if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-    raise ValueError(
-      "RAY_AUTH_MODE=disabled would start a local Ray that accepts unauthenticated calls on every "
-      "interface; unset it, or start Ray yourself and pass config.runtime.ray_address."
-    )
-  ray.init(include_dashboard=False)
 
 
 def rng_for(seed: int, step: int) -> jax.Array:

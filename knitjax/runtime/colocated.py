@@ -18,7 +18,7 @@ from absl import logging
 from knitjax import faultpoints
 from knitjax.config import Config
 from knitjax.rollout import contract
-from knitjax.runtime import builder
+from knitjax.runtime import builder, rollout_builder
 from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.learner import RunState
 from knitjax.runtime.metrics import MetricsWriter, fault_counters, mean_rows, plot_reward
@@ -43,7 +43,7 @@ def run(
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
   graphdef, learner = builder.build_learner(config, mesh, workdir)
-  rollout = builder.build_rollout(config, graphdef, mesh, prompts)
+  rollout = rollout_builder.build_rollout(config, graphdef, mesh, prompts)
   admission = builder.build_admission(
     config, on_reject=lambda g: release_groups(rollout.storage, [g])
   )
@@ -64,12 +64,12 @@ def run(
   )
   logging.info("training steps %d..%d on mesh %s", start + 1, total, dict(mesh.shape))
   prepare = builder.build_preparer(config, rollout.storage, mesh, prompts)
-  evals = builder.build_periodic_eval(config, graphdef, mesh, prompts, workdir, start)
+  evals = rollout_builder.build_periodic_eval(config, graphdef, mesh, prompts, workdir, start)
   metrics: dict = {}
   t_start = time.time()
   with jax.set_mesh(mesh):
     if evals is not None and start == 0:
-      evals.maybe_run(0, learner.policy_params, builder.eval_rng(config))
+      evals.maybe_run(0, learner.policy_params, rollout_builder.eval_rng(config))
     for step in range(start, total):
       t0 = time.time()
       released, gen_tokens, next_group_id = _generate_step(
@@ -97,7 +97,9 @@ def run(
         **learner.tracker.step_metrics(step),
       }
       if evals is not None:
-        metrics.update(evals.maybe_run(step + 1, learner.policy_params, builder.eval_rng(config)))
+        metrics.update(
+          evals.maybe_run(step + 1, learner.policy_params, rollout_builder.eval_rng(config))
+        )
       writer.write(step + 1, metrics)
       learner.maybe_save(
         step + 1,

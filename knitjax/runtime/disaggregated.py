@@ -26,7 +26,7 @@ from absl import logging
 
 from knitjax import sharding
 from knitjax.config import Config
-from knitjax.runtime import builder, rollout_hosts
+from knitjax.runtime import builder, rollout_builder, rollout_hosts
 from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.metrics import MetricsWriter, mean_rows, plot_reward
 from knitjax.runtime.pipeline import Pipeline
@@ -80,7 +80,7 @@ def run(
     rollout = rollout_hosts.remote_rollout(config, train_mesh, learner.state.params, workdir)
   else:
     rollout_mesh = sharding.make_mesh((-1, 1, 1), devices=rollout_devices)
-    rollout = builder.build_rollout(config, graphdef, rollout_mesh, prompts)
+    rollout = rollout_builder.build_rollout(config, graphdef, rollout_mesh, prompts)
   admission = builder.build_admission(
     config, on_reject=lambda g: release_groups(rollout.storage, [g])
   )
@@ -114,10 +114,10 @@ def run(
     count=(total - start) * m,
   )
   # Evaluation runs on the train mesh in this thread, with the trainer's current parameters.
-  evals = builder.build_periodic_eval(config, graphdef, train_mesh, prompts, workdir, start)
+  evals = rollout_builder.build_periodic_eval(config, graphdef, train_mesh, prompts, workdir, start)
   if evals is not None and start == 0:
     with jax.set_mesh(train_mesh):
-      evals.maybe_run(0, learner.policy_params, builder.eval_rng(config))
+      evals.maybe_run(0, learner.policy_params, rollout_builder.eval_rng(config))
   metrics: dict = {}
   pipe.start()
   try:
@@ -134,7 +134,9 @@ def run(
           **pipe.step_metrics(),
         }
         if evals is not None:
-          metrics.update(evals.maybe_run(step + 1, learner.policy_params, builder.eval_rng(config)))
+          metrics.update(
+            evals.maybe_run(step + 1, learner.policy_params, rollout_builder.eval_rng(config))
+          )
         writer.write(step + 1, metrics)
         learner.maybe_save(step + 1, total, pipe.snapshot)
         if on_step is not None:

@@ -30,7 +30,7 @@ from flax import nnx
 from knitjax import workdir as wd
 from knitjax.config import Config
 from knitjax.rollout import remote, remote_host
-from knitjax.runtime import builder
+from knitjax.runtime import builder, rollout_builder
 from knitjax.runtime.weight_sync import resolve_sync_dtype, wire_dtype
 from knitjax.runtime.weight_transfer import WeightClient, WeightServer
 from knitjax.transfer.storage import InProcessStorageUnit
@@ -118,8 +118,10 @@ def remote_rollout(config: Config, train_mesh, params, workdir: str) -> remote.R
 def _attach(config: Config, unit_id: int, paths: list) -> remote_host.Attached:
   """Builds a host's rollout (on all its local devices) and storage unit ``unit_id``."""
   prompts = builder.build_prompts(config)
-  unit = InProcessStorageUnit(builder.build_storage_limits(config, prompts), unit_id=unit_id)
-  hosted = builder.hosted_rollout(config, unit)
+  unit = InProcessStorageUnit(
+    rollout_builder.build_storage_limits(config, prompts), unit_id=unit_id
+  )
+  hosted = rollout_builder.hosted_rollout(config, unit)
   own = dict(remote.leaf_paths(nnx.to_pure_dict(hosted.params)))
   leaves = []
   for path, shape, dtype in paths:

@@ -7,7 +7,7 @@ import pytest
 from configs import arith_tiny
 from knitjax.config import from_config_dict
 from knitjax.rollout.contract import generate
-from knitjax.runtime import builder
+from knitjax.runtime import builder, rollout_builder
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.train.reward_shaping import overlong_penalty, with_overlong_penalty
 
@@ -28,7 +28,7 @@ def test_training_rollouts_store_verifier_plus_penalty(engine):
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
   graphdef, params = builder.build_model(config, mesh)
-  rollout = builder.build_rollout(config, graphdef, mesh, prompts)
+  rollout = rollout_builder.build_rollout(config, graphdef, mesh, prompts)
   batch = prompts.next({"arith": 4})
   metas = generate(rollout, params, batch, version=0, rng=jax.random.key(1), first_group_id=0)
   verifier = get_reward_fn(config.task.reward)
@@ -49,12 +49,12 @@ def test_training_rollouts_store_verifier_plus_penalty(engine):
 def test_evaluation_scores_the_verifier_alone():
   config = _config(3)
   verifier = get_reward_fn(config.task.reward)
-  assert builder.training_reward(_config(0)) is verifier
-  assert builder.training_reward(config) is not verifier
+  assert rollout_builder.training_reward(_config(0)) is verifier
+  assert rollout_builder.training_reward(config) is not verifier
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
   graphdef, _ = builder.build_model(config, mesh)
-  evaluator = builder.build_evaluator(config, graphdef, mesh, prompts)
+  evaluator = rollout_builder.build_evaluator(config, graphdef, mesh, prompts)
   # private, but the point: neither the evaluator nor its sampler workers shape rewards
   assert evaluator._reward_fn is verifier
   assert evaluator._greedy._reward_fn is verifier

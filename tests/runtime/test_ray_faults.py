@@ -15,7 +15,7 @@ psutil = pytest.importorskip("psutil")
 
 from configs import arith_tiny  # noqa: E402
 from knitjax.config import from_config_dict  # noqa: E402
-from knitjax.runtime import builder  # noqa: E402
+from knitjax.runtime import builder, rollout_builder  # noqa: E402
 from knitjax.transfer.payload import synthetic_payload  # noqa: E402
 from knitjax.transfer.ray_storage import RayStorageUnit  # noqa: E402
 from knitjax.transfer.storage import StorageLimits  # noqa: E402
@@ -25,11 +25,11 @@ LIMITS = StorageLimits(vocab_size=50, max_seq_len=10, max_bytes=1 << 20)
 
 @pytest.fixture(scope="module")
 def local_ray():
-  """Local Ray started exactly as a run starts it (`builder._ensure_ray`)."""
+  """Local Ray started exactly as a run starts it (`rollout_builder._ensure_ray`)."""
   if ray.is_initialized():
     ray.shutdown()
   config = from_config_dict(arith_tiny.get_config("quick"))
-  builder._ensure_ray(config)
+  rollout_builder._ensure_ray(config)
   yield
   ray.shutdown()
 
@@ -68,7 +68,7 @@ def test_local_ray_requires_token_authentication_and_has_no_dashboard(local_ray,
   monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
   monkeypatch.setattr(ray, "is_initialized", lambda: False)
   with pytest.raises(ValueError, match="RAY_AUTH_MODE=disabled would start a local Ray"):
-    builder._ensure_ray(from_config_dict(arith_tiny.get_config("quick")))
+    rollout_builder._ensure_ray(from_config_dict(arith_tiny.get_config("quick")))
 
 
 def _payload(seed):
@@ -108,7 +108,7 @@ def test_rollout_replaces_a_killed_actor_and_regenerates_its_groups(local_ray):
   prompts = builder.build_prompts(config)
   mesh = builder.build_mesh(config)
   graphdef, params = builder.build_model(config, mesh)
-  pool = builder.build_rollout(config, graphdef, mesh, prompts)
+  pool = rollout_builder.build_rollout(config, graphdef, mesh, prompts)
   pool.adopt(params, 0)
   ids = list(range(100, 108))
   for prompt, gid in zip(prompts.next({"arith": len(ids)}), ids, strict=True):

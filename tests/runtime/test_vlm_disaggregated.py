@@ -19,7 +19,7 @@ import pytest
 from configs import count_vlm_tiny
 from knitjax import records
 from knitjax.config import from_config_dict
-from knitjax.runtime import builder
+from knitjax.runtime import builder, rollout_builder
 from knitjax.runtime.train import train
 from knitjax.tasks import count_images
 from knitjax.tasks.prompts import Prompt
@@ -64,7 +64,7 @@ def local_ray():
   ray = pytest.importorskip("ray")
   if ray.is_initialized():
     ray.shutdown()
-  builder._ensure_ray(from_config_dict(vlm_config(steps=1)))
+  rollout_builder._ensure_ray(from_config_dict(vlm_config(steps=1)))
   yield
   ray.shutdown()
 
@@ -78,7 +78,7 @@ def test_vlm_with_ray_rollout_workers_stores_each_image_once(local_ray, tmp_path
 
   c = vlm_config(steps=2, rollout_workers=2)
   pools = []
-  build_rollout = builder.build_rollout
+  build_rollout = rollout_builder.build_rollout
 
   def capture(*args, **kwargs):
     pools.append(build_rollout(*args, **kwargs))

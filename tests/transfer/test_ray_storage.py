@@ -139,7 +139,7 @@ def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
   from configs import arith_tiny
   from knitjax.config import from_config_dict
   from knitjax.rollout import contract
-  from knitjax.runtime import builder, colocated
+  from knitjax.runtime import builder, colocated, rollout_builder
 
   c = arith_tiny.get_config("quick")
   c.runtime.rollout_workers = 1
@@ -152,7 +152,7 @@ def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
   prompts = builder.build_prompts(config)
   mesh = builder.build_mesh(config)
   graphdef, params = builder.build_model(config, mesh)
-  pool = builder.build_rollout(config, graphdef, mesh, prompts)
+  pool = rollout_builder.build_rollout(config, graphdef, mesh, prompts)
   metas = contract.generate(
     pool, params, prompts.next({"arith": 3}), version=0, rng=jax.random.key(0), first_group_id=10
   )
