@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Launch knitjax training on a Cloud TPU VM slice. Every worker runs the same command: the trainer
-# is one multi-host JAX program, started with --distributed.
+# is one multi-host JAX program, started with --distributed. A disaggregated trainer with
+# --config.runtime.rollout_hosts=N (on a single-host VM) takes its rollout from N rollout hosts:
+# `rollout` starts one on every worker of another TPU VM.
 #
 # Usage: launch/tpu_vm.sh [--dry-run] COMMAND NAME ZONE [ARGS...]
 #   up     NAME ZONE TYPE CONFIG WORKDIR [FLAGS...]   create (if missing), setup, run
@@ -9,6 +11,9 @@
 #                                          missing, pip install (safe to repeat)
 #   run    NAME ZONE CONFIG WORKDIR [FLAGS...]   start the trainer on every worker, detached
 #                                          (nohup), logging to ~/knitjax-run.log on each
+#   rollout NAME ZONE CONFIG WORKDIR [FLAGS...]  start a rollout host (--role=rollout) on every
+#                                          worker, detached, same log; give the trainer's config,
+#                                          workdir and flags (rollout_listen: its internal IP)
 #   logs   NAME ZONE [WORKER]              follow a worker's log (default 0; "all": every worker)
 #   stop   NAME ZONE                       stop the trainer on every worker (the VM stays up)
 #   delete NAME ZONE                       delete the TPU VM (gcloud asks to confirm)
@@ -28,7 +33,7 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-COMMANDS="up, create, setup, run, logs, stop, delete"
+COMMANDS="up, create, setup, run, rollout, logs, stop, delete"
 VERSION=${TPU_SOFTWARE_VERSION:-v2-alpha-tpuv5-lite}
 DRY_RUN=${DRY_RUN:-0}
 if [[ ${1:-} == --dry-run ]]; then
@@ -67,11 +72,11 @@ setup_command() {  # $1: the git URL to clone
     'pip install -q -e ".[gcs]"'
 }
 
-run_command() {  # $1: config, $2: workdir, then extra flags
+run_command() {  # $1: --distributed (trainer) or --role=rollout, $2: config, $3: workdir, flags
   local args
-  args=$(printf '%q ' --config "$1" --workdir "$2" --config.mesh.cpu_devices=0 "${@:3}")
+  args=$(printf '%q ' "$1" --config "$2" --workdir "$3" --config.mesh.cpu_devices=0 "${@:4}")
   join "set -e" "$LIVE" "$BUSY" 'cd ~/knitjax' '. .venv/bin/activate' \
-    "nohup python -m knitjax.main --distributed $args>> ~/knitjax-run.log 2>&1 < /dev/null & echo \$! > ~/knitjax-run.pid" \
+    "nohup python -m knitjax.main $args>> ~/knitjax-run.log 2>&1 < /dev/null & echo \$! > ~/knitjax-run.pid" \
     'echo "knitjax started on $(hostname) (pid $!), log ~/knitjax-run.log"'
 }
 
@@ -154,7 +159,7 @@ case $CMD in
     shift 3
     create
     setup
-    on_workers all "$(run_command "$@")"
+    on_workers all "$(run_command --distributed "$@")"
     ;;
   create)
     need 3 "create NAME ZONE TYPE" "$@"
@@ -170,7 +175,13 @@ case $CMD in
     need 4 "run NAME ZONE CONFIG WORKDIR [FLAGS...]" "$@"
     NAME=$1 ZONE=$2
     shift 2
-    on_workers all "$(run_command "$@")"
+    on_workers all "$(run_command --distributed "$@")"
+    ;;
+  rollout)
+    need 4 "rollout NAME ZONE CONFIG WORKDIR [FLAGS...]" "$@"
+    NAME=$1 ZONE=$2
+    shift 2
+    on_workers all "$(run_command --role=rollout "$@")"
     ;;
   logs)
     need 2 "logs NAME ZONE [WORKER]" "$@"
