@@ -3,7 +3,10 @@
 Colocated runs are deterministic: the resumed run must end with exactly the parameters of an
 uninterrupted run. Disaggregated runs are not (two threads race), so the check is conservation:
 offered = consumed + rejected + pending as sets of group ids, no group consumed twice, every
-train step logged once, quotas exact.
+train step logged once, quotas exact. ``rollout_hosts`` is a disaggregated run whose rollout is
+a rollout host process: a kill in the trainer ends the host too (its connection closes); a kill
+in the host (``rollout_host`` point) ends the trainer with one sentence; either way a new
+trainer and a new host resume.
 """
 
 from __future__ import annotations
@@ -41,7 +44,21 @@ RUNS = {
     "quick",
     {"runtime.steps": 4, "checkpoint.every_steps": 1},
   ),
+  "rollout_hosts": (
+    "configs/arith_disagg.py",
+    "quick",
+    {
+      "runtime.steps": 4,
+      "checkpoint.every_steps": 1,
+      "runtime.rollout_hosts": 1,
+      "mesh.cpu_devices": 2,
+      "runtime.rollout_host_wait_s": 120,
+    },
+  ),
 }
+
+# Where each point is passed: the trainer's process, or (rollout_hosts) the host's.
+HOST_POINTS = ("rollout_host",)
 
 
 def _argv(run) -> list[str]:
@@ -66,13 +83,59 @@ def _config(run):
   return c
 
 
-def _main(args: list[str], workdir: str, env: dict[str, str], timeout: float = 900):
-  cmd = [sys.executable, "-m", "knitjax.main", *args, f"--workdir={workdir}"]
+def _env(env: dict[str, str], *, own_devices: bool) -> dict[str, str]:
   env = {**os.environ, "PYTHONPATH": REPO, **env}
   for key in ("KNITJAX_KILL_AT", "KNITJAX_FAULT_COUNTS"):
     if key not in env or not env[key]:
       env.pop(key, None)
-  return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  if own_devices:  # trainer and hosts: each process gets the config's cpu_devices
+    env.pop("XLA_FLAGS", None)
+  return env
+
+
+def _main(
+  args: list[str],
+  workdir: str,
+  env: dict[str, str],
+  timeout: float = 900,
+  *,
+  hosts: int = 0,
+  host_env: dict[str, str] | None = None,
+):
+  """Runs the trainer (and ``hosts`` rollout hosts beside it); returns the trainer's result and
+  the hosts' exit codes."""
+  cmd = [sys.executable, "-m", "knitjax.main", *args, f"--workdir={workdir}"]
+  started = [
+    subprocess.Popen(
+      [*cmd, "--role=rollout"],
+      cwd=REPO,
+      env=_env(host_env or {}, own_devices=True),
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+    )
+    for _ in range(hosts)
+  ]
+  try:
+    proc = subprocess.run(
+      cmd,
+      cwd=REPO,
+      env=_env(env, own_devices=hosts > 0),
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+    )
+    codes = []
+    for h in started:
+      try:
+        codes.append(h.wait(timeout=60))
+      except subprocess.TimeoutExpired:
+        codes.append(None)
+  finally:
+    for h in started:
+      if h.poll() is None:
+        h.kill()
+  proc.host_codes = codes
+  return proc
 
 
 def _jsonl(path: str) -> list[dict]:
@@ -140,22 +203,38 @@ def check_disaggregated(workdir: str, steps: int) -> list[str]:
 
 
 def run(
-  workdir: str, *, kills: int = 10, seed: int = 0, modes=("colocated", "disaggregated"), log=print
+  workdir: str,
+  *,
+  kills: int = 10,
+  seed: int = 0,
+  modes=("colocated", "disaggregated", "rollout_hosts"),
+  log=print,
 ) -> dict:
   """``kills`` kill-resume trials per mode; returns per-trial records and k/``kills`` per mode."""
   rng = np.random.default_rng(seed)
   out = {}
   for mode in modes:
     args, steps = _argv(RUNS[mode]), RUNS[mode][2]["runtime.steps"]
+    hosts = RUNS[mode][2].get("runtime.rollout_hosts", 0)
     ref = os.path.join(workdir, mode, "reference")
     counts_file = os.path.join(workdir, mode, "counts.json")
+    host_counts_file = os.path.join(workdir, mode, "host_counts.json")
     os.makedirs(ref, exist_ok=True)
     t0 = time.time()
-    proc = _main(args, ref, {"KNITJAX_FAULT_COUNTS": counts_file})
+    proc = _main(
+      args,
+      ref,
+      {"KNITJAX_FAULT_COUNTS": counts_file},
+      hosts=hosts,
+      host_env={"KNITJAX_FAULT_COUNTS": host_counts_file},
+    )
     if proc.returncode != 0:
       raise RuntimeError(f"the {mode} reference run failed: {proc.stderr[-2000:]}")
     with open(counts_file) as f:
       counts = json.load(f)
+    if hosts:
+      with open(host_counts_file) as f:
+        counts.update({p: n for p, n in json.load(f).items() if p in HOST_POINTS})
     log(f"[kill-resume] {mode}: reference run {time.time() - t0:.0f} s, points passed {counts}")
     points = [p for p in faultpoints.POINTS if counts.get(p)]
     trials = []
@@ -164,12 +243,24 @@ def run(
       n = int(rng.integers(1, counts[point] + 1))
       wd = os.path.join(workdir, mode, f"kill{k}")
       t0 = time.time()
-      first = _main(args, wd, {"KNITJAX_KILL_AT": f"{point}:{n}"})
-      killed = first.returncode == -signal.SIGKILL
-      second = _main(args, wd, {})
+      kill = {"KNITJAX_KILL_AT": f"{point}:{n}"}
+      in_host = point in HOST_POINTS
+      first = _main(
+        args, wd, {} if in_host else kill, hosts=hosts, host_env=kill if in_host else None
+      )
+      if in_host:  # the host dies; the trainer must stop with one sentence naming it
+        killed = first.host_codes == [-signal.SIGKILL] and first.returncode == 1
+        killed = killed and "rollout host 0" in first.stderr.strip().splitlines()[-1]
+      else:
+        killed = first.returncode == -signal.SIGKILL
+      second = _main(args, wd, {}, hosts=hosts)
       problems = []
       if not killed:
-        problems.append(f"the run was not killed (exit {first.returncode})")
+        tail = first.stderr.strip().splitlines()[-1:]
+        problems.append(
+          f"the run was not killed as planned (exit {first.returncode}, hosts "
+          f"{getattr(first, 'host_codes', [])}, {tail})"
+        )
       if second.returncode != 0:
         problems.append(f"resume failed: {second.stderr.strip().splitlines()[-1:]}")
       else:

@@ -21,6 +21,7 @@ from multiprocessing import connection as mpc
 
 import jax
 
+from knitjax import faultpoints
 from knitjax.rollout.contract import Rollout
 from knitjax.rollout.remote import no_delay, reply, result, split_address
 from knitjax.transfer.storage import StorageUnit
@@ -154,6 +155,7 @@ def serve(
         counts["groups"] += len(metas)
         counts["steps"] += 1
         report(metas)
+        faultpoints.point("rollout_host")
       elif read:
         report([])  # room changed without a step
   control.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import time
 
 import jax
@@ -155,10 +156,13 @@ def _attach(config: Config, unit_id: int, paths: list) -> remote_host.Attached:
 
 
 def _own_host(trainer_address: str) -> str:
-  """Where this host's transfer server listens: loopback when the trainer is local, else all
-  interfaces (the pulls come from this side, but the transport needs a listening socket)."""
+  """Where this host's transfer server listens: its own address on the route to the trainer
+  (loopback when the trainer is local), never every interface. A UDP socket's ``connect``
+  only picks the route; nothing is sent."""
   host = remote.split_address(trainer_address)[0]
-  return host if host in ("127.0.0.1", "localhost", "::1") else "[::]"
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+    probe.connect((host, 9))
+    return probe.getsockname()[0]
 
 
 def _endpoint(workdir: str, wait_s: float) -> str:
