@@ -22,6 +22,12 @@ of ``pack_len`` tokens, several rows per sequence:
   most ``ceil(R / multiple)`` of them.
 
 Rows with no valid token (none in practice) have no segment; they carry no loss either.
+
+Metrics (:func:`packing_metrics`, written with each mini-batch's step metrics when packing is
+on): ``pack_fill`` real tokens / packed slots (``S * pack_len``, the empty sequences included:
+the step computes them too), ``pack_padded_fill`` the same for the padded rows it replaces,
+``pack_rows`` the packed sequences ``S``, and ``pack_segments_mean`` / ``pack_segments_max`` the
+rows per packed sequence (the mean over all ``S``, so ``S * mean`` is the rows packed).
 """
 
 from __future__ import annotations
@@ -162,6 +168,22 @@ def pack_batch(
   return out
 
 
+def packing_metrics(
+  batch: Mapping[str, np.ndarray], packed: Mapping[str, np.ndarray]
+) -> dict[str, float]:
+  """The module docstring's metrics of one mini-batch: its padded ``batch`` and what
+  :func:`pack_batch` made of it (host NumPy, ``O(S * pack_len)``)."""
+  segments = np.asarray(packed["segment_ids"]).max(axis=1, initial=0)  # ids run 1..n per row
+  useful = float(np.count_nonzero(batch["valid"]))
+  return {
+    "pack_fill": useful / max(packed["segment_ids"].size, 1),
+    "pack_padded_fill": useful / max(np.asarray(batch["valid"]).size, 1),
+    "pack_rows": float(len(segments)),
+    "pack_segments_mean": float(segments.mean()) if len(segments) else 0.0,
+    "pack_segments_max": float(segments.max(initial=0)),
+  }
+
+
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
   """How a trainer packs each mini-batch: ``spec(batch)`` is :func:`pack_batch` with these.
@@ -179,3 +201,10 @@ class PackSpec:
 
   def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return pack_batch(batch, pack_len=self.pack_len, multiple=self.multiple, buckets=self.buckets)
+
+  def with_metrics(
+    self, batch: Mapping[str, np.ndarray]
+  ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """The packed batch and its :func:`packing_metrics`."""
+    packed = self(batch)
+    return packed, packing_metrics(batch, packed)

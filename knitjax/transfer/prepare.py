@@ -78,5 +78,6 @@ class MiniBatchPreparer:
       host = mm_step.prepare_batch(local, self._k)
       return to_global(host, mm_step.batch_shardings(self._mesh)), info
     if self._pack is not None:
-      local = self._pack(local)
+      local, pack_info = self._pack.with_metrics(local)
+      info = {**info, **pack_info}
     return to_global(split_micro_batches(local, self._k), self._shardings), info
