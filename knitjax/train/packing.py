@@ -19,7 +19,9 @@ of ``pack_len`` tokens, several rows per sequence:
 * Count: the number of sequences ``S`` is rounded up to a multiple of ``multiple`` (K
   micro-batches times the batch shards) with empty sequences: all padding (``valid`` False,
   segment 0, no loss). The step is compiled once per distinct ``S``; with ``R`` rows there are at
-  most ``ceil(R / multiple)`` of them.
+  most ``ceil(R / multiple)`` of them. ``sequence_count`` gives ``S`` from the row lengths
+  alone (it depends only on their multiset), so consumers that each pack their own share of a
+  mini-batch can agree on one ``S`` from the groups' metadata, without talking to each other.
 
 Rows with no valid token (none in practice) have no segment; they carry no loss either.
 
@@ -92,6 +94,14 @@ def first_fit_decreasing(
   return sequences
 
 
+def sequence_count(lengths, pack_len: int, *, multiple: int = 1, buckets: int = 1) -> int:
+  """``S`` of :func:`pack_batch` for rows of these lengths (``[R]`` tokens each)."""
+  if multiple < 1:
+    raise ValueError(f"multiple={multiple} must be >= 1.")
+  n = len(first_fit_decreasing(np.asarray(lengths, np.int64), pack_len, buckets=buckets))
+  return max(multiple, -(-n // multiple) * multiple)
+
+
 def _spans(valid: np.ndarray, loss_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Each row's valid span ``[start, start + length)``; checks that it is contiguous and holds
   every loss position."""
@@ -111,7 +121,12 @@ def _spans(valid: np.ndarray, loss_mask: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def pack_batch(
-  batch: Mapping[str, np.ndarray], *, pack_len: int, multiple: int = 1, buckets: int = 1
+  batch: Mapping[str, np.ndarray],
+  *,
+  pack_len: int,
+  multiple: int = 1,
+  buckets: int = 1,
+  count: int = 0,
 ) -> dict[str, np.ndarray]:
   """Packs the rows of a padded mini-batch into ``[S, pack_len]`` sequences.
 
@@ -121,20 +136,29 @@ def pack_batch(
     pack_len: tokens per packed sequence.
     multiple: ``S`` is rounded up to a multiple of this (micro-batches times batch shards).
     buckets: length buckets packed separately (see the module docstring).
+    count: ``S`` exactly (a multiple of ``multiple``, e.g. agreed between consumers with
+      :func:`sequence_count`); 0: as few as the rows need.
 
   Returns:
     ``TOKEN_FIELDS`` and the ``ROW_FIELDS`` as ``[S, pack_len]`` arrays (dtypes kept) plus
     ``segment_ids`` int32 ``[S, pack_len]`` (1, 2, ... per row of a sequence; 0 on padding).
 
   Raises:
-    ValueError: a row does not fit ``pack_len``, or cannot be packed (see ``_spans``).
+    ValueError: a row does not fit ``pack_len``, or cannot be packed (see ``_spans``), or the
+      rows need more than ``count`` sequences.
   """
   if multiple < 1:
     raise ValueError(f"multiple={multiple} must be >= 1.")
   valid = np.asarray(batch["valid"], bool)
   start, lengths = _spans(valid, np.asarray(batch["loss_mask"]))
   sequences = first_fit_decreasing(lengths, pack_len, buckets=buckets)
-  count = max(multiple, -(-len(sequences) // multiple) * multiple)
+  needed = max(multiple, -(-len(sequences) // multiple) * multiple)
+  if count and (count < needed or count % multiple):
+    raise ValueError(
+      f"the rows need {needed} packed sequences of {pack_len} tokens, but count={count} was "
+      f"asked (at least that many and a multiple of {multiple})."
+    )
+  count = count or needed
 
   # Source (row, column) and destination (sequence, column) of every kept token, vectorised.
   rows = np.array([i for seq in sequences for i in seq], np.int64)
@@ -199,12 +223,18 @@ class PackSpec:
   multiple: int
   buckets: int = 1
 
-  def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return pack_batch(batch, pack_len=self.pack_len, multiple=self.multiple, buckets=self.buckets)
+  def __call__(self, batch: Mapping[str, np.ndarray], *, count: int = 0) -> dict[str, np.ndarray]:
+    return pack_batch(
+      batch, pack_len=self.pack_len, multiple=self.multiple, buckets=self.buckets, count=count
+    )
 
   def with_metrics(
-    self, batch: Mapping[str, np.ndarray]
+    self, batch: Mapping[str, np.ndarray], *, count: int = 0
   ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """The packed batch and its :func:`packing_metrics`."""
-    packed = self(batch)
+    """The packed batch (``count``: see :func:`pack_batch`) and its :func:`packing_metrics`."""
+    packed = self(batch, count=count)
     return packed, packing_metrics(batch, packed)
+
+  def count(self, lengths) -> int:
+    """:func:`sequence_count` of rows of these lengths."""
+    return sequence_count(lengths, self.pack_len, multiple=self.multiple, buckets=self.buckets)

@@ -111,10 +111,12 @@ def test_packing_accepts_in_step_advantages():
     )
 
 
-def test_on_demand_packing_with_several_consumers_is_refused():
+def test_on_demand_packing_needs_row_shards_divisible_by_the_consumers():
+  """Several consumers pack (tests/transfer/test_prepare.py) when each holds an equal share of
+  the micro-batches' row shards."""
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   layout = BatchLayout(estimator="grpo", prompt_len=4, max_new_tokens=4, pad_id=0)
-  with pytest.raises(ValueError, match="not accepted with 2 consumers"):
+  with pytest.raises(ValueError, match="not accepted with 2 consumers and 1 micro-batch row"):
     MiniBatchPreparer(
       {}, layout=layout, mesh=mesh, micro_batches=1, num_consumers=2, consumer=0,
       pack=PackSpec(pack_len=8, multiple=1),
