@@ -111,7 +111,7 @@ def gae(
   m = mask.astype(jnp.float32)
   r = rewards.astype(jnp.float32)
   v = values.astype(jnp.float32)
-  # 1 where the recursion restarts: nothing after a segment's last position belongs to its row.
+  # True where the recursion restarts: nothing after a segment's end belongs to its row.
   ends = jnp.zeros(m.shape, bool) if segment_ids is None else segment_ends(segment_ids)
 
   def back(carry, x):

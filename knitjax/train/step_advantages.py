@@ -25,7 +25,9 @@ tokens. GAE restarts at each segment's end (:mod:`knitjax.train.gae`); the group
 over the ``S * (pack_len + 1)`` (sequence, segment) slots of
 :func:`knitjax.train.aggregation.row_totals`, one per row plus empty ones that form a group of
 their own, and the advantages go back to every token of the row. The results are the padded
-rows' (up to float32 summation order).
+rows' (up to float32 summation order). The slots cost one sort of ``S * (pack_len + 1)`` group
+ids (``segment_advantages``' ``jnp.unique``), small next to the forward passes these advantages
+already need.
 """
 
 import dataclasses
@@ -100,11 +102,11 @@ def compute(
     kl_coef: the KL penalty's coefficient.
 
   Returns:
-    ``{"advantages": [K, rows / K, T] (gae, or packed) or [K, rows / K], "returns": ...,
-    "old_values": ...}``
-    (the last two with gae only) to replace the batch's fields, and metrics (``returns_mean``,
-    ``values_mean``, ``explained_variance`` with gae; ``kl_reward_penalty``, the mean per-row
-    ``kl_coef * sum_t kl_t``, when the KL is a reward).
+    ``{"advantages": ..., "returns": ..., "old_values": ...}`` (the last two with gae only) to
+    replace the batch's fields, advantages ``[K, rows / K, T]`` with gae or packed rows, else
+    ``[K, rows / K]``; and metrics (``returns_mean``, ``values_mean``, ``explained_variance``
+    with gae; ``kl_reward_penalty``, the mean per-row ``kl_coef * sum_t kl_t``, when the KL is a
+    reward).
   """
   mask = batch["loss_mask"].astype(jnp.float32)
   segments = batch.get("segment_ids")
