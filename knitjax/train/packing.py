@@ -19,8 +19,8 @@ of ``pack_len`` tokens, several rows per sequence:
 * Count: the number of sequences ``S`` is rounded up to a multiple of ``multiple`` (K
   micro-batches times the batch shards) with empty sequences: all padding (``valid`` False,
   segment 0, no loss). The step is compiled once per distinct ``S``; with ``R`` rows there are at
-  most ``ceil(R / multiple)`` of them. ``sequence_count`` gives ``S`` from the row lengths
-  alone (it depends only on their multiset), so consumers that each pack their own share of a
+  most ``ceil(R / multiple)`` of them. ``plan_parts`` gives ``S`` from the row lengths alone
+  (it depends only on their multiset), so consumers that each pack their own share of a
   mini-batch can agree on one ``S`` from the groups' metadata, without talking to each other.
 
 Rows with no valid token (none in practice) have no segment; they carry no loss either.
@@ -29,13 +29,15 @@ Metrics (:func:`packing_metrics`, written with each mini-batch's step metrics wh
 on): ``pack_fill`` real tokens / packed slots (``S * pack_len``, the empty sequences included:
 the step computes them too), ``pack_padded_fill`` the same for the padded rows it replaces,
 ``pack_rows`` the packed sequences ``S``, and ``pack_segments_mean`` / ``pack_segments_max`` the
-rows per packed sequence (the mean over all ``S``, so ``S * mean`` is the rows packed).
+rows per packed sequence (the mean over all ``S``, so ``S * mean`` is the rows packed). When
+several consumers each pack their share, :func:`plan_parts` gives the whole mini-batch's from
+the packing plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -94,14 +96,6 @@ def first_fit_decreasing(
   return sequences
 
 
-def sequence_count(lengths, pack_len: int, *, multiple: int = 1, buckets: int = 1) -> int:
-  """``S`` of :func:`pack_batch` for rows of these lengths (``[R]`` tokens each)."""
-  if multiple < 1:
-    raise ValueError(f"multiple={multiple} must be >= 1.")
-  n = len(first_fit_decreasing(np.asarray(lengths, np.int64), pack_len, buckets=buckets))
-  return max(multiple, -(-n // multiple) * multiple)
-
-
 def _spans(valid: np.ndarray, loss_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Each row's valid span ``[start, start + length)``; checks that it is contiguous and holds
   every loss position."""
@@ -137,7 +131,7 @@ def pack_batch(
     multiple: ``S`` is rounded up to a multiple of this (micro-batches times batch shards).
     buckets: length buckets packed separately (see the module docstring).
     count: ``S`` exactly (a multiple of ``multiple``, e.g. agreed between consumers with
-      :func:`sequence_count`); 0: as few as the rows need.
+      :func:`plan_parts`); 0: as few as the rows need.
 
   Returns:
     ``TOKEN_FIELDS`` and the ``ROW_FIELDS`` as ``[S, pack_len]`` arrays (dtypes kept) plus
@@ -208,6 +202,38 @@ def packing_metrics(
   }
 
 
+def plan_parts(
+  lengths: Sequence[Sequence[int]],
+  *,
+  pack_len: int,
+  multiple: int = 1,
+  buckets: int = 1,
+  row_len: int,
+) -> tuple[int, dict[str, float]]:
+  """A mini-batch whose rows are packed in parts (one per consumer), each part alone into the
+  same number of sequences, from the row lengths alone (``lengths[c]``: tokens per row of part
+  ``c``; ``row_len``: the padded row length).
+
+  Returns:
+    ``S``, the sequences each part lays out (the most any part needs, rounded up to
+    ``multiple``), and the :func:`packing_metrics` the parts' packed arrays together give.
+  """
+  plans = [
+    first_fit_decreasing(np.asarray(part, np.int64), pack_len, buckets=buckets) for part in lengths
+  ]
+  needed = max((len(p) for p in plans), default=0)
+  count = max(multiple, -(-needed // multiple) * multiple)
+  segments = np.array([len(s) for p in plans for s in p] + [0] * sum(count - len(p) for p in plans))
+  useful = float(sum(np.sum(part) for part in lengths))
+  return count, {
+    "pack_fill": useful / max(len(segments) * pack_len, 1),
+    "pack_padded_fill": useful / max(sum(len(part) for part in lengths) * row_len, 1),
+    "pack_rows": float(len(segments)),
+    "pack_segments_mean": float(segments.mean()) if len(segments) else 0.0,
+    "pack_segments_max": float(segments.max(initial=0)),
+  }
+
+
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
   """How a trainer packs each mini-batch: ``spec(batch)`` is :func:`pack_batch` with these.
@@ -235,6 +261,11 @@ class PackSpec:
     packed = self(batch, count=count)
     return packed, packing_metrics(batch, packed)
 
-  def count(self, lengths) -> int:
-    """:func:`sequence_count` of rows of these lengths."""
-    return sequence_count(lengths, self.pack_len, multiple=self.multiple, buckets=self.buckets)
+  def plan_parts(
+    self, lengths: Sequence[Sequence[int]], *, row_len: int
+  ) -> tuple[int, dict[str, float]]:
+    """:func:`plan_parts` with these settings."""
+    return plan_parts(
+      lengths, pack_len=self.pack_len, multiple=self.multiple, buckets=self.buckets,
+      row_len=row_len,
+    )  # fmt: skip

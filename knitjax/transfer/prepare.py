@@ -39,8 +39,8 @@ class MiniBatchPreparer:
     pack: packs each mini-batch's rows (`knitjax.train.packing`); None: padded rows. With
       several consumers each packs its own rows into the same number of sequences, the most any
       consumer's rows need, which every consumer computes alike from the consumer plan and the
-      groups' metadata (their prompt and response lengths); the packing metrics are then this
-      consumer's share.
+      groups' metadata (their prompt and response lengths); the packing metrics are then the
+      whole mini-batch's, from that plan.
   """
 
   def __init__(
@@ -85,27 +85,28 @@ class MiniBatchPreparer:
     if "images" in local:  # this consumer's unique images, padded to the same count everywhere
       host = mm_step.prepare_batch(local, self._k)
       return to_global(host, mm_step.batch_shardings(self._mesh)), info
-    if self._pack is not None:
-      count = self._packed_count(minibatch) if self._consumers > 1 else 0
+    if self._pack is not None and self._consumers == 1:
+      local, pack_info = self._pack.with_metrics(local)
+      info = {**info, **pack_info}
+    elif self._pack is not None:
+      row_len = self._layout.prompt_len + self._layout.max_new_tokens
+      count, pack_info = self._pack.plan_parts(self._consumer_lengths(minibatch), row_len=row_len)
       try:
-        local, pack_info = self._pack.with_metrics(local, count=count)
+        local = self._pack(local, count=count)
       except ValueError as e:
-        if not count:
-          raise
         raise ValueError(
           f"consumer {self._consumer}: {e} The count comes from the groups' metadata "
           "(GroupMeta.prompt_tokens, response_tokens), which disagrees with their payloads."
         ) from e
-      info = {**info, **pack_info}
+      info = {**info, **pack_info}  # the whole mini-batch's, from the plan
     return to_global(split_micro_batches(local, self._k), self._shardings), info
 
-  def _packed_count(self, minibatch: MiniBatch) -> int:
-    """The packed sequences every consumer lays out: the most any consumer's rows need (the
-    consumer plan is deterministic, so every consumer computes the same number)."""
+  def _consumer_lengths(self, minibatch: MiniBatch) -> list[list[int]]:
+    """Per consumer, the tokens of each of its rows, from the groups' metadata. The consumer plan
+    is deterministic, so every consumer computes the same lists, and from them the same count
+    of packed sequences (`knitjax.train.packing.plan_parts`)."""
     plan = plan_consumers(minibatch, self._consumers, locality_slack=self._slack)
-    return max(
-      self._pack.count(
-        [p + r for g in groups for p, r in zip(g.prompt_tokens, g.response_tokens, strict=True)]
-      )
+    return [
+      [p + r for g in groups for p, r in zip(g.prompt_tokens, g.response_tokens, strict=True)]
       for groups in plan.groups
-    )
+    ]

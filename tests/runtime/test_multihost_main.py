@@ -117,6 +117,7 @@ def test_two_process_packed_gae_with_kl_reward(tmp_path):
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   for r in rows:
     assert r["num_seqs"] == 256 and r["value_loss"] > 0
-    # Process 0 writes its own share: 128 of the 256 rows, several per 64-token sequence.
-    assert r["pack_rows"] * r["pack_segments_mean"] == pytest.approx(128)
+    # The whole mini-batch's plan (each process packs 128 rows): several rows per sequence.
+    assert r["pack_rows"] * r["pack_segments_mean"] == pytest.approx(256)
+    assert r["pack_rows"] % 2 == 0
     assert r["pack_segments_max"] >= 2 and 0 < r["pack_fill"] <= 1

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from knitjax import sharding
-from knitjax.train.packing import PackSpec
+from knitjax.train.packing import PackSpec, packing_metrics
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.payload import synthetic_payload
@@ -90,12 +90,21 @@ def test_consumers_pack_into_the_same_number_of_sequences():
   # On their own: consumer 0's 6 rows of 10 tokens need 6 sequences, consumer 1's 6 rows of 5
   # need 3 (rounded to 4); both lay out 6.
   local = PackSpec(pack_len=PACK_LEN, multiple=2)
-  assert local.count([P_LEN + N_NEW] * 6) == 6 and local.count([P_LEN + 1] * 6) == 4
-  for batch, info in parts:
+  row_len = P_LEN + N_NEW
+  assert local.plan_parts([[P_LEN + N_NEW] * 6], row_len=row_len)[0] == 6
+  assert local.plan_parts([[P_LEN + 1] * 6], row_len=row_len)[0] == 4
+  for batch, _ in parts:
     seg = np.asarray(batch["segment_ids"])
-    assert seg.shape == (2, 3, PACK_LEN) and info["pack_rows"] == 6
-    assert int(seg.max(axis=-1).sum()) == 2 * G
-  assert [info["pack_segments_max"] for _, info in parts] == [1.0, 2.0]
+    assert seg.shape == (2, 3, PACK_LEN) and int(seg.max(axis=-1).sum()) == 2 * G
+  # Both report the whole mini-batch's metrics: those of the assembled arrays.
+  host = [jax.device_get(b) for b, _ in parts]
+  packed = {k: np.concatenate([h[k] for h in host], axis=1).reshape(-1, PACK_LEN) for k in host[0]}
+  padded, _ = MiniBatchPreparer(units, layout=LAYOUT, mesh=mesh, micro_batches=2)(minibatch)
+  want = packing_metrics({"valid": np.asarray(padded["valid"]).reshape(4 * G, -1)}, packed)
+  assert want["pack_rows"] == 12 and want["pack_segments_max"] == 2
+  assert want["pack_segments_mean"] == pytest.approx(4 * G / 12)
+  for _, info in parts:
+    assert {k: info[k] for k in want} == pytest.approx(want)
 
 
 def test_metadata_that_disagrees_with_the_payloads_is_an_error():
