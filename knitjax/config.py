@@ -252,13 +252,6 @@ class TrainConfig:
     one_of("config.train.packing", self.packing, PACKING_MODES)
     positive("config.train.pack_len", self.pack_len, allow_zero=True)
     positive("config.train.pack_buckets", self.pack_buckets)
-    if self.packing == "pack" and (self.advantage == "gae" or self.kl_penalty == "reward"):
-      raise ValueError(
-        f"config.train.packing='pack' is not accepted with config.train.advantage="
-        f"{self.advantage!r} and kl_penalty={self.kl_penalty!r}: advantages recomputed in the "
-        "step need one row per sequence; use packing 'off', or a group estimator (grpo, drgrpo, "
-        "rloo) with kl_penalty 'loss'."
-      )
     if self.objective == "cispo":
       for name in ("tis_cap", "eps_c"):
         if getattr(self, name):

@@ -17,6 +17,14 @@ with the KL penalty as a reward, ``-kl_coef * kl_t`` on every response token (In
 et al., 2022). ``whiten`` standardises the advantages over every response token of the arrays it
 is given, so called once on a whole mini-batch it is the same under any micro-batch split.
 
+Packed rows (:mod:`knitjax.train.packing`): a sequence holds several rows, told apart by
+``segment_ids`` (1, 2, ... per row, contiguous; 0 on padding). Given them, every row is a segment:
+the reverse recursion restarts at each segment's last position (``V_t' = A_t' = 0`` there, as
+after a padded row's last response token), so no value or advantage crosses from one row to the
+next; and a row's sequence reward, which packing copies to each of its tokens, goes to its
+segment's last response token. The arithmetic per position is the padded rows', so packed and
+padded advantages agree up to the float32 rounding of the values the model gives each layout.
+
 All functions take ``[..., T]`` arrays (any leading axes, e.g. ``[K, rows / K, T]``).
 """
 
@@ -24,31 +32,70 @@ import jax
 import jax.numpy as jnp
 
 
+def segment_ends(segment_ids: jax.Array) -> jax.Array:
+  """Bool ``[..., T]``: True at the last position of each segment (and at every row's end)."""
+  after = jnp.concatenate(
+    [segment_ids[..., 1:], jnp.full_like(segment_ids[..., :1], -1)], axis=-1
+  )  # -1: no segment follows the row's last position
+  return segment_ids != after
+
+
+def last_response_tokens(mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+  """Float32 ``[..., T]``: 1 on the last response token of each row (each segment when
+  ``segment_ids`` is given), 0 elsewhere; a row without response tokens has none."""
+  m = mask.astype(jnp.float32)
+  t = m.shape[-1]
+  if segment_ids is None:
+    last = (t - 1) - jnp.argmax(m[..., ::-1], axis=-1)
+    return jax.nn.one_hot(last, t, dtype=jnp.float32) * m
+  # Per (sequence, segment) slot, the largest response position: segment_max over the
+  # [B * (T + 1)] slots of knitjax.train.aggregation.row_totals, read back at every token.
+  m2, seg = m.reshape(-1, t), segment_ids.reshape(-1, t).astype(jnp.int32)
+  b = m2.shape[0]
+  slot = jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + seg
+  pos = jnp.where(m2 > 0, jnp.arange(t, dtype=jnp.int32)[None, :], -1)
+  last = jax.ops.segment_max(pos.reshape(-1), slot.reshape(-1), num_segments=b * (t + 1))
+  at_last = (pos == last[slot]) & (m2 > 0)
+  return at_last.astype(jnp.float32).reshape(m.shape)
+
+
 def token_rewards(
-  rewards: jax.Array, mask: jax.Array, *, kl: jax.Array | None = None, kl_coef: float = 0.0
+  rewards: jax.Array,
+  mask: jax.Array,
+  *,
+  kl: jax.Array | None = None,
+  kl_coef: float = 0.0,
+  segment_ids: jax.Array | None = None,
 ) -> jax.Array:
-  """Float32 ``[..., T]`` token rewards: ``rewards[...]`` on each row's last response token,
+  """Float32 ``[..., T]`` token rewards: each row's sequence reward on its last response token,
   minus ``kl_coef * kl`` on every response token when ``kl`` is given.
 
   Args:
-    rewards: ``[...]`` one sequence reward per row.
+    rewards: ``[...]`` one sequence reward per row; with ``segment_ids``, ``[..., T]``: each
+      token carries its row's reward (as :func:`knitjax.train.packing.pack_batch` lays it out).
     mask: ``[..., T]`` the loss mask (1 on response tokens).
     kl: ``[..., T]`` per-token KL estimates (stop-gradient), or None.
     kl_coef: the KL penalty's coefficient.
+    segment_ids: ``[..., T]`` packed rows (see the module docstring); None: one row per
+      sequence.
   """
   m = mask.astype(jnp.float32)
-  t = m.shape[-1]
-  # Index of the last position with m = 1 (a row without one gets no reward: its mask is 0).
-  last = (t - 1) - jnp.argmax(m[..., ::-1], axis=-1)
-  at_last = jax.nn.one_hot(last, t, dtype=jnp.float32) * m
-  out = rewards.astype(jnp.float32)[..., None] * at_last
+  at_last = last_response_tokens(m, segment_ids)
+  r = rewards.astype(jnp.float32)
+  out = (r if segment_ids is not None else r[..., None]) * at_last
   if kl is not None:
     out = out - kl_coef * kl.astype(jnp.float32) * m
   return out
 
 
 def gae(
-  rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float, lam: float
+  rewards: jax.Array,
+  values: jax.Array,
+  mask: jax.Array,
+  *,
+  gamma: float,
+  lam: float,
+  segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Returns ``(advantages, returns)``, float32 ``[..., T]``, 0 where the mask is off.
 
@@ -58,14 +105,18 @@ def gae(
     mask: ``[..., T]`` the loss mask.
     gamma: discount.
     lam: GAE's lambda (1: Monte Carlo returns minus the value baseline).
+    segment_ids: ``[..., T]`` packed rows: the recursion restarts at each segment's last
+      position; None: one row per sequence.
   """
   m = mask.astype(jnp.float32)
   r = rewards.astype(jnp.float32)
   v = values.astype(jnp.float32)
+  # True where the recursion restarts: nothing after a segment's end belongs to its row.
+  ends = jnp.zeros(m.shape, bool) if segment_ids is None else segment_ends(segment_ids)
 
   def back(carry, x):
-    next_value, next_adv = carry
-    r_t, v_t, m_t = x
+    r_t, v_t, m_t, end_t = x
+    next_value, next_adv = (jnp.where(end_t, 0.0, c) for c in carry)
     adv = r_t + gamma * next_value - v_t + gamma * lam * next_adv
     # A masked position passes its successor's value and advantage through unchanged.
     carry = (m_t * v_t + (1.0 - m_t) * next_value, m_t * adv + (1.0 - m_t) * next_adv)
@@ -74,7 +125,10 @@ def gae(
   time_first = lambda x: jnp.moveaxis(x, -1, 0)  # noqa: E731
   zeros = jnp.zeros(m.shape[:-1], jnp.float32)
   _, adv = jax.lax.scan(
-    back, (zeros, zeros), (time_first(r), time_first(v), time_first(m)), reverse=True
+    back,
+    (zeros, zeros),
+    (time_first(r), time_first(v), time_first(m), time_first(ends)),
+    reverse=True,
   )
   adv = jnp.moveaxis(adv, 0, -1)
   return adv, (adv + v) * m

@@ -19,15 +19,25 @@ of ``pack_len`` tokens, several rows per sequence:
 * Count: the number of sequences ``S`` is rounded up to a multiple of ``multiple`` (K
   micro-batches times the batch shards) with empty sequences: all padding (``valid`` False,
   segment 0, no loss). The step is compiled once per distinct ``S``; with ``R`` rows there are at
-  most ``ceil(R / multiple)`` of them.
+  most ``ceil(R / multiple)`` of them. ``plan_parts`` gives ``S`` from the row lengths alone
+  (it depends only on their multiset), so consumers that each pack their own share of a
+  mini-batch can agree on one ``S`` from the groups' metadata, without talking to each other.
 
 Rows with no valid token (none in practice) have no segment; they carry no loss either.
+
+Metrics (:func:`packing_metrics`, written with each mini-batch's step metrics when packing is
+on): ``pack_fill`` real tokens / packed slots (``S * pack_len``, the empty sequences included:
+the step computes them too), ``pack_padded_fill`` the same for the padded rows it replaces,
+``pack_rows`` the packed sequences ``S``, and ``pack_segments_mean`` / ``pack_segments_max`` the
+rows per packed sequence (the mean over all ``S``, so ``S * mean`` is the rows packed). When
+several consumers each pack their share, :func:`plan_parts` gives the whole mini-batch's from
+the packing plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -105,7 +115,12 @@ def _spans(valid: np.ndarray, loss_mask: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def pack_batch(
-  batch: Mapping[str, np.ndarray], *, pack_len: int, multiple: int = 1, buckets: int = 1
+  batch: Mapping[str, np.ndarray],
+  *,
+  pack_len: int,
+  multiple: int = 1,
+  buckets: int = 1,
+  count: int = 0,
 ) -> dict[str, np.ndarray]:
   """Packs the rows of a padded mini-batch into ``[S, pack_len]`` sequences.
 
@@ -115,20 +130,29 @@ def pack_batch(
     pack_len: tokens per packed sequence.
     multiple: ``S`` is rounded up to a multiple of this (micro-batches times batch shards).
     buckets: length buckets packed separately (see the module docstring).
+    count: ``S`` exactly (a multiple of ``multiple``, e.g. agreed between consumers with
+      :func:`plan_parts`); 0: as few as the rows need.
 
   Returns:
     ``TOKEN_FIELDS`` and the ``ROW_FIELDS`` as ``[S, pack_len]`` arrays (dtypes kept) plus
     ``segment_ids`` int32 ``[S, pack_len]`` (1, 2, ... per row of a sequence; 0 on padding).
 
   Raises:
-    ValueError: a row does not fit ``pack_len``, or cannot be packed (see ``_spans``).
+    ValueError: a row does not fit ``pack_len``, or cannot be packed (see ``_spans``), or the
+      rows need more than ``count`` sequences.
   """
   if multiple < 1:
     raise ValueError(f"multiple={multiple} must be >= 1.")
   valid = np.asarray(batch["valid"], bool)
   start, lengths = _spans(valid, np.asarray(batch["loss_mask"]))
   sequences = first_fit_decreasing(lengths, pack_len, buckets=buckets)
-  count = max(multiple, -(-len(sequences) // multiple) * multiple)
+  needed = max(multiple, -(-len(sequences) // multiple) * multiple)
+  if count and (count < needed or count % multiple):
+    raise ValueError(
+      f"the rows need {needed} packed sequences of {pack_len} tokens, but count={count} was "
+      f"asked (at least that many and a multiple of {multiple})."
+    )
+  count = count or needed
 
   # Source (row, column) and destination (sequence, column) of every kept token, vectorised.
   rows = np.array([i for seq in sequences for i in seq], np.int64)
@@ -162,6 +186,54 @@ def pack_batch(
   return out
 
 
+def packing_metrics(
+  batch: Mapping[str, np.ndarray], packed: Mapping[str, np.ndarray]
+) -> dict[str, float]:
+  """The module docstring's metrics of one mini-batch: its padded ``batch`` and what
+  :func:`pack_batch` made of it (host NumPy, ``O(S * pack_len)``)."""
+  segments = np.asarray(packed["segment_ids"]).max(axis=1, initial=0)  # ids run 1..n per row
+  useful = float(np.count_nonzero(batch["valid"]))
+  return {
+    "pack_fill": useful / max(packed["segment_ids"].size, 1),
+    "pack_padded_fill": useful / max(np.asarray(batch["valid"]).size, 1),
+    "pack_rows": float(len(segments)),
+    "pack_segments_mean": float(segments.mean()) if len(segments) else 0.0,
+    "pack_segments_max": float(segments.max(initial=0)),
+  }
+
+
+def plan_parts(
+  lengths: Sequence[Sequence[int]],
+  *,
+  pack_len: int,
+  multiple: int = 1,
+  buckets: int = 1,
+  row_len: int,
+) -> tuple[int, dict[str, float]]:
+  """A mini-batch whose rows are packed in parts (one per consumer), each part alone into the
+  same number of sequences, from the row lengths alone (``lengths[c]``: tokens per row of part
+  ``c``; ``row_len``: the padded row length).
+
+  Returns:
+    ``S``, the sequences each part lays out (the most any part needs, rounded up to
+    ``multiple``), and the :func:`packing_metrics` the parts' packed arrays together give.
+  """
+  plans = [
+    first_fit_decreasing(np.asarray(part, np.int64), pack_len, buckets=buckets) for part in lengths
+  ]
+  needed = max((len(p) for p in plans), default=0)
+  count = max(multiple, -(-needed // multiple) * multiple)
+  segments = np.array([len(s) for p in plans for s in p] + [0] * sum(count - len(p) for p in plans))
+  useful = float(sum(np.sum(part) for part in lengths))
+  return count, {
+    "pack_fill": useful / max(len(segments) * pack_len, 1),
+    "pack_padded_fill": useful / max(sum(len(part) for part in lengths) * row_len, 1),
+    "pack_rows": float(len(segments)),
+    "pack_segments_mean": float(segments.mean()) if len(segments) else 0.0,
+    "pack_segments_max": float(segments.max(initial=0)),
+  }
+
+
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
   """How a trainer packs each mini-batch: ``spec(batch)`` is :func:`pack_batch` with these.
@@ -177,5 +249,23 @@ class PackSpec:
   multiple: int
   buckets: int = 1
 
-  def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return pack_batch(batch, pack_len=self.pack_len, multiple=self.multiple, buckets=self.buckets)
+  def __call__(self, batch: Mapping[str, np.ndarray], *, count: int = 0) -> dict[str, np.ndarray]:
+    return pack_batch(
+      batch, pack_len=self.pack_len, multiple=self.multiple, buckets=self.buckets, count=count
+    )
+
+  def with_metrics(
+    self, batch: Mapping[str, np.ndarray], *, count: int = 0
+  ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """The packed batch (``count``: see :func:`pack_batch`) and its :func:`packing_metrics`."""
+    packed = self(batch, count=count)
+    return packed, packing_metrics(batch, packed)
+
+  def plan_parts(
+    self, lengths: Sequence[Sequence[int]], *, row_len: int
+  ) -> tuple[int, dict[str, float]]:
+    """:func:`plan_parts` with these settings."""
+    return plan_parts(
+      lengths, pack_len=self.pack_len, multiple=self.multiple, buckets=self.buckets,
+      row_len=row_len,
+    )  # fmt: skip

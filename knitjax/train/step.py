@@ -17,7 +17,9 @@ policy loss.
 Packed rows (`knitjax.train.packing`): the batch then has ``[K, S / K, pack_len]`` sequences
 with a ``segment_ids`` field (several rows per sequence) and per-token advantages; the model
 masks attention by segment and the losses reduce per segment, so loss and gradient are those of
-the padded rows. In-step advantages need whole rows per sequence and are refused with packing.
+the padded rows. In-step advantages (GAE, the KL as a reward) work per segment too: GAE restarts
+at each segment's end and the group estimators run over the segments
+(:mod:`knitjax.train.step_advantages`).
 
 With LoRA (`knitjax.models.lora`) the state's params are the adapters only: the step
 differentiates and updates them, while the frozen base comes in as a separate, non-donated
@@ -250,11 +252,6 @@ def train_step(
   Returns:
     The new state and a dict of scalar metrics.
   """
-  if hparams.advantages_in_step and "segment_ids" in batch:
-    raise ValueError(
-      "packed rows cannot recompute advantages in the step (advantage 'gae' or "
-      "kl_penalty='reward'); set config.train.packing='off'."
-    )
   norm = losses.Normalizer.from_mask(
     batch["loss_mask"],
     max_len=float(hparams.max_new_tokens),

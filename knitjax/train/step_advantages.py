@@ -18,6 +18,16 @@ The KL is estimated from the current policy's log-probs (stop-gradient: the para
 starts from, verl's "old log-probs") and the reference's, with the configured estimator and
 clamp. Everything here spans the whole ``[K, rows / K, T]`` mini-batch, so the advantages do not
 depend on the micro-batch split.
+
+Packed rows (:mod:`knitjax.train.packing`, a ``segment_ids`` field): every row is a segment of a
+``[K, S / K, pack_len]`` sequence and its ``rewards`` and ``group_id`` are copied to each of its
+tokens. GAE restarts at each segment's end (:mod:`knitjax.train.gae`); the group estimators run
+over the ``S * (pack_len + 1)`` (sequence, segment) slots of
+:func:`knitjax.train.aggregation.row_totals`, one per row plus empty ones that form a group of
+their own, and the advantages go back to every token of the row. The results are the padded
+rows' (up to float32 summation order). The slots cost one sort of ``S * (pack_len + 1)`` group
+ids (``segment_advantages``' ``jnp.unique``), small next to the forward passes these advantages
+already need.
 """
 
 import dataclasses
@@ -28,6 +38,7 @@ import jax.numpy as jnp
 from knitjax.train import gae as gae_lib
 from knitjax.train import value_loss
 from knitjax.train.advantages import ESTIMATORS, segment_advantages
+from knitjax.train.aggregation import row_totals
 
 # The host's group estimators, and PPO's generalized advantage estimation with a critic.
 ADVANTAGES = (*ESTIMATORS, "gae")
@@ -83,29 +94,42 @@ def compute(
   """The mini-batch's advantages (and, with a critic, returns), and scalar metrics.
 
   Args:
-    batch: ``[K, rows / K, ...]`` arrays with ``loss_mask``, ``rewards`` and ``group_id``.
+    batch: ``[K, rows / K, ...]`` arrays with ``loss_mask``, ``rewards`` and ``group_id``; packed:
+      ``[K, S / K, pack_len]`` arrays and ``segment_ids`` (see the module docstring).
     config: the advantage settings.
     old_values: ``[K, rows / K, T]`` stop-gradient values (``gae``), else None.
     kl: ``[K, rows / K, T]`` stop-gradient KL estimates when the KL is a reward, else None.
     kl_coef: the KL penalty's coefficient.
 
   Returns:
-    ``{"advantages": [K, rows / K, T] (gae) or [K, rows / K], "returns": ..., "old_values": ...}``
-    (the last two with gae only) to replace the batch's fields, and metrics (``returns_mean``,
-    ``values_mean``, ``explained_variance`` with gae; ``kl_reward_penalty``, the mean per-row
-    ``kl_coef * sum_t kl_t``, when the KL is a reward).
+    ``{"advantages": ..., "returns": ..., "old_values": ...}`` (the last two with gae only) to
+    replace the batch's fields, advantages ``[K, rows / K, T]`` with gae or packed rows, else
+    ``[K, rows / K]``; and metrics (``returns_mean``, ``values_mean``, ``explained_variance``
+    with gae; ``kl_reward_penalty``, the mean per-row ``kl_coef * sum_t kl_t``, when the KL is a
+    reward).
   """
   mask = batch["loss_mask"].astype(jnp.float32)
-  rows = jnp.sum(mask, axis=-1) > 0
+  segments = batch.get("segment_ids")
   metrics = {}
   if kl is not None:
-    seq_penalty = kl_coef * jnp.sum(kl * mask, axis=-1)
-    metrics["kl_reward_penalty"] = jnp.sum(seq_penalty) / jnp.maximum(jnp.sum(rows), 1)
+    if segments is None:
+      seq_penalty = kl_coef * jnp.sum(kl * mask, axis=-1)
+      rows = jnp.sum(mask, axis=-1) > 0
+    else:  # per (sequence, segment) slot; column 0 is the padding's
+      t = mask.shape[-1]
+      flat = segments.reshape(-1, t)
+      seq_penalty = kl_coef * row_totals((kl * mask).reshape(-1, t), flat)
+      rows = (row_totals(mask.reshape(-1, t), flat) > 0).at[:, 0].set(False)
+    metrics["kl_reward_penalty"] = jnp.sum(seq_penalty * rows) / jnp.maximum(jnp.sum(rows), 1)
   if config.critic:
     if old_values is None:
       raise ValueError("the gae advantage needs old_values from a model with a value head.")
-    rewards = gae_lib.token_rewards(batch["rewards"], mask, kl=kl, kl_coef=kl_coef)
-    adv, returns = gae_lib.gae(rewards, old_values, mask, gamma=config.gamma, lam=config.gae_lambda)
+    rewards = gae_lib.token_rewards(
+      batch["rewards"], mask, kl=kl, kl_coef=kl_coef, segment_ids=segments
+    )
+    adv, returns = gae_lib.gae(
+      rewards, old_values, mask, gamma=config.gamma, lam=config.gae_lambda, segment_ids=segments
+    )
     if config.whiten:
       adv = gae_lib.whiten(adv, mask)
     tokens = jnp.maximum(jnp.sum(mask), 1.0)
@@ -114,6 +138,9 @@ def compute(
     metrics["explained_variance"] = value_loss.explained_variance(old_values, returns, mask)
     new = {"advantages": adv, "returns": returns, "old_values": old_values * mask}
     return jax.lax.stop_gradient(new), metrics
+  if segments is not None:
+    adv = _packed_group_advantages(batch, segments, seq_penalty if kl is not None else None, config)
+    return {"advantages": jax.lax.stop_gradient(adv)}, metrics
   rewards = batch["rewards"].astype(jnp.float32)
   if kl is not None:
     rewards = rewards - seq_penalty
@@ -121,3 +148,35 @@ def compute(
     rewards.reshape(-1), batch["group_id"].reshape(-1), config.estimator
   ).reshape(rewards.shape)
   return {"advantages": jax.lax.stop_gradient(adv)}, metrics
+
+
+def _packed_group_advantages(
+  batch: dict[str, jax.Array],
+  segments: jax.Array,
+  penalty: jax.Array | None,
+  config: AdvantageConfig,
+) -> jax.Array:
+  """A group estimator over packed rows: ``[..., T]`` advantages, each row's on its tokens.
+
+  ``penalty``: ``[B, T + 1]`` per-slot KL penalties (``compute``'s), or None.
+  """
+  t = segments.shape[-1]
+  seg = segments.reshape(-1, t).astype(jnp.int32)
+  # A row's first token: its reward and group id, summed once into its slot (exact: one term).
+  first = (seg > 0) & (seg != jnp.pad(seg, ((0, 0), (1, 0)))[:, :-1])
+  rows = row_totals(first.astype(jnp.int32), seg) > 0
+  reward = row_totals(
+    jnp.where(first, batch["rewards"].reshape(-1, t), 0.0).astype(jnp.float32), seg
+  )
+  if penalty is not None:
+    reward = reward - penalty
+  group = row_totals(jnp.where(first, batch["group_id"].reshape(-1, t), 0), seg)
+  # Empty slots: one group of their own below every real id, reward 0, so advantage 0.
+  empty = jnp.min(jnp.where(rows, group, jnp.iinfo(group.dtype).max)) - 1
+  adv = segment_advantages(
+    jnp.where(rows, reward, 0.0).reshape(-1),
+    jnp.where(rows, group, empty).reshape(-1),
+    config.estimator,
+  ).reshape(rows.shape)
+  per_token = jnp.take_along_axis(adv, seg, axis=1) * (seg > 0)
+  return per_token.reshape(segments.shape)

@@ -180,7 +180,8 @@ class CentralizedPreparer:
         placed = mm_step.device_batch(batch, self._k, self._mesh, num_images=n)
       else:
         if self._pack is not None:
-          batch = self._pack(batch)
+          batch, pack_info = self._pack.with_metrics(batch)
+          info = {**info, **pack_info}
         placed = jax.device_put(split_micro_batches(batch, self._k), self._shardings)
       out.append((placed, {**info, "step_gathered_bytes": gathered}))
     return out

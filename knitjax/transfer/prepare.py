@@ -10,6 +10,7 @@ train step's micro-batches and places them on the train mesh. Text batches becom
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -20,6 +21,7 @@ from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import batch_shardings
 from knitjax.transfer.access import BatchLayout, consumer_batch, to_global
 from knitjax.transfer.admission import MiniBatch
+from knitjax.transfer.consumer import plan_consumers
 from knitjax.transfer.storage import StorageUnit
 
 
@@ -34,8 +36,11 @@ class MiniBatchPreparer:
     consumer: this consumer's index (default: ``jax.process_index()``).
     num_consumers: consumers sharing a mini-batch (default: ``jax.process_count()``).
     locality_slack: how far token balance may give way to local fetches (consumer plan).
-    pack: packs each mini-batch's rows (`knitjax.train.packing`); None: padded rows. One
-      consumer only (the packed sequence count is this consumer's own).
+    pack: packs each mini-batch's rows (`knitjax.train.packing`); None: padded rows. With
+      several consumers each packs its own rows into the same number of sequences, the most any
+      consumer's rows need, which every consumer computes alike from the consumer plan and the
+      groups' metadata (their prompt and response lengths); the packing metrics are then the
+      whole mini-batch's, from that plan.
   """
 
   def __init__(
@@ -56,10 +61,13 @@ class MiniBatchPreparer:
     self._consumers = jax.process_count() if num_consumers is None else num_consumers
     self._slack = locality_slack
     if pack is not None and self._consumers > 1:
-      raise ValueError(
-        f"config.train.packing='pack' is not accepted with {self._consumers} consumers: the "
-        "packed sequence count would differ between processes; use packing 'off'."
-      )
+      if pack.multiple % self._consumers:
+        raise ValueError(
+          f"config.train.packing='pack' is not accepted with {self._consumers} consumers and "
+          f"{pack.multiple} micro-batch row shards (micro_batches x batch shards): each "
+          "consumer needs an equal share; use packing 'off' or a batch axis that spans hosts."
+        )
+      pack = dataclasses.replace(pack, multiple=pack.multiple // self._consumers)
     self._pack = pack
     self._shardings = batch_shardings(mesh, packed=pack is not None)
 
@@ -77,6 +85,28 @@ class MiniBatchPreparer:
     if "images" in local:  # this consumer's unique images, padded to the same count everywhere
       host = mm_step.prepare_batch(local, self._k)
       return to_global(host, mm_step.batch_shardings(self._mesh)), info
-    if self._pack is not None:
-      local = self._pack(local)
+    if self._pack is not None and self._consumers == 1:
+      local, pack_info = self._pack.with_metrics(local)
+      info = {**info, **pack_info}
+    elif self._pack is not None:
+      row_len = self._layout.prompt_len + self._layout.max_new_tokens
+      count, pack_info = self._pack.plan_parts(self._consumer_lengths(minibatch), row_len=row_len)
+      try:
+        local = self._pack(local, count=count)
+      except ValueError as e:
+        raise ValueError(
+          f"consumer {self._consumer}: {e} The count comes from the groups' metadata "
+          "(GroupMeta.prompt_tokens, response_tokens), which disagrees with their payloads."
+        ) from e
+      info = {**info, **pack_info}  # the whole mini-batch's, from the plan
     return to_global(split_micro_batches(local, self._k), self._shardings), info
+
+  def _consumer_lengths(self, minibatch: MiniBatch) -> list[list[int]]:
+    """Per consumer, the tokens of each of its rows, from the groups' metadata. The consumer plan
+    is deterministic, so every consumer computes the same lists, and from them the same count
+    of packed sequences (`knitjax.train.packing.plan_parts`)."""
+    plan = plan_consumers(minibatch, self._consumers, locality_slack=self._slack)
+    return [
+      [p + r for g in groups for p, r in zip(g.prompt_tokens, g.response_tokens, strict=True)]
+      for groups in plan.groups
+    ]

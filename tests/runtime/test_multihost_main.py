@@ -52,15 +52,15 @@ def _checkpoint_params(folder: str):
   return ckptr.restore(folder, args=ocp.args.PyTreeRestore(restore_args=args))["params"]
 
 
-@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
-def test_two_process_main_agrees_on_step_version_and_params(tmp_path):
+def _launch(tmp_path, extra=()):
+  """Runs ``configs/arith_tiny.py:quick`` as two processes; returns the workdir and both logs."""
   workdir = tmp_path / "run"
   port = _free_port()
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_tiny.py:quick"]
   cmd += ["--workdir", str(workdir), "--distributed", f"--coordinator_address=localhost:{port}"]
-  cmd += ["--num_processes=2"]
+  cmd += ["--num_processes=2", *extra]
   logs = [tmp_path / f"log{pid}" for pid in (0, 1)]
   procs = []
   for pid in (0, 1):
@@ -78,7 +78,12 @@ def test_two_process_main_agrees_on_step_version_and_params(tmp_path):
         p.kill()
   out = [f.read_text() for f in logs]
   assert codes == [0, 0], f"exit codes {codes}\n{out[0][-3000:]}\n---\n{out[1][-3000:]}"
+  return workdir, out
 
+
+@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+def test_two_process_main_agrees_on_step_version_and_params(tmp_path):
+  workdir, out = _launch(tmp_path)
   ends = [_summary(out[pid], pid) for pid in (0, 1)]
   assert ends[0]["step"] == ends[1]["step"] == 2
   assert ends[0]["version"] == ends[1]["version"] == 2  # quick: one update per step
@@ -96,3 +101,23 @@ def test_two_process_main_agrees_on_step_version_and_params(tmp_path):
   params = _checkpoint_params(str(workdir / "checkpoints" / "2" / "state"))
   norm = np.sqrt(sum(np.sum(np.square(x.astype(np.float64))) for x in jax.tree.leaves(params)))
   np.testing.assert_allclose(norm, ends[1]["param_norm"], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+def test_two_process_packed_gae_with_kl_reward(tmp_path):
+  """Two consumers pack their own rows into the same number of sequences (from the consumer plan
+  and the groups' metadata); PPO with a critic and the KL as a reward runs per segment."""
+  extra = ["--config.train.packing=pack", "--config.train.pack_len=64"]
+  extra += ["--config.train.advantage=gae", "--config.train.kl_coef=0.05"]
+  extra += ["--config.train.kl_penalty=reward"]
+  workdir, out = _launch(tmp_path, extra)
+  ends = [_summary(out[pid], pid) for pid in (0, 1)]
+  assert ends[0] == ends[1] and ends[0]["step"] == 2 and np.isfinite(ends[0]["loss"])
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  for r in rows:
+    assert r["num_seqs"] == 256 and r["value_loss"] > 0
+    # The whole mini-batch's plan (each process packs 128 rows): several rows per sequence.
+    assert r["pack_rows"] * r["pack_segments_mean"] == pytest.approx(256)
+    assert r["pack_rows"] % 2 == 0
+    assert r["pack_segments_max"] >= 2 and 0 < r["pack_fill"] <= 1

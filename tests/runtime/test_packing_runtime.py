@@ -10,6 +10,7 @@ import pytest
 from configs import arith_disagg, arith_tiny
 from knitjax import sharding
 from knitjax.config import from_config_dict
+from knitjax.runtime.builder import build_prompts
 from knitjax.runtime.train import train
 from knitjax.train.packing import PackSpec
 from knitjax.transfer.access import BatchLayout
@@ -40,6 +41,34 @@ def test_colocated_two_steps_with_packing(tmp_path):
 
 
 @pytest.mark.slow
+def test_colocated_packed_gae_with_kl_reward_and_packing_metrics(tmp_path):
+  """PPO with a critic and the KL as a reward, packed; one mini-batch per step, so each step's
+  packing metrics are one packing plan's and must agree with each other."""
+  c = arith_tiny.get_config()
+  c.admission.quotas = {"arith": 4}
+  c.admission.minibatches = 1
+  c.rollout.group_size = 4
+  c.runtime.steps = 2
+  c.train.micro_batches = 2
+  c.train.update(packing="pack", advantage="gae", kl_coef=0.05, kl_penalty="reward")
+  row_len = build_prompts(from_config_dict(c)).prompt_len + c.rollout.max_new_tokens
+  c.train.pack_len = 2 * row_len  # every padded row fits twice
+  train(from_config_dict(c), str(tmp_path))
+  rows = _rows(str(tmp_path))
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    assert r["num_seqs"] == 16 and r["grad_norm"] > 0 and r["value_loss"] is not None
+    assert r["kl_reward_penalty"] >= 0 and r["explained_variance"] is not None
+    # 16 rows in pack_rows sequences, the same real tokens as in the 16 padded rows.
+    assert r["pack_segments_mean"] * r["pack_rows"] == pytest.approx(16)
+    assert r["pack_fill"] * r["pack_rows"] * 2 == pytest.approx(r["pack_padded_fill"] * 16)
+    assert 0 < r["pack_fill"] <= 1 and 0 < r["pack_padded_fill"] <= 1
+    # Two rows per sequence; the count is rounded up to micro-batches x batch shards with
+    # empty sequences (on this mesh more than the 8 the rows need: the fill shows it).
+    assert r["pack_segments_max"] >= 2 and r["pack_rows"] % c.train.micro_batches == 0
+
+
+@pytest.mark.slow
 def test_disaggregated_centralized_run_with_packing(tmp_path):
   c = arith_disagg.get_config("quick")
   c.transfer.mode = "centralized"
@@ -49,6 +78,7 @@ def test_disaggregated_centralized_run_with_packing(tmp_path):
   rows = _rows(str(tmp_path))
   assert [r["step"] for r in rows] == list(range(1, c.runtime.steps + 1))
   assert all(r["grad_norm"] > 0 for r in rows)
+  assert all(0 < r["pack_fill"] <= 1 and r["pack_segments_max"] >= 1 for r in rows)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +88,6 @@ def test_disaggregated_centralized_run_with_packing(tmp_path):
       dict(packing="fold"),
       r"config.train.packing='fold' is not accepted; choose one of: off, pack",
     ),
-    (dict(packing="pack", advantage="gae"), r"config.train.packing='pack' is not accepted with "),
     (dict(pack_len=-1), r"config.train.pack_len"),
     (dict(pack_buckets=0), r"config.train.pack_buckets"),
   ],
@@ -70,10 +99,24 @@ def test_packing_config_errors(train_fields, match):
     from_config_dict(c)
 
 
-def test_on_demand_packing_with_several_consumers_is_refused():
+def test_packing_accepts_in_step_advantages():
+  """GAE and the KL as a reward run per segment (tests/train/test_step_advantages.py)."""
+  for fields in (dict(advantage="gae"), dict(kl_coef=0.05, kl_penalty="reward")):
+    c = arith_tiny.get_config()
+    c.train.update(packing="pack", **fields)
+    train = from_config_dict(c).train
+    assert train.packing == "pack" and (train.advantage, train.kl_penalty) == (
+      fields.get("advantage", c.train.advantage),
+      fields.get("kl_penalty", c.train.kl_penalty),
+    )
+
+
+def test_on_demand_packing_needs_row_shards_divisible_by_the_consumers():
+  """Several consumers pack (tests/transfer/test_prepare.py) when each holds an equal share of
+  the micro-batches' row shards."""
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   layout = BatchLayout(estimator="grpo", prompt_len=4, max_new_tokens=4, pad_id=0)
-  with pytest.raises(ValueError, match="not accepted with 2 consumers"):
+  with pytest.raises(ValueError, match="not accepted with 2 consumers and 1 micro-batch row"):
     MiniBatchPreparer(
       {}, layout=layout, mesh=mesh, micro_batches=1, num_consumers=2, consumer=0,
       pack=PackSpec(pack_len=8, multiple=1),

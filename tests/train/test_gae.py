@@ -58,6 +58,46 @@ def test_token_rewards_put_the_reward_on_the_last_response_token_and_kl_on_every
   )
 
 
+def test_gae_restarts_at_each_segment_of_a_packed_row():
+  """Three rows packed into one sequence (the last one ending at the sequence's end) give each
+  row's own recursion: nothing bootstraps across a segment boundary."""
+  m = np.array([[0, 1, 1, 1, 0], [0, 1, 0, 1, 0], [1, 1, 0, 0, 0]], np.float32)
+  v = np.array([[9, 0.5, 0.2, -0.1, 9], [9, 0.1, 5.0, 0.4, 0.2], [0.3, -0.2, 7, 7, 7]], np.float32)
+  reward = np.array([1.0, 2.0, -1.0], np.float32)
+  kl = np.random.default_rng(0).gamma(1.0, 0.1, m.shape).astype(np.float32)
+  lengths = [5, 5, 2]  # the third row ends at the packed sequence's last column
+  seg = np.repeat([1, 2, 3], lengths)[None].astype(np.int32)
+  cat = lambda x: np.concatenate([row[:n] for row, n in zip(x, lengths, strict=True)])[None]  # noqa: E731
+  gamma, lam = 0.9, 0.8
+  r_pad = gae.token_rewards(jnp.asarray(reward), jnp.asarray(m), kl=jnp.asarray(kl), kl_coef=0.1)
+  r_pack = gae.token_rewards(
+    jnp.asarray(np.repeat(reward, lengths)[None]), jnp.asarray(cat(m)), kl=jnp.asarray(cat(kl)),
+    kl_coef=0.1, segment_ids=jnp.asarray(seg),
+  )  # fmt: skip
+  np.testing.assert_array_equal(r_pack, cat(np.asarray(r_pad)))
+  want = _gae_by_hand(np.asarray(r_pad), v, m, gamma, lam)
+  adv, ret = gae.gae(
+    r_pack, jnp.asarray(cat(v)), jnp.asarray(cat(m)), gamma=gamma, lam=lam,
+    segment_ids=jnp.asarray(seg),
+  )  # fmt: skip
+  np.testing.assert_allclose(adv, cat(want), atol=1e-6)
+  np.testing.assert_allclose(ret, cat((want + v) * m), atol=1e-6)
+  # Without the segments the first row would bootstrap from the second's values.
+  leak, _ = gae.gae(r_pack, jnp.asarray(cat(v)), jnp.asarray(cat(m)), gamma=gamma, lam=lam)
+  assert not np.allclose(leak, cat(want), atol=1e-3)
+
+
+def test_last_response_tokens_per_segment():
+  m = jnp.array([[0, 1, 1, 0, 1, 1, 0, 0], [1, 0, 1, 1, 0, 0, 0, 0]], jnp.float32)
+  seg = jnp.array([[1, 1, 1, 2, 2, 2, 0, 0], [1, 1, 1, 2, 2, 3, 3, 0]], jnp.int32)
+  got = gae.last_response_tokens(m, seg)
+  # Row 1, segment 2: its response token is its first; segment 3 has none.
+  np.testing.assert_array_equal(got, [[0, 0, 1, 0, 0, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(
+    gae.last_response_tokens(m), [[0] * 5 + [1, 0, 0], [0] * 3 + [1] + [0] * 4]
+  )
+
+
 def test_whiten_uses_only_masked_positions():
   x = jnp.array([[100.0, 1.0, 2.0], [3.0, 4.0, -50.0]])
   m = jnp.array([[0, 1, 1], [1, 1, 0]], jnp.float32)

@@ -24,7 +24,6 @@ from knitjax.train.step import (
   compile_train_step,
   host_metrics,
   init_train_state,
-  train_step,
 )
 from tests.train.test_losses_menu_step import CFG, N_NEW, P_LEN, ROWS
 
@@ -274,14 +273,6 @@ def test_packed_step_equals_padded_step(mode):
     np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, atol=1e-6, err_msg=key)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
-
-
-def test_in_step_advantages_are_refused_when_packed():
-  batch = packing.pack_batch(_minibatch(), pack_len=12, multiple=2)
-  hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05, kl_penalty="reward"))
-  # Refused before anything is traced: state, model and optimizer are not needed.
-  with pytest.raises(ValueError, match="packed rows cannot recompute advantages in the step"):
-    train_step(None, batch, graphdef=None, optimizer=None, hparams=hp)
 
 
 @pytest.mark.slow
