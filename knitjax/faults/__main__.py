@@ -19,6 +19,11 @@ from knitjax import cli
 _WORKDIR = flags.DEFINE_string("workdir", None, "Scratch folder; faults.json is written here.")
 _PARTS = flags.DEFINE_list("parts", ["kill", "actors", "inputs", "backpressure"], "Parts to run.")
 _KILLS = flags.DEFINE_integer("kills", 10, "Kill-resume trials per runtime mode.")
+_KILL_MODES = flags.DEFINE_list(
+  "kill_modes",
+  ["colocated", "disaggregated", "rollout_hosts"],
+  "Runtime modes of the kill-resume part (rollout_hosts: a trainer and a rollout host process).",
+)
 _EXAMPLES = flags.DEFINE_integer("examples", 10_000, "Generated bad inputs.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of kill points and generated inputs.")
 flags.mark_flag_as_required("workdir")
@@ -72,8 +77,16 @@ def main(argv):
     if part == "kill":
       from knitjax.faults import kill_resume
 
+      unknown = sorted(set(_KILL_MODES.value) - set(kill_resume.RUNS))
+      if unknown:
+        sys.exit(
+          f"error: --kill_modes {unknown} not accepted; choose from {', '.join(kill_resume.RUNS)}."
+        )
       results["kill"] = kill_resume.run(
-        os.path.join(workdir, "kill"), kills=_KILLS.value, seed=_SEED.value
+        os.path.join(workdir, "kill"),
+        kills=_KILLS.value,
+        seed=_SEED.value,
+        modes=tuple(_KILL_MODES.value),
       )
     elif part == "actors":
       from knitjax.faults import actor_loss
