@@ -240,7 +240,7 @@ def test_a_wrong_token_is_refused_and_the_wait_ends_in_one_sentence():
 
   def trainer():
     try:
-      _rollout(1, Channel(), timeout_s=3)
+      _rollout(1, Channel(), timeout_s=1)
     except TimeoutError as e:
       holder["error"] = e
 
