@@ -47,6 +47,7 @@ from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.storage import StorageFull, StorageUnit
 
 _WAIT_S = 0.5  # a step returns after this long even if no host answered (the caller polls)
+_HANDSHAKE_S = 10.0  # a connecting peer must authenticate and say hello within this long
 
 # Exceptions a call may raise on the host that the trainer raises again by type (the storage
 # contract's own; anything else arrives as a RuntimeError naming the host).
@@ -79,6 +80,12 @@ def split_address(address: str) -> tuple[str, int]:
   if not sep or not port.isdigit():
     raise ValueError(f"address {address!r} is not host:port.")
   return host.strip("[]"), int(port)
+
+
+def _cut(conn: mpc.Connection) -> None:
+  """Shuts ``conn``'s socket down, waking a read blocked on it (the handshake's watchdog)."""
+  with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+    sock.shutdown(socket.SHUT_RDWR)
 
 
 def no_delay(conn: mpc.Connection) -> mpc.Connection:
@@ -198,7 +205,9 @@ class RemoteRollout:
     self._make_weights, self._weights = weights, None
     self._layout: tuple | None = None
     host, port = split_address(address)
-    self._listener = mpc.Listener((host, port), family="AF_INET", authkey=authkey)
+    # The listener only binds; `_accept` authenticates (with a bounded handshake).
+    self._listener = mpc.Listener((host, port), family="AF_INET")
+    self._authkey = authkey
     bound = self._listener.address
     self.address = f"{bound[0]}:{bound[1]}"
     self._hosts: list[_Host] = []
@@ -217,18 +226,30 @@ class RemoteRollout:
   # ---- attaching hosts ----------------------------------------------------------------------
 
   def _accept(self, deadline: float) -> tuple[mpc.Connection, dict]:
+    """The next authenticated connection and its hello. The handshake is the one
+    ``multiprocessing.connection.Listener.accept`` runs, bounded by `_HANDSHAKE_S`: a peer that
+    connects and says nothing (a port scanner) is cut off instead of holding the trainer."""
     sock = self._listener._listener._socket  # the listening socket: bound the accept's wait
     while True:
       left = deadline - time.monotonic()
       if left <= 0:
         raise TimeoutError
       sock.settimeout(left)
+      raw, peer = sock.accept()
+      raw.setblocking(True)
+      conn = mpc.Connection(raw.detach())
+      watchdog = threading.Timer(_HANDSHAKE_S, _cut, args=(conn,))
+      watchdog.start()
       try:
-        conn = self._listener.accept()
-      except mpc.AuthenticationError:
-        logging.warning("a connection to the rollout endpoint failed authentication; ignored.")
+        mpc.deliver_challenge(conn, self._authkey)
+        mpc.answer_challenge(conn, self._authkey)
+        hello = conn.recv()
+      except (mpc.AuthenticationError, EOFError, OSError) as e:
+        logging.warning("a connection from %s to the rollout endpoint was refused (%r).", peer, e)
+        conn.close()
         continue
-      hello = conn.recv()
+      finally:
+        watchdog.cancel()
       return no_delay(conn), hello
 
   def _attach(self, hosts: int, timeout_s: float) -> None:

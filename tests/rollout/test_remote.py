@@ -280,3 +280,22 @@ def test_a_host_that_goes_away_ends_the_call_in_one_sentence():
     r.close()
   for t in threads:
     t.join(10)
+
+
+def test_a_silent_connection_does_not_hold_the_trainer(monkeypatch):
+  monkeypatch.setattr(remote, "_HANDSHAKE_S", 0.5)
+  ADDRESS[0] = ""
+  channel, rollouts, results, holder = Channel(), {}, {}, {}
+  t = threading.Thread(target=lambda: holder.setdefault("r", _rollout(1, channel, timeout_s=20)))
+  t.start()
+  _wait_for_address()
+  silent = socket.create_connection(remote.split_address(ADDRESS[0]))  # connects, says nothing
+  time.sleep(0.1)
+  threads = _start_hosts(1, channel, rollouts, results)
+  t.join(20)
+  silent.close()
+  assert "r" in holder, "the trainer never got past the silent connection"
+  assert sorted(holder["r"].storage) == [0]
+  holder["r"].close()
+  for h in threads:
+    h.join(10)
