@@ -41,7 +41,7 @@ LAYERS = (
   ("knitjax.train.*",),
   ("knitjax.transfer.*",),
   ("knitjax.rollout.*",),
-  ("knitjax.config", "knitjax.config_checkpoint"),
+  ("knitjax.config", "knitjax.config_sections", "knitjax.config_checkpoint"),
   ("knitjax.runtime.*", "knitjax.sim.*"),
   (
     "knitjax.bench.*",

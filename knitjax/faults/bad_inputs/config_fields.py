@@ -74,7 +74,7 @@ def wrong_type(annotation) -> st.SearchStrategy:
 
 
 def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
-  from knitjax import config
+  from knitjax import config, config_sections
   from knitjax.models import dtypes, vision
   from knitjax.rollout.continuous import ADOPTION
   from knitjax.tasks.registry import TASKS
@@ -88,8 +88,8 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
   return {
     ("task", "name"): TASKS,
     ("task", "reward"): tuple(REWARDS),
-    ("rollout", "engine"): config.ENGINES,
-    ("train", "advantage"): config.ADVANTAGES,
+    ("rollout", "engine"): config_sections.ENGINES,
+    ("train", "advantage"): config_sections.ADVANTAGES,
     ("train", "aggregation"): AGGREGATIONS,
     ("train", "objective"): OBJECTIVES,
     ("train", "ratio_level"): RATIO_LEVELS,
@@ -107,7 +107,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     ("vision", "dtype"): tuple(dtypes.DTYPES),
     ("vision", "mlp_act"): tuple(vision.ACTIVATIONS),
     ("vision", "projector_act"): tuple(vision.ACTIVATIONS),
-    ("task", "chat"): config.CHAT,
+    ("task", "chat"): config_sections.CHAT,
   }
 
 
