@@ -63,7 +63,7 @@ def get_config(arg=None):
   elif variant == "quick":
     c.rollout.update(group_size=2, max_new_tokens=8)
     c.train.update(micro_batches=1, warmup_steps=0)
-    c.admission.update(quotas={"gsm8k": 4}, minibatches=1)
+    c.admission.update(quotas={"gsm8k": 2}, minibatches=1)
     c.runtime.update(steps=2, log_every=1)
     c.checkpoint.update(every_steps=1)
     c.eval.update(every_steps=2, prompts=4, samples=2, k=2, batch_prompts=4, max_new_tokens=8)

@@ -1,8 +1,30 @@
-"""Test set-up: 8 fake CPU devices, set before JAX starts."""
+"""Test set-up: 8 fake CPU devices and a per-run XLA compilation cache, set before JAX starts."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Many tests compile the same programs (the tiny configs' steps and samplers), each in a fresh
+# closure that JAX's in-memory cache does not share, and so do the runs they start in
+# subprocesses and Ray actors (which inherit this environment). JAX's persistent compilation
+# cache, keyed on the compiled program, its devices and XLA flags, lets XLA compile each once per
+# pytest run instead of once per test. The directory is fresh for each run (the xdist workers
+# inherit the controller's) and removed at its end, so no run reads another checkout's programs.
+# A size bound turns on the cache's file lock, which keeps a process from reading an entry that
+# another is still writing.
+_XLA_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _XLA_CACHE_DIR = tempfile.mkdtemp(prefix="knitjax-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE_DIR
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+
+
+def pytest_unconfigure(config):
+  if _XLA_CACHE_DIR is not None:
+    shutil.rmtree(_XLA_CACHE_DIR, ignore_errors=True)
