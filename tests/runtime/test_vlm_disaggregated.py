@@ -19,7 +19,7 @@ import pytest
 from configs import count_vlm_tiny
 from knitjax import records
 from knitjax.config import from_config_dict
-from knitjax.runtime import builder, rollout_builder
+from knitjax.runtime import rollout_builder
 from knitjax.runtime.train import train
 from knitjax.tasks import count_images
 from knitjax.tasks.prompts import Prompt
@@ -84,7 +84,7 @@ def test_vlm_with_ray_rollout_workers_stores_each_image_once(local_ray, tmp_path
     pools.append(build_rollout(*args, **kwargs))
     return pools[-1]
 
-  monkeypatch.setattr(builder, "build_rollout", capture)
+  monkeypatch.setattr(rollout_builder, "build_rollout", capture)
   seen = {}
 
   def on_step(step, metrics):  # the units are actors, gone when the run ends: look now
