@@ -229,22 +229,33 @@ def test_packed_policy_loss_equals_padded(mode):
   )
 
 
-def _run(mesh, batch, loss_config, *, packed):
-  graphdef, params = sharding.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), mesh)
+def sgd_step(mesh, batch, hparams, *, packed, micro_batches=2, config=CFG, adjust=None):
+  """One real train step (SGD, lr 1) on ``batch``: the parameter change and the host metrics.
+
+  ``adjust(params)``, if given, edits the fresh params in place before the state is built.
+  """
+  graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
+  if adjust is not None:
+    adjust(params)
   tx = optax.sgd(1.0)
   state, shardings = init_train_state(params, tx, mesh)
-  hp = StepHParams(loss=loss_config, max_new_tokens=N_NEW)
   step = compile_train_step(
-    graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
+    graphdef=graphdef, optimizer=tx, hparams=hparams, state_shardings=shardings, mesh=mesh,
     with_ref=True, packed=packed,
   )  # fmt: skip
   before = jax.device_get(params)
   ref = jax.tree.map(lambda x: x * 0.9, params)
-  dev_batch = jax.device_put(split_micro_batches(batch, 2), batch_shardings(mesh, packed=packed))
+  dev_batch = jax.device_put(
+    split_micro_batches(batch, micro_batches), batch_shardings(mesh, packed=packed)
+  )
   with jax.set_mesh(mesh):
     state, metrics = step(state, dev_batch, ref)
   grads = jax.tree.map(lambda a, b: a - b, before, jax.device_get(state.params))  # sgd(1.0)
   return grads, host_metrics(metrics)
+
+
+def _run(mesh, batch, loss_config, *, packed):
+  return sgd_step(mesh, batch, StepHParams(loss=loss_config, max_new_tokens=N_NEW), packed=packed)
 
 
 # The step test compiles two steps per mode (~10 s or more on two busy cores): one mode in the

@@ -13,23 +13,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 from knitjax import sharding
-from knitjax.models.transformer import Transformer
 from knitjax.train import losses, step_advantages, value_loss
 from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
 from knitjax.train.step import (
   StepHParams,
-  batch_shardings,
-  compile_train_step,
-  host_metrics,
-  init_train_state,
 )
 from knitjax.train.step_advantages import AdvantageConfig
-from tests.train.test_packing import _source_index
+from tests.train.test_packing import _source_index, sgd_step
 from tests.train.test_ppo_step import CFG, N_NEW, P_LEN
 
 ROWS, G, K = 12, 4, 2
@@ -155,26 +148,16 @@ def test_packed_advantages_losses_and_gradients_equal_padded(mode):
 
 def _run(mesh, batch, mode, *, packed):
   advantage, kl_penalty = MODES[mode]
-  config = dataclasses.replace(CFG, value_head=advantage.critic)
-  graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
-  if advantage.critic:  # a critic that predicts something, so GAE bootstraps from real values
-    bias = params["value_head"]["bias"]
-    bias[...] = bias[...] + 0.3
-  tx = optax.sgd(1.0)
-  state, shardings = init_train_state(params, tx, mesh)
+
+  def adjust(params):  # a critic that predicts something, so GAE bootstraps from real values
+    if advantage.critic:
+      bias = params["value_head"]["bias"]
+      bias[...] = bias[...] + 0.3
+
   loss_config = losses.LossConfig(kl_coef=KL_COEF, kl_penalty=kl_penalty, entropy_coef=0.01)
   hp = StepHParams(loss=loss_config, advantage=advantage, max_new_tokens=N_NEW)
-  step = compile_train_step(
-    graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
-    with_ref=True, packed=packed,
-  )  # fmt: skip
-  before = jax.device_get(params)
-  ref = jax.tree.map(lambda x: x * 0.9, params)
-  dev_batch = jax.device_put(split_micro_batches(batch, K), batch_shardings(mesh, packed=packed))
-  with jax.set_mesh(mesh):
-    state, metrics = step(state, dev_batch, ref)
-  grads = jax.tree.map(lambda a, b: a - b, before, jax.device_get(state.params))  # sgd(1.0)
-  return grads, host_metrics(metrics)
+  config = dataclasses.replace(CFG, value_head=advantage.critic)
+  return sgd_step(mesh, batch, hp, packed=packed, micro_batches=K, config=config, adjust=adjust)
 
 
 # Each mode compiles two steps (~10-20 s on two busy cores): GAE with the KL as a reward in the
