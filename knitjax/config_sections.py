@@ -75,6 +75,9 @@ class RolloutConfig:
   # once, stalling the live slots for it), and one prefill per group shared by its G samples.
   prefill_chunk: int = 64
   share_prefix: bool = True
+  # Continuous engine: launch the next engine call before the host scores, stores and offers the
+  # groups the last one finished, so that host work overlaps decoding (False: one after the other).
+  overlap_host: bool = True
   # What generates behind the rollout contract: "batched" (one sampler call per wave of
   # slots // group_size groups; colocated: the whole step), "continuous" (the engine),
   # "multiturn" (model and environment turns, tasks with an environment), "auto".
@@ -93,10 +96,11 @@ class RolloutConfig:
     positive("config.rollout.decode_steps", self.decode_steps)
     positive("config.rollout.refill_groups", self.refill_groups)
     positive("config.rollout.prefill_chunk", self.prefill_chunk, allow_zero=True)
-    if not isinstance(self.share_prefix, bool):
-      raise ValueError(
-        f"config.rollout.share_prefix={self.share_prefix!r} is not accepted; use True or False."
-      )
+    for name in ("share_prefix", "overlap_host"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(
+          f"config.rollout.{name}={getattr(self, name)!r} is not accepted; use True or False."
+        )
     one_of("config.rollout.engine", self.engine, ENGINES)
     positive("config.rollout.max_new_tokens", self.max_new_tokens)
     positive("config.rollout.max_turns", self.max_turns)

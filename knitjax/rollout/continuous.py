@@ -194,6 +194,7 @@ class ContinuousEngine:
     self._lane_busy = [False] * (shards * prefill_lanes)
     self._state = None
     self._lanes = None
+    self._launched = None  # (stats, version, start time) of a call not collected yet
     self._call = make_engine_call(
       graphdef=graphdef,
       mesh=mesh,
@@ -356,7 +357,8 @@ class ContinuousEngine:
 
   def step(self, requests: Sequence[Request], *, rng: jax.Array, stop_free: int) -> list[Finished]:
     """Starts ``requests`` (their prompts in free lanes, their samples in free slots), then runs
-    prefill chunks and decode iterations; returns the samples that finished.
+    prefill chunks and decode iterations; returns the samples that finished (`launch` then
+    `collect`).
 
     Args:
       requests: new samples; they must fit (`capacity`), else ValueError and nothing starts.
@@ -364,6 +366,21 @@ class ContinuousEngine:
       stop_free: stop once this many slots are free (0: run ``decode_steps`` iterations or until
         nothing is live or prefilling).
     """
+    self.launch(requests, rng=rng, stop_free=stop_free)
+    return self.collect()
+
+  @property
+  def in_flight(self) -> bool:
+    """A launched call has not been collected yet."""
+    return self._launched is not None
+
+  def launch(self, requests: Sequence[Request], *, rng: jax.Array, stop_free: int) -> None:
+    """`step` without waiting: places ``requests`` and dispatches the call; the device runs it
+    while the host goes on (JAX dispatches asynchronously). `collect` returns its finished
+    samples. Slots and lanes the call may free count as busy until then (`capacity` is
+    conservative meanwhile); `load` may run in between (the call keeps the params it got)."""
+    if self._launched is not None:
+      raise RuntimeError("a launched call was not collected; call collect() first.")
     self._adopt_pending()
     if self.version is None:
       raise RuntimeError("the engine has no weights; call load(params, version) first.")
@@ -385,6 +402,15 @@ class ContinuousEngine:
         np.int32(stop_free),
         np.int32(self.decode_steps),
       )
+    self._launched = (stats, self.version, t0)
+
+  def collect(self) -> list[Finished]:
+    """Waits for the launched call (none: returns []) and returns the samples it finished."""
+    if self._launched is None:
+      return []
+    stats, version, t0 = self._launched
+    self._launched = None
+    with jax.set_mesh(self.mesh):
       live, wait, active, stats = sharding.to_host(
         (self._state.live, self._state.wait, self._lanes.active, stats)
       )
@@ -396,13 +422,15 @@ class ContinuousEngine:
     self.rows_decoded += int(np.sum(stats.rows))
     self.rows_unsplit += int(np.sum(stats.rows_unsplit))
     self._lane_busy = [bool(a) for a in active]
-    return self._harvest(live, wait)
+    return self._harvest(live, wait, version)
 
-  def _harvest(self, live: np.ndarray, wait: np.ndarray) -> list[Finished]:
+  def _harvest(self, live: np.ndarray, wait: np.ndarray, version: int) -> list[Finished]:
+    """Finished samples of a call that decoded with ``version`` (mid-generation adoption: the
+    newest version every live sample has used now)."""
     if self.adoption == "mid_generation":
       for s, req in enumerate(self._slot_req):
         if req is not None:
-          self._slot_versions[s][1] = self.version
+          self._slot_versions[s][1] = version
     ended = [
       s for s, req in enumerate(self._slot_req) if req is not None and not live[s] and wait[s] < 0
     ]

@@ -6,6 +6,16 @@ as slots free up), and when the last sample of a group finishes scores the group
 (:func:`~knitjax.rollout.worker.assemble_group`) and writes its payload into the storage unit.
 The gen version of a group is the oldest version any of its samples used (partial rollout
 records the newest too).
+
+Host work overlaps decoding (``overlap_host``, the default): a `step` collects the engine call
+the previous step launched, launches the next one at once with the queued groups that fit, and
+only then scores, assembles and stores the groups the collected call finished, while the device
+runs the new call; the caller's own work on the returned groups (admission, weight adoption,
+starting the next groups) overlaps it too. Only placing the new requests sits between two calls.
+A group is therefore reported one call later than it finished. Groups the caller starts while a
+call runs wait in a queue (up to one per prefill lane beyond the room known then) and go into
+the slots that call frees, at the next launch; their gen version is the version they start
+decoding with.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ class StreamingRollout:
     tokenizer: the task's tokenizer (rewards decode with it).
     group_size: ``G``.
     budgets: max new tokens per class (classes not named: the engine's ``max_new_tokens``).
+    overlap_host: launch the next engine call before the host works on the finished groups
+      (module docstring); False: each step runs one call to its end, then the host work.
   """
 
   def __init__(
@@ -45,11 +57,13 @@ class StreamingRollout:
     tokenizer,
     group_size: int,
     budgets: Mapping[str, int] | None = None,
+    overlap_host: bool = True,
   ):
     self.engine, self._unit = engine, storage
     self._reward_fn, self._tokenizer = reward_fn, tokenizer
     self._g, self._budgets = group_size, dict(budgets or {})
-    self._requests: list[Request] = []  # started, not yet handed to the engine
+    self._overlap = overlap_host
+    self._requests: list[Request] = []  # started, not yet handed to the engine (whole groups)
     self._groups: dict[int, tuple[Prompt, list[Finished | None]]] = {}
     self._tokens = 0
 
@@ -70,7 +84,12 @@ class StreamingRollout:
 
   def capacity(self) -> int:
     queued = len(self._requests) // self._g
-    return self.engine.capacity(self._g, [self._g] * queued)
+    if not self.engine.in_flight:
+      return self.engine.capacity(self._g, [self._g] * queued)
+    # A call is running: the room it frees is known only when it is collected, so up to one
+    # group per prefill lane may wait beyond the room known now.
+    ahead = self.engine.shards * self.engine.lanes_per_shard
+    return max(0, self.engine.capacity(self._g) + ahead - queued)
 
   def start(self, prompt: Prompt, group_id: int) -> None:
     if self.engine.version is None:
@@ -82,11 +101,23 @@ class StreamingRollout:
       for k in range(self._g)
     ]
 
+  def _take_fitting(self) -> list[Request]:
+    """The queued groups, oldest first, that fit in the engine now."""
+    n, queued = 0, len(self._requests) // self._g
+    while n < queued and self.engine.capacity(self._g, [self._g] * n) > 0:
+      n += 1
+    taken, self._requests = self._requests[: n * self._g], self._requests[n * self._g :]
+    return taken
+
   def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
-    requests, self._requests = self._requests, []
-    if not requests and self.engine.live_samples == 0:
-      return []
-    finished = self.engine.step(requests, rng=rng, stop_free=self._g if want_room else 0)
+    finished = self.engine.collect() if self._overlap else []
+    requests = self._take_fitting()
+    if requests or self.engine.live_samples:
+      # Stop early once a group could start: the caller wants room, or a group is queued.
+      room = want_room or bool(self._requests)
+      self.engine.launch(requests, rng=rng, stop_free=self._g if room else 0)
+      if not self._overlap:
+        finished = self.engine.collect()
     done = []
     for f in finished:
       gid, k = f.tag

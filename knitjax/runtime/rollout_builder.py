@@ -175,6 +175,7 @@ def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: 
       tokenizer=prompts.tokenizer,
       group_size=r.group_size,
       budgets=r.class_max_new_tokens,
+      overlap_host=r.overlap_host,
     )
   worker = build_worker(config, graphdef, mesh, prompts)
   return BatchedRollout(worker, unit, max_groups=_groups_per_call(config))

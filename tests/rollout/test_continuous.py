@@ -345,3 +345,21 @@ def test_harvest_reads_only_the_ended_rows_in_their_order():
     np.testing.assert_array_equal(got[0], tokens[ended])
     np.testing.assert_array_equal(got[1], logprobs[ended])
     np.testing.assert_array_equal(got[2], length[ended])
+
+
+def test_launch_runs_while_the_host_goes_on_and_collect_keeps_the_launch_version(model):
+  graphdef, params, params2, mesh = model
+  engine = _engine(model)
+  engine.load(params, 0)
+  assert engine.collect() == [] and not engine.in_flight
+  reqs = _requests(0, 4, np.random.default_rng(3), budget=2)
+  engine.launch(reqs, rng=jax.random.key(0), stop_free=0)
+  assert engine.in_flight and engine.free_slots == 4  # taken until collected
+  with pytest.raises(RuntimeError, match="collect"):
+    engine.launch([], rng=jax.random.key(1), stop_free=0)
+  engine.load(params2, 1)  # mid-generation: the running call still decodes with version 0
+  done = engine.collect()
+  assert sorted(f.tag for f in done) == [0, 1, 2, 3]
+  assert all(f.version == 0 and f.version_newest == 0 for f in done)
+  got, want = _teacher_forced(graphdef, params, reqs, done)
+  np.testing.assert_allclose(got, want, atol=2e-5)

@@ -1,0 +1,98 @@
+"""The streaming rollout with host work overlapping decoding: the next engine call runs while the
+host scores and stores the last call's groups; the results equal the one-after-the-other order."""
+
+import jax
+import numpy as np
+import pytest
+
+from knitjax.rollout import contract
+from knitjax.rollout.continuous import ContinuousEngine
+from knitjax.rollout.sampler import SamplingConfig
+from knitjax.rollout.streaming import StreamingRollout
+from knitjax.tasks.rewards import get_reward_fn
+from tests.rollout.test_contract import G, N, _unit, parts  # noqa: F401 (fixture)
+
+
+def _rollout(parts, *, overlap, temperature=1.0, slots=2 * G):  # noqa: F811
+  _, tok, graphdef, _, mesh, prompt_len = parts
+  engine = ContinuousEngine(
+    graphdef,
+    mesh=mesh,
+    sampling=SamplingConfig(max_new_tokens=N, temperature=temperature),
+    slots=slots,
+    prompt_len=prompt_len,
+    eos_id=tok.eos_id,
+    pad_id=tok.pad_id,
+    prefill_lanes=1,
+    decode_steps=2,
+    adoption="new_groups",
+    param_slots=2,
+  )
+  return StreamingRollout(
+    engine,
+    _unit(tok, prompt_len),
+    reward_fn=get_reward_fn("arith_exact"),
+    tokenizer=tok,
+    group_size=G,
+    overlap_host=overlap,
+  )
+
+
+def _responses(rollout, metas):
+  (unit,) = rollout.storage.values()
+  return [p.response_tokens for p in unit.get([m.group_id for m in metas])]
+
+
+def test_greedy_groups_are_the_same_with_and_without_overlap(parts):  # noqa: F811
+  source, _, _, params, mesh, _ = parts
+  prompts = source.next(7)
+  out = {}
+  for overlap in (False, True):
+    rollout = _rollout(parts, overlap=overlap, temperature=0.0)
+    with jax.set_mesh(mesh):
+      metas = contract.generate(
+        rollout, params, prompts, version=0, rng=jax.random.key(0), first_group_id=0
+      )
+    assert [m.group_id for m in metas] == list(range(7)) and rollout.inflight == 0
+    assert not rollout.engine.in_flight  # nothing left running once every group is back
+    out[overlap] = (metas, _responses(rollout, metas))
+  for (m0, r0), (m1, r1) in [(out[False], out[True])]:
+    assert [m.response_tokens for m in m0] == [m.response_tokens for m in m1]
+    assert [m.reward_mean for m in m0] == [m.reward_mean for m in m1]
+    for a, b in zip(r0, r1, strict=True):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_a_step_reports_the_last_call_while_the_next_one_runs(parts):  # noqa: F811
+  source, _, _, params, mesh, _ = parts
+  rollout = _rollout(parts, overlap=True)
+  engine = rollout.engine
+  rollout.adopt(params, 0)
+  assert rollout.capacity() == 2  # 2 G slots, nothing running: the room known
+  rollout.start(source.next(1)[0], 0)
+  rollout.start(source.next(1)[0], 1)
+  with jax.set_mesh(mesh):
+    assert rollout.step(jax.random.key(0)) == []  # launched, nothing collected yet
+    assert engine.in_flight
+    # The running call may free slots: one group per prefill lane (2 shards x 1) may queue.
+    assert rollout.capacity() == 2
+    rollout.start(source.next(1)[0], 2)
+    rollout.start(source.next(1)[0], 3)
+    assert rollout.capacity() == 0
+    rollout.adopt(jax.tree.map(lambda x: x * 1.5, params), 1)  # while the call runs
+    metas, call = [], 1
+    while rollout.inflight and call < 100:
+      metas += rollout.step(jax.random.key(call))
+      call += 1
+  assert sorted(m.group_id for m in metas) == [0, 1, 2, 3]
+  version = {m.group_id: m.gen_version for m in metas}
+  # The first two started on version 0; the queued two start decoding after the adoption.
+  assert version == {0: 0, 1: 0, 2: 1, 3: 1}
+  assert all(len(m.response_tokens) == G for m in metas)
+
+
+def test_overlap_host_must_be_a_bool():
+  from knitjax.config_sections import RolloutConfig
+
+  with pytest.raises(ValueError, match="config.rollout.overlap_host"):
+    RolloutConfig(overlap_host="yes")
