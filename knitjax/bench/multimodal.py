@@ -33,6 +33,10 @@ transfer seconds the same bytes would take through network endpoints of that ban
 (busiest endpoint's bytes / bandwidth; the centralized driver receives, then sends), labelled
 ``modelled``. Locally, "transfer" crosses process boundaries through Ray's shared-memory object
 store, not a network.
+
+Here: the measurement (both modes' train steps, interleaved), the figures above, the plot and the
+table. The workload points and the stored groups come from `knitjax.bench.multimodal_workload`;
+each mode's driver, consumers and step from `knitjax.bench.multimodal_modes`.
 """
 
 from __future__ import annotations
@@ -49,133 +53,22 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.bench import multimodal_modes as modes
+from knitjax.bench.multimodal_workload import (
+  IMAGE_TOKEN,
+  Workload,
+  model_configs,
+  row_flops,
+  workloads,
+  write_groups,
+)
 from knitjax.bench.report import format_table, write_json
-from knitjax.models.transformer import TransformerConfig
-from knitjax.models.vision import VisionConfig
 from knitjax.models.vlm import VLM
 from knitjax.train import losses, mm_step
 from knitjax.train.step import StepHParams, init_train_state
 from knitjax.transfer.access import BatchLayout
-from knitjax.transfer.admission import MiniBatch
-from knitjax.transfer.group import GroupMeta
-from knitjax.transfer.storage import StorageLimits, image_hash
+from knitjax.transfer.storage import StorageLimits
 
-IMAGE_TOKEN = 3
 MODES = ("centralized", "on_demand")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Workload:
-  """One point: the step's shape, the images, the text lengths (see configs/bench/multimodal.py)."""
-
-  name: str
-  group_size: int
-  groups_per_step: int
-  minibatches: int
-  micro_batches: int
-  image_size: int
-  text_tokens: int
-  response_tokens: int
-  row_format: str  # the centralized rows' images: "float32" (processor output) or "uint8"
-  # When a step's mini-batches are released: "step_start" (when the trainer starts the step) or
-  # "pipelined" (when it starts the previous step's last mini-batch: on demand fetches ahead).
-  release: str = "step_start"
-
-  @property
-  def groups_per_minibatch(self) -> int:
-    return self.groups_per_step // self.minibatches
-
-
-def _workloads(config) -> list[Workload]:
-  base = dict(config.workload)
-  out = [Workload(name="main", **base)]
-  for name, overrides in dict(config.sweep).items():
-    out.append(Workload(name=name, **{**base, **dict(overrides)}))
-  for w in out:
-    if w.groups_per_step % w.minibatches or w.groups_per_minibatch % config.consumers:
-      raise ValueError(
-        f"workload {w.name!r}: {w.groups_per_step} groups per step must split into "
-        f"{w.minibatches} mini-batches of a multiple of {config.consumers} consumers' groups."
-      )
-    if w.release not in ("step_start", "pipelined"):
-      raise ValueError(
-        f"workload {w.name!r}: release={w.release!r}; accepted: step_start, pipelined."
-      )
-    if w.row_format not in ("float32", "uint8"):
-      raise ValueError(
-        f"workload {w.name!r}: row_format={w.row_format!r}; accepted: float32, uint8."
-      )
-  return out
-
-
-def _configs(config, w: Workload) -> tuple[TransformerConfig, VisionConfig]:
-  vision = VisionConfig(**{**dict(config.vision), "image_size": w.image_size})
-  return TransformerConfig(**dict(config.model)), vision
-
-
-def row_flops(model: TransformerConfig, vision: VisionConfig, w: Workload) -> dict[str, float]:
-  """Forward FLOPs per row (2 x matmul params x tokens + attention scores), encoder vs decoder."""
-  d, dv = model.d_model, vision.d_model
-  hd, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-  dec_layer = d * hd * 2 + d * kv * 2 + 3 * d * model.ffn_dim
-  tokens = 1 + vision.num_image_tokens + w.text_tokens + w.response_tokens
-  dec = 2 * (model.num_layers * dec_layer + d * model.vocab_size) * tokens
-  dec += model.num_layers * 4 * tokens**2 * hd
-  patch = vision.patch_size**2 * vision.channels
-  vh = vision.num_heads * vision.head_dim
-  enc_layer = 4 * dv * vh + 2 * dv * vision.mlp_dim
-  proj = dv * vision.projector_dim + vision.projector_dim * d
-  n = vision.num_patches
-  enc = 2 * (patch * dv + vision.num_layers * enc_layer + proj) * n
-  enc += vision.num_layers * 4 * n**2 * vh
-  return {"encoder": float(enc), "decoder": float(dec), "encoder_share": enc / (enc + dec)}
-
-
-def _write_groups(storage, w: Workload, vision: VisionConfig, steps: int, vocab: int, seed: int):
-  """The rollout side: ``steps`` train steps of groups, one image each, written round-robin to
-  the storage units. Returns per step its mini-batches (GroupMeta only)."""
-  rng = np.random.default_rng(seed)
-  g = w.group_size
-  plen = 1 + vision.num_image_tokens + w.text_tokens
-  out = []
-  gid = 0
-  for s in range(steps):
-    metas = []
-    for _ in range(w.groups_per_step):
-      image = rng.integers(0, 256, (w.image_size, w.image_size, vision.channels), dtype=np.uint8)
-      prompt = np.concatenate(
-        [[1], [IMAGE_TOKEN] * vision.num_image_tokens, rng.integers(4, vocab, w.text_tokens)]
-      ).astype(np.int32)
-      lens = rng.integers(max(1, w.response_tokens // 2), w.response_tokens + 1, g).astype(np.int32)
-      mask = np.arange(w.response_tokens)[None] < lens[:, None]
-      payload = {
-        "prompt_tokens": np.tile(prompt, (g, 1)),
-        "response_tokens": rng.integers(4, vocab, (g, w.response_tokens)).astype(np.int32),
-        "response_lengths": lens,
-        "logprobs": np.where(mask, -rng.exponential(2.0, mask.shape), 0).astype(np.float32),
-        "rewards": rng.integers(0, 2, g).astype(np.float32),
-        "image_index": np.zeros(g, np.int32),
-      }
-      unit = gid % len(storage)
-      storage[unit].put(gid, payload, images=[image])
-      metas.append(
-        GroupMeta(
-          group_id=gid,
-          cls="image",
-          gen_version=s,
-          num_samples=g,
-          prompt_tokens=(plen,) * g,
-          response_tokens=tuple(int(x) for x in lens),
-          storage_unit=unit,
-          image_hashes=(image_hash(image),),
-          reward_mean=float(payload["rewards"].mean()),
-          reward_std=float(payload["rewards"].std()),
-        )
-      )
-      gid += 1
-    k = w.groups_per_minibatch
-    out.append([MiniBatch(s, j, tuple(metas[j * k : (j + 1) * k])) for j in range(w.minibatches)])
-  return out
 
 
 def _trainer(config, model, vision, mesh, dedup: bool):
@@ -296,7 +189,7 @@ def measure(config, w: Workload, mesh) -> dict:
 
   from knitjax.transfer.ray_storage import RayStorageUnit
 
-  model, vision = _configs(config, w)
+  model, vision = model_configs(config, w)
   flops = row_flops(model, vision, w)
   plen = 1 + vision.num_image_tokens + w.text_tokens
   layout = BatchLayout(
@@ -309,7 +202,7 @@ def measure(config, w: Workload, mesh) -> dict:
   units = [RayStorageUnit(limits, unit_id=u) for u in range(config.storage_units)]
   try:
     raw = {u.unit_id: u for u in units}
-    steps_mbs = _write_groups(raw, w, vision, 2 * total_steps, model.vocab_size, config.seed)
+    steps_mbs = write_groups(raw, w, vision, 2 * total_steps, model.vocab_size, config.seed)
     counted = {u: modes.Counted(unit) for u, unit in raw.items()}
     driver = ray.remote(modes.Driver).options(num_cpus=0)
     driver = driver.remote(raw, layout, config.consumers, w.row_format)
@@ -438,7 +331,7 @@ def run(config, workdir: str) -> dict:
     raise ValueError(f"{config.consumers} consumers need {config.consumers} devices.")
   mesh = sharding.make_mesh((config.consumers, 1, 1), devices=devices)
   results = []
-  for w in _workloads(config):
+  for w in workloads(config):
     t = time.time()
     r = measure(config, w, mesh)
     r["wall_s"] = time.time() - t

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from knitjax.tasks import arith, calc_tool, count_images, gsm8k, longtail
+from knitjax.tasks import arith, calc_tool, count_images, longtail, math_verifier
 from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.tokenizer import CharTokenizer
 
@@ -42,8 +42,8 @@ RewardFn = Callable[[Prompt, np.ndarray, CharTokenizer], float]
 REWARDS: dict[str, RewardFn] = {
   "arith_first": arith.first_token_reward,
   "arith_exact": arith.exact_reward,
-  "numeric_match": gsm8k.numeric_match_reward,
-  "math": gsm8k.math_reward,
+  "numeric_match": math_verifier.numeric_match_reward,
+  "math": math_verifier.math_reward,
   "longtail": longtail.reward,
   "count_exact": count_images.exact_reward,
   "calc_answer": calc_tool.answer_reward,

@@ -9,22 +9,6 @@ from configs.bench import multimodal as mm_config
 from knitjax.bench import multimodal
 
 
-def test_row_flops_share_of_the_main_workload_is_stated():
-  c = mm_config.get_config()
-  w = multimodal._workloads(c)[0]
-  model, vision = multimodal._configs(c, w)
-  flops = multimodal.row_flops(model, vision, w)
-  assert vision.num_image_tokens == 256  # 448 / 28 squared, like Qwen2.5-VL's merged tokens
-  assert 0.3 < flops["encoder_share"] < 0.5  # the config's docstring says 43%
-
-
-def test_bad_workload_is_one_clear_error():
-  c = mm_config.get_config("quick")
-  c.workload.groups_per_step = 3
-  with pytest.raises(ValueError, match="must split into 2 mini-batches"):
-    multimodal._workloads(c)
-
-
 @pytest.fixture
 def own_ray():
   """The bench starts a local Ray (as a run does); the next test of this worker gets none."""

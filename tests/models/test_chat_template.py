@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from knitjax.models.chat_template import ChatTemplate, render_chat_template
-from knitjax.models.gguf import smollm2_gguf
+from knitjax.models.gguf_cache import smollm2_gguf
 from knitjax.models.hf_tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -18,10 +18,10 @@ from knitjax.config import from_config_dict
 
 @pytest.fixture(scope="module")
 def folder():
-  from knitjax.models import gguf
+  from knitjax.models import gguf_cache
 
   try:
-    return gguf.smollm2_folder()
+    return gguf_cache.smollm2_folder()
   except ValueError as e:
     pytest.skip(f"SmolLM2-135M-Instruct cannot be had here: {e}")
 
