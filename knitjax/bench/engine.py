@@ -16,8 +16,9 @@ compile round:
 
 Per rollout: generated tokens per second (median over rounds), and for the engines the
 group-start stall fraction: the share of engine seconds no live sample advanced for a group
-start, from the same least-squares fit the simulator's calibration uses
-(`knitjax.sim.calibration.engine_call_fit`), and prefills run.
+start or host work, measured from the engine's call timeline as the simulator's calibration does
+(`knitjax.sim.calibration.engine_timeline_fit`; ``..._call_fit``: the earlier least-squares fit
+on call durations, `engine_call_fit`), and prefills run.
 
 Version transitions (``version_every`` > 0): two more engines with ``adoption="new_groups"`` and
 two param slots get a new policy version every ``version_every`` calls (as weight sync after each
@@ -45,7 +46,7 @@ from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.rollout.continuous import ContinuousEngine, Request
 from knitjax.rollout.sampler import Sampler, SamplingConfig
-from knitjax.sim.calibration import engine_call_fit
+from knitjax.sim.calibration import engine_call_fit, engine_timeline_fit
 
 BOS, EOS, PAD = 1, 2, 0
 ROLLOUTS = ("before", "after", "batched")
@@ -175,7 +176,7 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
     if which == "batched":
       return _drive_batched(sampler, params, items, G, wave, seed)
     engine = engines[which]  # drained after each run; reused so nothing compiles again
-    before = (engine.prefills, engine.rows_decoded, engine.rows_unsplit)
+    before = (engine.prefills, engine.rows_decoded, engine.rows_unsplit, len(engine.timeline))
     if which in VERSIONED:
       out = _drive_engine(engine, items, G, seed, versions, config.version_every)
     else:
@@ -183,6 +184,7 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
     out["prefills"] = engine.prefills - before[0]
     out["rows_decoded"] = engine.rows_decoded - before[1]
     out["rows_unsplit"] = engine.rows_unsplit - before[2]
+    out["timeline"] = engine.timeline[before[3] :]
     return out
 
   for which in rollouts:  # compile (every call shape) on a few groups
@@ -207,7 +209,17 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
     }
     if which != "batched":
       calls = np.asarray([c for x in rs for c in x["calls"]], np.float64)
-      entry.update(engine_call_fit(calls))
+      old = engine_call_fit(calls)
+      entry.update(old)
+      entry["group_start_stall_fraction_call_fit"] = old["group_start_stall_fraction"]
+      fits = [
+        engine_timeline_fit(np.asarray(x["timeline"]), groups_started=sum(c[3] for c in x["calls"]))
+        for x in rs
+      ]
+      if all(f is not None for f in fits):
+        stall = [f["group_start_stall_fraction"] for f in fits]
+        entry["group_start_stall_fraction"] = float(np.median(stall))
+        entry["group_start_stall_fraction_rounds"] = stall
       entry["prefills"] = rs[0]["prefills"]
       entry["engine_calls"] = len(calls)
       entry["rows_decoded"] = rs[0]["rows_decoded"]

@@ -194,7 +194,13 @@ class ContinuousEngine:
     self._lane_busy = [False] * (shards * prefill_lanes)
     self._state = None
     self._lanes = None
-    self._launched = None  # (stats, version, start time) of a call not collected yet
+    self._launched = None  # (stats, version, launch time, samples held) of a call in flight
+    # Per collected call: (launch, collect begin, collect end) as time.time(), whether the call
+    # was still running when collect began (1.0: the device was busy until collect end), loop
+    # iterations, decode passes, prefill chunk passes, samples held before the launch, prompts
+    # it started.
+    # `knitjax.sim.calibration.engine_timeline_fit` measures the group-start stall from it.
+    self.timeline: list[tuple[float, ...]] = []
     self._call = make_engine_call(
       graphdef=graphdef,
       mesh=mesh,
@@ -384,6 +390,7 @@ class ContinuousEngine:
     self._adopt_pending()
     if self.version is None:
       raise RuntimeError("the engine has no weights; call load(params, version) first.")
+    held = self.live_samples
     starts = self._starts(requests)
     if self._state is None:
       spec = NamedSharding(self.mesh, PartitionSpec(sharding.BATCH_AXES))
@@ -391,7 +398,7 @@ class ContinuousEngine:
       with jax.set_mesh(self.mesh):
         self._state, self._lanes = init(self._params[self._newest][1])
     params = tuple((p if p is not None else self._params[self._newest])[1] for p in self._params)
-    t0 = time.perf_counter()
+    t0, t_launch = time.perf_counter(), time.time()
     with jax.set_mesh(self.mesh):
       self._state, self._lanes, stats = self._call(
         params,
@@ -402,14 +409,15 @@ class ContinuousEngine:
         np.int32(stop_free),
         np.int32(self.decode_steps),
       )
-    self._launched = (stats, self.version, t0)
+    self._launched = (stats, self.version, t0, t_launch, held, int(np.sum(starts.new)))
 
   def collect(self) -> list[Finished]:
     """Waits for the launched call (none: returns []) and returns the samples it finished."""
     if self._launched is None:
       return []
-    stats, version, t0 = self._launched
+    stats, version, t0, t_launch, held, started = self._launched
     self._launched = None
+    t_begin, running = time.time(), not stats.iterations.is_ready()
     with jax.set_mesh(self.mesh):
       live, wait, active, stats = sharding.to_host(
         (self._state.live, self._state.wait, self._lanes.active, stats)
@@ -422,6 +430,9 @@ class ContinuousEngine:
     self.rows_decoded += int(np.sum(stats.rows))
     self.rows_unsplit += int(np.sum(stats.rows_unsplit))
     self._lane_busy = [bool(a) for a in active]
+    counts = (np.max(stats.iterations), np.max(stats.decode_passes), np.max(stats.chunk_passes))
+    row = (t_launch, t_begin, time.time(), float(running), *map(float, counts), held, started)
+    self.timeline.append(row)
     return self._harvest(live, wait, version)
 
   def _harvest(self, live: np.ndarray, wait: np.ndarray, version: int) -> list[Finished]:

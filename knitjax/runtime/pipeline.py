@@ -226,12 +226,15 @@ class Pipeline:
     """``timings.json``: measured service times (the simulator's calibration) and lengths.
 
     ``calls``: per rollout call ``(end time, seconds, loop iterations, groups started, live
-    samples, prefill chunk passes, decode passes)``; ``trainer_minibatch_s``: per mini-batch
+    samples, prefill chunk passes, decode passes)``; ``engine_calls``: the continuous engine's
+    own call timeline (`ContinuousEngine.timeline`; empty for other rollouts);
+    ``trainer_minibatch_s``: per mini-batch
     ``(end time, seconds)``, from taking it off the queue to publishing; times are
     ``time.time()``, ``t_start`` the trainer loop's start (``wall_s`` of metrics.jsonl counts
     from it).
     """
     calls = np.asarray(self.thread.calls, np.float64).reshape(-1, 7)
+    engine = getattr(self.rollout, "engine", None)  # the continuous engine, when in process
     r = self.config.rollout
     out = {
       "t_start": self.t_start,
@@ -239,6 +242,7 @@ class Pipeline:
       "shards": self.rollout.stats().shards,
       "decode_steps": r.decode_steps,
       "calls": calls.tolist(),
+      "engine_calls": list(getattr(engine, "timeline", [])),
       "trainer_minibatch_s": self.mb_seconds,
       "weight_publish_s_mean": self.weights.publish_s / max(self.weights.published, 1),
       "weight_publish_bytes_mean": self.weights.published_bytes / max(self.weights.published, 1),

@@ -91,6 +91,43 @@ def engine_call_fit(calls: np.ndarray) -> dict:
   }
 
 
+def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None:
+  """Decode seconds per iteration and the group-start stall from the engine's own call timeline
+  (`ContinuousEngine.timeline`), whether host work overlaps the calls or not.
+
+  A call's device seconds are known where it was still running when the host came to collect it
+  (it ran from launch to collect end): ``d = a + b * decode passes + e * chunk passes`` is fitted
+  on those calls and estimates the others (at most launch to collect begin). The stall is what
+  the samples already held waited for: the gaps from a call's end to the next launch while
+  samples were held (host work: scoring, storing, admission, placing new groups), plus each
+  call's seconds beyond ``b`` x its decode passes (the fixed cost of a call and the prefill
+  chunks, which live slots wait for on a device that runs them one after the other).
+  ``group_start_s`` charges it to the ``groups_started``. None when fewer than 3 calls were
+  running at collect (no call's device time was seen: the calls' split is unknown).
+  """
+  launch, begin, end, running, _, dpass, chunks, held, _ = np.asarray(rows, np.float64).T
+  known = running > 0
+  if known.sum() < 3:
+    return None
+  x = np.stack([np.ones_like(launch), dpass, chunks], 1)
+  coef, *_ = np.linalg.lstsq(x[known], (end - launch)[known], rcond=None)
+  b = max(float(coef[1]), 0.0)
+  estimate = np.clip(x @ np.array([coef[0], b, coef[2]]), 0.0, begin - launch)
+  device = np.where(known, end - launch, estimate)
+  gaps = np.maximum(launch[1:] - (launch + device)[:-1], 0.0) * (held[1:] > 0)
+  beyond = np.maximum(device - b * dpass, 0.0)
+  stall = float(gaps.sum() + beyond.sum())
+  busy = float(device.sum() + gaps.sum())
+  return {
+    "decode_s_per_iteration": b,
+    "group_start_s": stall / max(groups_started, 1),
+    "group_start_stall_fraction": stall / max(busy, 1e-12),
+    "host_gap_s": float(gaps.sum()),
+    "device_s": float(device.sum()),
+    "calls_running_at_collect": float(known.mean()),
+  }
+
+
 def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   """Service times of a disaggregated run over its window (see the module docstring)."""
   t = run["timings"]
@@ -100,6 +137,11 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   calls = calls[calls[:, 0] > t0]
   fit = engine_call_fit(calls)
   dt, starts = calls[:, 1], calls[:, 3]
+  timeline = np.asarray(t.get("engine_calls") or [], np.float64).reshape(-1, 9)
+  timeline = timeline[timeline[:, 0] > t0]
+  measured = engine_timeline_fit(timeline, groups_started=int(starts.sum()))
+  if measured is not None:  # the engine's own timeline: host work seen as gaps, not fitted
+    fit = {**fit, **measured}
   mb = np.asarray(t["trainer_minibatch_s"], np.float64).reshape(-1, 2)
   mb = mb[mb[:, 0] > t0]
   window = run["rows"][warmup_steps:]
@@ -113,6 +155,7 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
     "engine_calls": int(len(calls)),
     "chunk_passes": fit["chunk_passes"],
     "group_start_stall_fraction": fit["group_start_stall_fraction"],
+    "stall_measure": "timeline" if measured is not None else "call_fit",
     "rollout_busy_s": float(dt.sum()),
     "groups_started": int(starts.sum()),
     "slots": int(t["slots"]),

@@ -1,0 +1,69 @@
+"""The group-start stall measured from the engine's call timeline, with and without host work
+overlapping the calls (`knitjax.sim.calibration.engine_timeline_fit`)."""
+
+import numpy as np
+import pytest
+
+from knitjax.sim.calibration import engine_timeline_fit
+
+A, B, E = 0.001, 0.002, 0.005  # a call: 1 ms + 2 ms per decode pass + 5 ms per chunk pass
+
+
+def _timeline(host_s, *, overlap, n=40, seed=0):
+  """Rows of `ContinuousEngine.timeline` for calls of known device time, ``host_s`` of host work
+  per call; without overlap the host works after collecting, with it while the next call runs."""
+  rng = np.random.default_rng(seed)
+  rows, t, device_free = [], 0.0, 0.0
+  for k in range(n):
+    decode, chunks = int(rng.integers(1, 9)), int(rng.integers(0, 3))
+    launch = t
+    device_end = max(launch, device_free) + A + B * decode + E * chunks
+    if overlap:  # host work runs beside the call, then the host collects it
+      begin = launch + host_s
+      end = max(begin, device_end)
+      t = end  # the next launch follows the collect at once
+    else:  # the host collects at once, then works
+      begin = launch
+      end = device_end
+      t = end + host_s
+    device_free = device_end
+    rows.append((launch, begin, end, float(begin < device_end), decode, decode, chunks, 8, 1))
+  return np.asarray(rows)
+
+
+def test_without_overlap_the_host_gaps_are_the_stall_beside_the_calls_own_costs():
+  rows = _timeline(0.004, overlap=False)
+  fit = engine_timeline_fit(rows, groups_started=40)
+  assert fit["decode_s_per_iteration"] == pytest.approx(B, rel=1e-6)
+  assert fit["calls_running_at_collect"] == 1.0
+  assert fit["host_gap_s"] == pytest.approx(0.004 * 39, rel=1e-6)
+  beyond = A * 40 + E * rows[:, 6].sum()
+  assert fit["group_start_s"] == pytest.approx((0.004 * 39 + beyond) / 40, rel=1e-6)
+  busy = (rows[:, 2] - rows[:, 0]).sum() + 0.004 * 39
+  assert fit["group_start_stall_fraction"] == pytest.approx((0.004 * 39 + beyond) / busy)
+
+
+def test_host_work_shorter_than_a_call_overlaps_it_and_leaves_no_gap():
+  fit = engine_timeline_fit(_timeline(0.0005, overlap=True), groups_started=40)
+  assert fit["host_gap_s"] == pytest.approx(0.0, abs=1e-9)
+  assert fit["decode_s_per_iteration"] == pytest.approx(B, rel=1e-6)
+  slow = engine_timeline_fit(_timeline(0.0005, overlap=False), groups_started=40)
+  assert fit["group_start_stall_fraction"] < slow["group_start_stall_fraction"]
+
+
+def test_calls_the_host_came_late_for_use_the_fitted_device_time():
+  # Host work of 9 ms: longer than every call with <= 3 decode passes and no chunk.
+  rows = _timeline(0.009, overlap=True)
+  late = rows[:, 3] == 0
+  assert late.any() and (~late).sum() >= 3
+  fit = engine_timeline_fit(rows, groups_started=40)
+  device = A + B * rows[:, 5] + E * rows[:, 6]
+  assert fit["device_s"] == pytest.approx(device.sum(), rel=1e-6)
+  gaps = rows[1:, 0] - (rows[:-1, 0] + device[:-1])
+  assert fit["host_gap_s"] == pytest.approx(np.maximum(gaps, 0).sum(), rel=1e-6)
+
+
+def test_too_few_calls_seen_running_give_no_fit():
+  rows = _timeline(1.0, overlap=True, n=5)
+  assert rows[:, 3].sum() < 3
+  assert engine_timeline_fit(rows, groups_started=5) is None
