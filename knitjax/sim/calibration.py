@@ -3,18 +3,24 @@
 Disaggregated run (`timings.json` of `knitjax.runtime.disaggregated`), over the measurement
 window (after the warmup steps):
 
-* Rollout engine calls: ``b``, the seconds per decode iteration, is the least squares fit of
-  ``a + b * decode passes + e * prefill chunk passes`` over the calls (runs recorded before the
+* Rollout engine calls, from the engine's own call timeline (``engine_calls`` in timings.json,
+  `engine_timeline_fit`): ``b``, the device seconds per decode pass, is fitted on the calls the
+  host found still running when it came to collect them (their device time is seen); the stall
+  charged to group starts is the host gaps between calls while samples were held plus each
+  call's time beyond ``b`` x its decode passes; with host work overlapping the calls
+  (``rollout.overlap_host``) only the part of it that the device waited for counts. Runs
+  without a timeline (rollout hosts, Ray workers, runs recorded before it) use the call fit:
+* Rollout engine calls (call fit): ``b``, the seconds per decode iteration, is the least squares fit
+  of ``a + b * decode passes + e * prefill chunk passes`` over the calls (runs recorded before the
   chunked-prefill engine: ``a + b * iterations + c * [the call started groups]``); it is the
   simulator's ``decode_s_per_token`` (a continuous-batching iteration, fixed shapes:
   ``occupancy_slowdown = 0``). The rest of the rollout's busy time (prefill chunks, host work
-  between calls) is charged to group starts: ``c_g = (total call seconds - b * total decode
-  passes) / groups started``, so the simulated rollout does the measured work. On this CPU a
-  prefill chunk delays the decode pass of its iteration, so a start stalls every slot for ``c_g``
-  in all, and so it does in the simulator: ``group_start_pause_s = c_g``
-  (``group_start_stall_fraction``: that time's share of the rollout's busy time).
-  (Charging the same slot-seconds to each sample's own slot instead, as for a chunked-prefill
-  engine, over-predicted partially overlapped runs by ~20%.)
+  between calls) is charged to group starts: ``c_g = (total call seconds - b * total decode passes)
+  / groups started``, so the simulated rollout does the measured work. On this CPU a prefill chunk
+  delays the decode pass of its iteration, so a start stalls every slot for ``c_g`` in all, and so
+  it does in the simulator: ``group_start_pause_s = c_g`` (``group_start_stall_fraction``: that
+  time's share of the rollout's busy time). (Charging the same slot-seconds to each sample's own
+  slot instead, as for a chunked-prefill engine, over-predicted partially overlapped runs by ~20%.)
 * Trainer: the measured mean seconds per mini-batch (fetch, device transfer, update, weight
   publish; the step has fixed shapes, so no per-token term), and the per-step host work after a
   step's last mini-batch (metrics, TensorBoard, logging): the window's wall time the trainer
