@@ -51,6 +51,9 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   # > 0: disaggregated runs generate in that many rollout host processes (`--role=rollout`,
   # config.runtime.rollout_hosts) instead of a thread of the trainer's process.
   c.rollout_hosts = 0
+  # Reuse finished runs of the same config already in the workdir (judge recorded runs again,
+  # e.g. after a calibration change) instead of running them again.
+  c.reuse_runs = False
   if arg in (None, ""):
     return c
   if arg == "quick":

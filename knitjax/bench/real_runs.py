@@ -93,6 +93,25 @@ def launch(config: mc.ConfigDict, root: str, name: str, *, in_process: bool = Fa
   return {"workdir": workdir, "command": " ".join(command)}
 
 
+def reused(config: mc.ConfigDict, root: str, name: str, steps: int) -> dict | None:
+  """The finished run ``root/runs/<name>`` of exactly ``config`` (its generated config file holds
+  the same fields and values, and ``metrics.jsonl`` has ``steps`` steps), as `launch` returns
+  it; None otherwise (launch it). Lets a benchmark judge recorded runs again, e.g. with a new
+  calibration, without running them again."""
+  workdir = os.path.join(root, "runs", name)
+  path = os.path.join(root, "configs", f"{name}.py")
+  if not os.path.exists(path) or not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    return None
+  with open(path) as f:
+    text = f.read()
+  if text != _CONFIG_FILE.format(name=name, payload=json.dumps(config.to_dict())):
+    return None
+  if len(read_metrics(workdir)) < steps:
+    return None
+  command = [sys.executable, "-m", "knitjax.main", "--config", path, "--workdir", workdir]
+  return {"workdir": workdir, "command": " ".join(command)}
+
+
 def read_run(workdir: str) -> dict:
   """``{"rows": metrics rows, "timings": timings.json or None, "wall": cumulative seconds}``."""
   rows = read_metrics(workdir)

@@ -32,7 +32,7 @@ import numpy as np
 from matplotlib.figure import Figure  # drawn without pyplot: the caller's backend is untouched
 
 from knitjax.bench import learning
-from knitjax.bench.real_runs import launch, measured_point, read_run
+from knitjax.bench.real_runs import launch, measured_point, read_run, reused
 from knitjax.bench.report import format_table, write_json
 from knitjax.config import from_config_dict
 from knitjax.runtime import builder
@@ -84,7 +84,9 @@ def _runs(config: mc.ConfigDict, workdir: str) -> dict:
     )
     if seed is not None:
       cfg.seed = seed
-    launched = launch(cfg, workdir, name, in_process=config.in_process)
+    launched = reused(cfg, workdir, name, steps) if config.reuse_runs else None
+    if launched is None:
+      launched = launch(cfg, workdir, name, in_process=config.in_process)
     run_ = read_run(launched["workdir"])
     out[name] = {**launched, "config": cfg, "policy": policy, "depth": depth, "run": run_}
     out[name]["key"] = _key(policy, depth)

@@ -22,7 +22,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,7 @@ from knitjax.rollout.continuous_step import (
   fresh_cache,
   make_engine_call,
 )
+from knitjax.rollout.placement import Placement, place
 from knitjax.rollout.sampler import SamplingConfig, eos_tuple
 
 ADOPTION = ("new_groups", "mid_generation")
@@ -61,39 +61,6 @@ class Finished:
   logprobs: np.ndarray  # [length] float32
   version: int  # oldest policy version used (gen version)
   version_newest: int  # newest policy version used
-
-
-class Placement(NamedTuple):
-  """One prompt's share on one shard: a lane prefills it once for these slots."""
-
-  lane: int  # global lane index (shard * lanes_per_shard + local)
-  slots: list[int]  # global slot indices
-  requests: list[Request]
-
-
-def place(
-  free_slots: list[list[int]], free_lanes: list[list[int]], sizes: Sequence[int]
-) -> list[list[tuple[int, int, int]]] | None:
-  """Where prompts of ``sizes`` samples go: per prompt, ``(shard, lane, n)`` shares.
-
-  Greedy: each prompt goes to the shard with the most free slots that has a free lane; a prompt
-  larger than any shard's free slots is split over several shards (one lane each). The lists are
-  consumed. Returns None when some prompt does not fit.
-  """
-  out = []
-  for size in sizes:
-    shares, left = [], size
-    while left:
-      ok = [s for s in range(len(free_slots)) if free_lanes[s] and free_slots[s]]
-      if not ok:
-        return None
-      s = max(ok, key=lambda s: (len(free_slots[s]) >= left, len(free_slots[s]), -s))
-      n = min(left, len(free_slots[s]))
-      shares.append((s, free_lanes[s].pop(0), n))
-      del free_slots[s][:n]
-      left -= n
-    out.append(shares)
-  return out
 
 
 @jax.jit

@@ -4,12 +4,14 @@ Disaggregated run (`timings.json` of `knitjax.runtime.disaggregated`), over the 
 window (after the warmup steps):
 
 * Rollout engine calls, from the engine's own call timeline (``engine_calls`` in timings.json,
-  `engine_timeline_fit`): ``b``, the device seconds per decode pass, is fitted on the calls the
-  host found still running when it came to collect them (their device time is seen); the stall
-  charged to group starts is the host gaps between calls while samples were held plus each
-  call's time beyond ``b`` x its decode passes; with host work overlapping the calls
-  (``rollout.overlap_host``) only the part of it that the device waited for counts. Runs
-  without a timeline (rollout hosts, Ray workers, runs recorded before it) use the call fit:
+  `engine_timeline_fit`): ``b``, the device seconds per decode pass, is fitted on the calls the host
+  found still running when it came to collect them (their device time is seen, also when host work
+  overlaps the calls, ``rollout.overlap_host``); the rest of the rollout's busy time (loop seconds
+  of `calls`, idle waits excluded) is charged to group starts, ``c_g = (busy - b * decode passes) /
+  groups started``, so the simulated rollout does the measured work; ``group_start_stall_fraction``
+  is the engine's stall measured on the timeline (host gaps while samples were held, per-call costs,
+  prefill chunks). Runs without a usable timeline (rollout hosts, Ray workers, runs recorded before
+  it, or call times that do not grow with decode passes) use the call fit:
 * Rollout engine calls (call fit): ``b``, the seconds per decode iteration, is the least squares fit
   of ``a + b * decode passes + e * prefill chunk passes`` over the calls (runs recorded before the
   chunked-prefill engine: ``a + b * iterations + c * [the call started groups]``); it is the
@@ -109,7 +111,10 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
   call's seconds beyond ``b`` x its decode passes (the fixed cost of a call and the prefill
   chunks, which live slots wait for on a device that runs them one after the other).
   ``group_start_s`` charges it to the ``groups_started``. None when fewer than 3 calls were
-  running at collect (no call's device time was seen: the calls' split is unknown).
+  running at collect, or when the fitted seconds per decode pass are not positive: the calls'
+  device time does not grow with their passes (on a CPU shared with the host work and the
+  trainer, a call's wall time is mostly contention), so it cannot be split; the caller falls
+  back to the call fit.
   """
   launch, begin, end, running, _, dpass, chunks, held, _ = np.asarray(rows, np.float64).T
   known = running > 0
@@ -117,7 +122,9 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
     return None
   x = np.stack([np.ones_like(launch), dpass, chunks], 1)
   coef, *_ = np.linalg.lstsq(x[known], (end - launch)[known], rcond=None)
-  b = max(float(coef[1]), 0.0)
+  b = float(coef[1])
+  if b <= 0:
+    return None
   estimate = np.clip(x @ np.array([coef[0], b, coef[2]]), 0.0, begin - launch)
   device = np.where(known, end - launch, estimate)
   gaps = np.maximum(launch[1:] - (launch + device)[:-1], 0.0) * (held[1:] > 0)
@@ -146,8 +153,15 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   timeline = np.asarray(t.get("engine_calls") or [], np.float64).reshape(-1, 9)
   timeline = timeline[timeline[:, 0] > t0]
   measured = engine_timeline_fit(timeline, groups_started=int(starts.sum()))
-  if measured is not None:  # the engine's own timeline: host work seen as gaps, not fitted
-    fit = {**fit, **measured}
+  if measured is not None:
+    # The engine's own timeline gives the seconds per decode pass (seen on the device, not fitted
+    # on loop times that host work overlaps) and the engine's stall; the rest of the rollout's
+    # busy time is charged to group starts as in the call fit, so the simulated rollout still
+    # does the measured work (host work while no sample is held, e.g. starting a step's groups
+    # at depth 0, is on the critical path too).
+    b = measured["decode_s_per_iteration"]
+    c = max(0.0, (dt.sum() - b * calls[:, 6].sum()) / max(starts.sum(), 1.0))
+    fit = {**fit, **measured, "group_start_s": float(c)}
   mb = np.asarray(t["trainer_minibatch_s"], np.float64).reshape(-1, 2)
   mb = mb[mb[:, 0] > t0]
   window = run["rows"][warmup_steps:]

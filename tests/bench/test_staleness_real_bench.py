@@ -99,6 +99,34 @@ def test_quick_variant_measures_predicts_and_writes_learning(tmp_path):
   assert learning["version_budget"] == pytest.approx(1.1 * learning["colocated_versions"])
   assert os.path.getsize(tmp_path / "learning.png") > 10_000
   assert os.path.getsize(tmp_path / "staleness_real.png") > 10_000
+  # Judged again from the recorded runs (reuse_runs): nothing runs, the measurements are the same.
+  saved = json.loads((tmp_path / "staleness_real.json").read_text())
+  metrics = sorted(tmp_path.glob("runs/*/metrics.jsonl"))
+  written = [p.stat().st_mtime_ns for p in metrics]
+  config.reuse_runs = True
+  again = staleness_real.run(config, str(tmp_path))
+  assert [p.stat().st_mtime_ns for p in metrics] == written
+  assert again["frontier"] == saved["frontier"]
+
+
+def test_a_recorded_run_is_reused_only_for_the_same_config_and_all_its_steps(tmp_path):
+  from knitjax.bench import real_runs
+
+  config = staleness_real_config.get_config("quick").train
+  name = "frontier_minibatch_d1_r0"
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / f"{name}.py").write_text(
+    real_runs._CONFIG_FILE.format(name=name, payload=json.dumps(config.to_dict()))
+  )
+  run_dir = tmp_path / "runs" / name
+  run_dir.mkdir(parents=True)
+  (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {k}}}\n' for k in (1, 2, 3)))
+  got = real_runs.reused(config, str(tmp_path), name, 3)
+  assert got["workdir"] == str(run_dir) and got["command"].endswith(f"--workdir {run_dir}")
+  assert real_runs.reused(config, str(tmp_path), name, 4) is None  # not finished
+  assert real_runs.reused(config, str(tmp_path), "other", 3) is None
+  config.train.lr = config.train.lr * 2
+  assert real_runs.reused(config, str(tmp_path), name, 3) is None  # another config
 
 
 def test_paper_variant_is_the_papers_regime_on_the_full_grid():

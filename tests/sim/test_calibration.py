@@ -14,7 +14,7 @@ def _timeline(host_s, *, overlap, n=40, seed=0):
   per call; without overlap the host works after collecting, with it while the next call runs."""
   rng = np.random.default_rng(seed)
   rows, t, device_free = [], 0.0, 0.0
-  for k in range(n):
+  for _ in range(n):
     decode, chunks = int(rng.integers(1, 9)), int(rng.integers(0, 3))
     launch = t
     device_end = max(launch, device_free) + A + B * decode + E * chunks
@@ -67,3 +67,9 @@ def test_too_few_calls_seen_running_give_no_fit():
   rows = _timeline(1.0, overlap=True, n=5)
   assert rows[:, 3].sum() < 3
   assert engine_timeline_fit(rows, groups_started=5) is None
+
+
+def test_call_times_that_do_not_grow_with_decode_passes_give_no_fit():
+  rows = _timeline(0.0, overlap=False)
+  rows[:, 2] = rows[:, 0] + 0.01 - 0.0001 * rows[:, 5]  # longer calls with fewer passes
+  assert engine_timeline_fit(rows, groups_started=40) is None
