@@ -12,10 +12,11 @@ the previous step launched, launches the next one at once with the queued groups
 only then scores, assembles and stores the groups the collected call finished, while the device
 runs the new call; the caller's own work on the returned groups (admission, weight adoption,
 starting the next groups) overlaps it too. Only placing the new requests sits between two calls.
-A group is therefore reported one call later than it finished. Groups the caller starts while a
-call runs wait in a queue (up to one per prefill lane beyond the room known then) and go into
-the slots that call frees, at the next launch; their gen version is the version they start
-decoding with.
+A step therefore returns the groups of the call before the one it launched: in wall time, when
+that call has ended and the next is placed (the host may come late for it, after its own work).
+Groups the caller starts while a call runs wait in a queue (up to one per prefill lane beyond the
+room known then) and go into the slots that call frees, at the next launch; their gen version is
+the version they start decoding with.
 """
 
 from __future__ import annotations
