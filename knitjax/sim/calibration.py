@@ -111,10 +111,10 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
   call's seconds beyond ``b`` x its decode passes (the fixed cost of a call and the prefill
   chunks, which live slots wait for on a device that runs them one after the other).
   ``group_start_s`` charges it to the ``groups_started``. None when fewer than 3 calls were
-  running at collect, or when the fitted seconds per decode pass are not positive: the calls'
-  device time does not grow with their passes (on a CPU shared with the host work and the
-  trainer, a call's wall time is mostly contention), so it cannot be split; the caller falls
-  back to the call fit.
+  running at collect. When the fitted seconds per decode pass are not positive (the calls'
+  device time does not grow with their passes: on a CPU shared with the host work and the
+  trainer a call's wall time is mostly contention), ``b`` is the seen calls' device seconds per
+  decode pass instead, an upper bound (``decode_split="ratio"``).
   """
   launch, begin, end, running, _, dpass, chunks, held, _ = np.asarray(rows, np.float64).T
   known = running > 0
@@ -122,9 +122,10 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
     return None
   x = np.stack([np.ones_like(launch), dpass, chunks], 1)
   coef, *_ = np.linalg.lstsq(x[known], (end - launch)[known], rcond=None)
-  b = float(coef[1])
-  if b <= 0:
-    return None
+  b, split = float(coef[1]), "fit"
+  if b <= 0:  # call time does not grow with passes (contention): device seconds per pass instead
+    b, split = float((end - launch)[known].sum() / max(dpass[known].sum(), 1.0)), "ratio"
+    coef = np.array([0.0, b, 0.0])
   estimate = np.clip(x @ np.array([coef[0], b, coef[2]]), 0.0, begin - launch)
   device = np.where(known, end - launch, estimate)
   gaps = np.maximum(launch[1:] - (launch + device)[:-1], 0.0) * (held[1:] > 0)
@@ -138,6 +139,7 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
     "host_gap_s": float(gaps.sum()),
     "device_s": float(device.sum()),
     "calls_running_at_collect": float(known.mean()),
+    "decode_split": split,
   }
 
 
@@ -162,6 +164,9 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
     b = measured["decode_s_per_iteration"]
     c = max(0.0, (dt.sum() - b * calls[:, 6].sum()) / max(starts.sum(), 1.0))
     fit = {**fit, **measured, "group_start_s": float(c)}
+  elif fit["decode_s_per_iteration"] <= 0:  # the call fit found no per-pass time either
+    b = float(dt.sum() / max(calls[:, 6].sum() if calls.shape[1] >= 7 else calls[:, 2].sum(), 1))
+    fit = {**fit, "decode_s_per_iteration": b, "group_start_s": 0.0}
   mb = np.asarray(t["trainer_minibatch_s"], np.float64).reshape(-1, 2)
   mb = mb[mb[:, 0] > t0]
   window = run["rows"][warmup_steps:]

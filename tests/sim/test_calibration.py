@@ -69,7 +69,11 @@ def test_too_few_calls_seen_running_give_no_fit():
   assert engine_timeline_fit(rows, groups_started=5) is None
 
 
-def test_call_times_that_do_not_grow_with_decode_passes_give_no_fit():
+def test_call_times_that_do_not_grow_with_decode_passes_give_device_seconds_per_pass():
   rows = _timeline(0.0, overlap=False)
   rows[:, 2] = rows[:, 0] + 0.01 - 0.0001 * rows[:, 5]  # longer calls with fewer passes
-  assert engine_timeline_fit(rows, groups_started=40) is None
+  fit = engine_timeline_fit(rows, groups_started=40)
+  assert fit["decode_split"] == "ratio"
+  want = (rows[:, 2] - rows[:, 0]).sum() / rows[:, 5].sum()
+  assert fit["decode_s_per_iteration"] == pytest.approx(want)
+  assert fit["group_start_stall_fraction"] >= 0
