@@ -161,12 +161,13 @@ class ContinuousEngine:
     self._lane_busy = [False] * (shards * prefill_lanes)
     self._state = None
     self._lanes = None
-    self._launched = None  # (stats, version, launch time, samples held) of a call in flight
+    # The call in flight: (stats, version, perf_counter and time.time at launch, samples held
+    # before it, prompts it started).
+    self._launched = None
     # Per collected call: (launch, collect begin, collect end) as time.time(), whether the call
     # was still running when collect began (1.0: the device was busy until collect end), loop
     # iterations, decode passes, prefill chunk passes, samples held before the launch, prompts
-    # it started.
-    # `knitjax.sim.calibration.engine_timeline_fit` measures the group-start stall from it.
+    # it started; `knitjax.sim.calibration.engine_timeline_fit` measures the stall from it.
     self.timeline: list[tuple[float, ...]] = []
     self._call = make_engine_call(
       graphdef=graphdef,

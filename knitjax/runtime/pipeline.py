@@ -228,10 +228,9 @@ class Pipeline:
     ``calls``: per rollout call ``(end time, seconds, loop iterations, groups started, live
     samples, prefill chunk passes, decode passes)``; ``engine_calls``: the continuous engine's
     own call timeline (`ContinuousEngine.timeline`; empty for other rollouts);
-    ``trainer_minibatch_s``: per mini-batch
-    ``(end time, seconds)``, from taking it off the queue to publishing; times are
-    ``time.time()``, ``t_start`` the trainer loop's start (``wall_s`` of metrics.jsonl counts
-    from it).
+    ``trainer_minibatch_s``: per mini-batch ``(end time, seconds)``, from taking it off the queue
+    to publishing; times are ``time.time()``, ``t_start`` the trainer loop's start (``wall_s`` of
+    metrics.jsonl counts from it).
     """
     calls = np.asarray(self.thread.calls, np.float64).reshape(-1, 7)
     engine = getattr(self.rollout, "engine", None)  # the continuous engine, when in process

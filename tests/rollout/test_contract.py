@@ -63,12 +63,12 @@ def _batched(parts, max_groups=None):
   return BatchedRollout(worker, _unit(tok, prompt_len), max_groups=max_groups)
 
 
-def _streaming(parts):
+def _streaming(parts, *, temperature=1.0, overlap_host=True):
   _, tok, graphdef, _, mesh, prompt_len = parts
   engine = ContinuousEngine(
     graphdef,
     mesh=mesh,
-    sampling=SamplingConfig(max_new_tokens=N),
+    sampling=SamplingConfig(max_new_tokens=N, temperature=temperature),
     slots=2 * G,
     prompt_len=prompt_len,
     eos_id=tok.eos_id,
@@ -84,6 +84,7 @@ def _streaming(parts):
     reward_fn=get_reward_fn("arith_exact"),
     tokenizer=tok,
     group_size=G,
+    overlap_host=overlap_host,
   )
 
 

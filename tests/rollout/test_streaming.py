@@ -6,36 +6,7 @@ import numpy as np
 import pytest
 
 from knitjax.rollout import contract
-from knitjax.rollout.continuous import ContinuousEngine
-from knitjax.rollout.sampler import SamplingConfig
-from knitjax.rollout.streaming import StreamingRollout
-from knitjax.tasks.rewards import get_reward_fn
-from tests.rollout.test_contract import G, N, _unit, parts  # noqa: F401 (fixture)
-
-
-def _rollout(parts, *, overlap, temperature=1.0, slots=2 * G):  # noqa: F811
-  _, tok, graphdef, _, mesh, prompt_len = parts
-  engine = ContinuousEngine(
-    graphdef,
-    mesh=mesh,
-    sampling=SamplingConfig(max_new_tokens=N, temperature=temperature),
-    slots=slots,
-    prompt_len=prompt_len,
-    eos_id=tok.eos_id,
-    pad_id=tok.pad_id,
-    prefill_lanes=1,
-    decode_steps=2,
-    adoption="new_groups",
-    param_slots=2,
-  )
-  return StreamingRollout(
-    engine,
-    _unit(tok, prompt_len),
-    reward_fn=get_reward_fn("arith_exact"),
-    tokenizer=tok,
-    group_size=G,
-    overlap_host=overlap,
-  )
+from tests.rollout.test_contract import G, _streaming, parts  # noqa: F401 (fixture)
 
 
 def _responses(rollout, metas):
@@ -48,7 +19,7 @@ def test_greedy_groups_are_the_same_with_and_without_overlap(parts):  # noqa: F8
   prompts = source.next(7)
   out = {}
   for overlap in (False, True):
-    rollout = _rollout(parts, overlap=overlap, temperature=0.0)
+    rollout = _streaming(parts, overlap_host=overlap, temperature=0.0)
     with jax.set_mesh(mesh):
       metas = contract.generate(
         rollout, params, prompts, version=0, rng=jax.random.key(0), first_group_id=0
@@ -65,7 +36,7 @@ def test_greedy_groups_are_the_same_with_and_without_overlap(parts):  # noqa: F8
 
 def test_a_step_reports_the_last_call_while_the_next_one_runs(parts):  # noqa: F811
   source, _, _, params, mesh, _ = parts
-  rollout = _rollout(parts, overlap=True)
+  rollout = _streaming(parts)
   engine = rollout.engine
   rollout.adopt(params, 0)
   assert rollout.capacity() == 2  # 2 G slots, nothing running: the room known
