@@ -78,6 +78,9 @@ class RolloutConfig:
   # Continuous engine: launch the next engine call before the host scores, stores and offers the
   # groups the last one finished, so that host work overlaps decoding (False: one after the other).
   overlap_host: bool = True
+  # Continuous engine: prompts each shard may hold in the device-side queue, started inside an
+  # engine call as its slots and lanes free up, without a return to the host (0: off).
+  queue_prompts: int = 0
   # What generates behind the rollout contract: "batched" (one sampler call per wave of
   # slots // group_size groups; colocated: the whole step), "continuous" (the engine),
   # "multiturn" (model and environment turns, tasks with an environment), "auto".
@@ -96,6 +99,7 @@ class RolloutConfig:
     positive("config.rollout.decode_steps", self.decode_steps)
     positive("config.rollout.refill_groups", self.refill_groups)
     positive("config.rollout.prefill_chunk", self.prefill_chunk, allow_zero=True)
+    positive("config.rollout.queue_prompts", self.queue_prompts, allow_zero=True)
     for name in ("share_prefix", "overlap_host"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(

@@ -9,7 +9,8 @@ Shape: a Qwen3-style decoder (2 layers, d_model 128, ffn 256, 4 heads x 32, 2 KV
 512) on one CPU device (the real staleness runs' rollout side); 64 groups x G=8; prompts of 64-128
 tokens (GSM8K-like chat prompts are ~100-200); budgets cycling 8, 16, 64 tokens (a long tail, as
 the longtail task's classes); 64 slots (8 groups at once), 8 iterations per call, chunks of 64
-prompt tokens (the config default), one prefill lane.
+prompt tokens (the config default), one prefill lane; the "queued" engine holds 2 more prompts
+on the device.
 """
 
 import ml_collections
@@ -34,6 +35,7 @@ def get_config(arg=None):
   c.decode_steps = 8
   c.prefill_chunk = 64
   c.lanes = 1
+  c.queue_prompts = 2  # the "queued" engine: prompts waiting on the device, per shard
   c.rounds = 3
   c.version_every = 4  # new_groups engines get a new version every 4 calls (0: skip them)
   if arg in (None, ""):

@@ -11,6 +11,9 @@ compile round:
 * ``before``: the continuous engine as it was: the whole prompt prefilled at once
   (``prefill_chunk=0``) and once per sample (``share_prefix=False``, ``G`` lanes per group);
 * ``after``: chunked prefill (``prefill_chunk``) interleaved with decoding, one prefill per group;
+* ``queued``: ``after`` with the device-side request queue (``queue_prompts`` per shard): groups
+  beyond the free room wait on the device and start inside a call as slots free up, without a
+  return to the host;
 * ``batched``: the batched sampler, in waves of ``slots // G`` groups, each wave running until
   its longest sample ends.
 
@@ -49,7 +52,7 @@ from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.sim.calibration import engine_call_fit, engine_timeline_fit
 
 BOS, EOS, PAD = 1, 2, 0
-ROLLOUTS = ("before", "after", "batched")
+ROLLOUTS = ("before", "after", "queued", "batched")
 VERSIONED = ("versions_split", "versions_unsplit")
 
 
@@ -79,6 +82,7 @@ def _engine(config, graphdef, mesh, sampling, which: str) -> ContinuousEngine:
     decode_steps=config.decode_steps,
     adoption="new_groups" if versioned else "mid_generation",
     split_versions=which != "versions_unsplit",
+    queue_prompts=config.queue_prompts if which == "queued" else 0,
   )
 
 
@@ -89,7 +93,7 @@ def _drive_engine(
   with ``versions`` (param sets), loads the next one every ``every`` calls."""
   pending, calls, tokens, samples = list(prompts), [], 0, 0
   t_start, call = time.perf_counter(), 0
-  while pending or engine.live_samples:
+  while pending or engine.live_samples or engine.queued_samples:
     if versions and call % every == every - 1:
       engine.load(versions[(engine.version + 1) % len(versions)], engine.version + 1)
     requests, n = [], 0
@@ -230,6 +234,8 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
   out["after_vs_batched"] = ro["after"]["tokens_per_s"] / ro["batched"]["tokens_per_s"]
   out["stall_fraction_before"] = ro["before"]["group_start_stall_fraction"]
   out["stall_fraction_after"] = ro["after"]["group_start_stall_fraction"]
+  out["queued_vs_after"] = ro["queued"]["tokens_per_s"] / ro["after"]["tokens_per_s"]
+  out["stall_fraction_queued"] = ro["queued"]["group_start_stall_fraction"]
   if config.version_every:
     split, unsplit = ro["versions_split"], ro["versions_unsplit"]
     out["versions_split_vs_unsplit"] = split["tokens_per_s"] / unsplit["tokens_per_s"]
@@ -242,15 +248,17 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
 
 
 def _table(out: dict) -> str:
-  lines = [f"{'rollout':<10}{'tokens/s':>10}{'stall':>8}{'prefills':>10}"]
+  lines = [f"{'rollout':<10}{'tokens/s':>10}{'stall':>8}{'prefills':>10}{'calls':>8}"]
   for which, e in out["rollouts"].items():
     stall = e.get("group_start_stall_fraction")
     lines.append(
       f"{which:<10}{e['tokens_per_s']:>10.0f}"
       f"{'' if stall is None else f'{stall:.1%}':>8}{e.get('prefills', ''):>10}"
+      f"{e.get('engine_calls', ''):>8}"
     )
   lines.append(
     f"after / before {out['after_vs_before']:.2f}x, after / batched {out['after_vs_batched']:.2f}x"
+    f", queued / after {out['queued_vs_after']:.2f}x"
   )
   if "versions_split_vs_unsplit" in out:
     lines.append(

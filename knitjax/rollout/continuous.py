@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from knitjax import sharding
 from knitjax.rollout.continuous_step import (
   LaneState,
+  Queue,
   SlotState,
   Starts,
   fresh_cache,
@@ -64,23 +65,20 @@ class Finished:
 
 
 @jax.jit
-def _take_rows(tokens, logprobs, length, rows):
-  return tokens[rows], logprobs[rows], length[rows]
+def _take_rows(out, rows):
+  return out.tokens[rows], out.logprobs[rows], out.length[rows], out.tag[rows]
 
 
-def ended_rows(state, ended: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Tokens, log-probs and lengths of the ``ended`` slots, as NumPy rows in that order.
+def ended_rows(out, rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """Tokens, log-probs, lengths and sample ids of the outbox ``rows``, as NumPy in that order.
 
-  The rows are gathered on device first, so the host reads only them rather than every slot's
-  buffers; the row count is padded to a power of two (repeating a row) to bound recompiles.
+  The rows are gathered on device first, so the host reads only them rather than the whole
+  outbox; the row count is padded to a power of two (repeating a row) to bound recompiles.
   """
-  size = 1 << (len(ended) - 1).bit_length()
-  rows = np.asarray(ended + ended[:1] * (size - len(ended)), np.int32)
-  tokens, logprobs, length = sharding.to_host(
-    _take_rows(state.tokens, state.logprobs, state.length, rows)
-  )
-  n = len(ended)
-  return tokens[:n], logprobs[:n], length[:n]
+  size = 1 << (len(rows) - 1).bit_length()
+  idx = np.asarray(rows + rows[:1] * (size - len(rows)), np.int32)
+  got = sharding.to_host(_take_rows(out, idx))
+  return tuple(x[: len(rows)] for x in got)
 
 
 class ContinuousEngine:
@@ -106,6 +104,7 @@ class ContinuousEngine:
     adoption: str = "mid_generation",
     param_slots: int = 2,
     split_versions: bool = True,
+    queue_prompts: int = 0,
   ):
     """Builds an idle engine; call `load` before the first `step`.
 
@@ -127,6 +126,9 @@ class ContinuousEngine:
       param_slots: versions held at once with ``"new_groups"`` (1 with mid-generation).
       split_versions: decode each version's live rows in their own bucket (default); False runs
         one pass over every slot per version with live rows (the engine benchmark's baseline).
+      queue_prompts: prompts each shard may hold in the device-side queue: requests beyond the
+        free room wait there and start inside the call as slots and lanes free up, without a
+        return to the host (0: off; every start waits for the host's next call).
     """
     shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
     if adoption not in ADOPTION:
@@ -139,6 +141,8 @@ class ContinuousEngine:
       raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: the whole prompt).")
     if decode_steps < 1:
       raise ValueError(f"decode_steps={decode_steps} must be >= 1.")
+    if queue_prompts < 0:
+      raise ValueError(f"queue_prompts={queue_prompts} must be >= 0 (0: no device-side queue).")
     if adoption == "new_groups" and param_slots < 2:
       raise ValueError(f"param_slots={param_slots} must be >= 2 with adoption='new_groups'.")
     self.graphdef, self.mesh, self.sampling = graphdef, mesh, sampling
@@ -155,14 +159,20 @@ class ContinuousEngine:
     self._params: list[tuple[int, object] | None] = [None] * n_params
     self._newest = 0  # param slot new samples start with
     self._pending: tuple[int, object] | None = None  # a version waiting for a free param slot
-    self._slot_req: list[Request | None] = [None] * slots
-    self._slot_versions: list[list[int]] = [[0, 0] for _ in range(slots)]
-    self._slot_pslot = [0] * slots
+    self.queue_prompts = queue_prompts
+    # Every sample the engine was given and has not returned, by the engine's own id (the tag the
+    # device sees): [request, gen version, newest version, param slot] (versions and param slot
+    # set when the call that may start it is launched).
+    self._samples: dict[int, list] = {}
+    self._next_tag = 0
+    self._slot_tag = np.full(slots, -1, np.int32)  # the sample each slot holds (-1: free)
+    # Prompts not started yet, oldest first, each a list of sample ids sharing one prompt.
+    self._waiting: list[list[int]] = []
     self._lane_busy = [False] * (shards * prefill_lanes)
     self._state = None
     self._lanes = None
-    # The call in flight: (stats, version, perf_counter and time.time at launch, samples held
-    # before it, prompts it started).
+    # The call in flight: (stats, outbox, version, perf_counter and time.time at launch, samples
+    # held before it, prompts the host started, prompts queued on each shard).
     self._launched = None
     # Per collected call: (launch, collect begin, collect end) as time.time(), whether the call
     # was still running when collect began (1.0: the device was busy until collect end), loop
@@ -206,7 +216,7 @@ class ContinuousEngine:
     if len(self._params) == 1:
       self._params[0], self._pending = self._pending, None
       return
-    busy = {self._slot_pslot[s] for s, r in enumerate(self._slot_req) if r is not None}
+    busy = {self._samples[t][3] for t in self._slot_tag if t >= 0}
     free = [i for i in range(len(self._params)) if i not in busy]
     if free:
       self._params[free[0]], self._pending = self._pending, None
@@ -216,17 +226,22 @@ class ContinuousEngine:
 
   @property
   def free_slots(self) -> int:
-    return sum(r is None for r in self._slot_req)
+    return int(np.sum(self._slot_tag < 0))
 
   @property
   def live_samples(self) -> int:
     """Samples started and not yet finished (prefilling or decoding)."""
     return self.slots - self.free_slots
 
+  @property
+  def queued_samples(self) -> int:
+    """Samples given to the engine whose prompt has not started yet (device-side queue)."""
+    return sum(len(g) for g in self._waiting)
+
   def _free(self) -> tuple[list[list[int]], list[list[int]]]:
     per, lanes = self._per_shard, self.lanes_per_shard
     slots = [
-      [s for s in range(k * per, (k + 1) * per) if self._slot_req[s] is None]
+      [s for s in range(k * per, (k + 1) * per) if self._slot_tag[s] < 0]
       for k in range(self.shards)
     ]
     free_lanes = [
@@ -234,20 +249,43 @@ class ContinuousEngine:
     ]
     return slots, free_lanes
 
-  def capacity(self, group_size: int, queued: Sequence[int] = ()) -> int:
-    """How many more prompts of ``group_size`` samples fit now, after prompts of ``queued``
-    sizes (each a prompt shared by that many samples) are placed."""
+  def _fit(self, sizes: Sequence[int]) -> tuple[int, list, list[list[int]], list[list[int]]]:
+    """How many of the prompts of ``sizes`` (oldest first) start now, their placement, and the
+    free slots and lanes left after them."""
     slots, lanes = self._free()
-    sizes = list(queued) if self.share_prefix else [1] * sum(queued)
-    if place(slots, lanes, sizes) is None:
+    shares = []
+    for size in sizes:
+      trial = [list(x) for x in slots], [list(x) for x in lanes]
+      got = place(*trial, [size])
+      if got is None:
+        break
+      (slots, lanes), shares = trial, shares + got
+    return len(shares), shares, slots, lanes
+
+  def _queueable(self, size: int) -> bool:
+    return self.queue_prompts > 0 and size <= self._per_shard
+
+  def capacity(self, group_size: int, queued: Sequence[int] = ()) -> int:
+    """How many more prompts of ``group_size`` samples fit now (started at once or queued on the
+    device), after the engine's waiting prompts and prompts of ``queued`` sizes (each a prompt
+    shared by that many samples)."""
+    per_prompt = [group_size] if self.share_prefix else [1] * group_size
+    sizes = [len(g) for g in self._waiting]
+    sizes += list(queued) if self.share_prefix else [1] * sum(queued)
+    n_fit, _, slots, lanes = self._fit(sizes)
+    left = sizes[n_fit:]
+    room = self.shards * self.queue_prompts - len(left)
+    if room < 0 or not all(self._queueable(z) for z in left):
       return 0
     n = 0
-    unit = [group_size] if self.share_prefix else [1] * group_size
-    while place(slots, lanes, unit) is not None:
+    while not left and place(slots, lanes, per_prompt) is not None:
       n += 1
+    if all(self._queueable(z) for z in per_prompt):
+      n += room // len(per_prompt)
     return n
 
-  def _plan(self, requests: Sequence[Request]) -> list[Placement]:
+  def _prompts(self, requests: Sequence[Request]) -> list[list[Request]]:
+    """``requests`` checked and grouped by shared prompt (and budget), in order."""
     p, budget_max = self.prompt_len, self.sampling.max_new_tokens
     prompts: dict[object, list[Request]] = {}
     for k, req in enumerate(requests):
@@ -258,49 +296,88 @@ class ContinuousEngine:
         raise ValueError(
           f"request {req.tag}: max_new_tokens={req.max_new_tokens}; accepted: 1..{budget_max}."
         )
-      key = np.asarray(req.tokens, np.int32).tobytes() if self.share_prefix else k
+      toks = np.asarray(req.tokens, np.int32).tobytes()
+      key = (toks, req.max_new_tokens) if self.share_prefix else k
       prompts.setdefault(key, []).append(req)
-    groups = list(prompts.values())
-    slots, lanes = self._free()
-    shares = place(slots, lanes, [len(g) for g in groups])
-    if shares is None:
+    return list(prompts.values())
+
+  def _take(self, requests: Sequence[Request]) -> tuple[list[Placement], list[list[int]]]:
+    """Adds ``requests`` to the waiting prompts; returns where the prompts that fit now start and,
+    per shard, the waiting prompts queued on the device (all or nothing: ValueError)."""
+    groups = self._prompts(requests)
+    sizes = [len(g) for g in self._waiting] + [len(g) for g in groups]
+    n_fit, shares, _, _ = self._fit(sizes)
+    left = sizes[n_fit:]
+    if len(left) > self.shards * self.queue_prompts or not all(map(self._queueable, left)):
       raise ValueError(
         f"{len(requests)} requests ({len(groups)} prompts) do not fit: free slots="
-        f"{self.free_slots}, free prefill lanes={self._lane_busy.count(False)}."
+        f"{self.free_slots}, free prefill lanes={self._lane_busy.count(False)}, device queue="
+        f"{self.shards * self.queue_prompts - (len(sizes) - n_fit - len(left))} prompts."
       )
-    out = []
+    for g in groups:
+      tags = list(range(self._next_tag, self._next_tag + len(g)))
+      self._next_tag += len(g)
+      for t, req in zip(tags, g, strict=True):
+        self._samples[t] = [req, None, None, None]
+      self._waiting.append(tags)
+    plan = []
     slots, _ = self._free()
-    for reqs, group_shares in zip(groups, shares, strict=True):
+    for tags, group_shares in zip(self._waiting[:n_fit], shares, strict=True):
       for shard, lane, n in group_shares:
         taken, slots[shard] = slots[shard][:n], slots[shard][n:]
-        out.append(Placement(shard * self.lanes_per_shard + lane, taken, reqs[:n]))
-        reqs = reqs[n:]
-    return out
+        tagged = [(t, self._samples[t][0]) for t in tags[:n]]
+        plan.append(Placement(shard * self.lanes_per_shard + lane, taken, tagged))
+        tags = tags[n:]
+    del self._waiting[:n_fit]
+    per_shard: list[list[int]] = [[] for _ in range(self.shards)]
+    free = [len(s) for s in slots]
+    for i in range(len(self._waiting)):  # to the shard with the fewest queued, then most room
+      k = min(range(self.shards), key=lambda k: (len(per_shard[k]), -free[k], k))
+      per_shard[k].append(i)
+    return plan, per_shard
 
-  def _starts(self, requests: Sequence[Request]) -> Starts:
-    plan = self._plan(requests)
+  def _starts(self, plan: list[Placement]) -> Starts:
     n_lanes = self.shards * self.lanes_per_shard
     prompt = np.full((n_lanes, self.width), self.pad_id, np.int32)
     plen = np.ones(n_lanes, np.int32)
     new = np.zeros(n_lanes, bool)
     wait = np.full(self.slots, -1, np.int32)
     budget = np.ones(self.slots, np.int32)
-    version = self.version
-    for lane, slots, reqs in plan:
-      toks = np.asarray(reqs[0].tokens, np.int32)
+    tag = np.full(self.slots, -1, np.int32)
+    for lane, slots, tagged in plan:
+      toks = np.asarray(tagged[0][1].tokens, np.int32)
       prompt[lane, self.width - len(toks) :] = toks
       plen[lane], new[lane] = len(toks), True
       self._lane_busy[lane] = True
-      for s, req in zip(slots, reqs, strict=True):
-        wait[s] = lane % self.lanes_per_shard
-        budget[s] = req.max_new_tokens
-        self._slot_req[s] = req
-        self._slot_versions[s] = [version, version]
-        self._slot_pslot[s] = self._newest
+      for s, (t, req) in zip(slots, tagged, strict=True):
+        wait[s], budget[s], tag[s] = lane % self.lanes_per_shard, req.max_new_tokens, t
+        self._slot_tag[s] = t
     self.prefills += len(plan)
     return Starts(
-      prompt=prompt, plen=plen, new=new, pslot=np.int32(self._newest), wait=wait, budget=budget
+      prompt=prompt,
+      plen=plen,
+      new=new,
+      pslot=np.int32(self._newest),
+      wait=wait,
+      budget=budget,
+      tag=tag,
     )
+
+  def _queue(self, per_shard: list[list[int]]) -> Queue:
+    q = self.queue_prompts
+    prompt = np.full((self.shards * q, self.width), self.pad_id, np.int32)
+    plen, size, budget, tag = (np.ones(self.shards * q, np.int32) for _ in range(4))
+    for k, idx in enumerate(per_shard):
+      for j, i in enumerate(idx):
+        tags = self._waiting[i]
+        req = self._samples[tags[0]][0]
+        toks = np.asarray(req.tokens, np.int32)
+        row = k * q + j
+        prompt[row, self.width - len(toks) :] = toks
+        plen[row], size[row], tag[row] = len(toks), len(tags), tags[0]
+        budget[row] = req.max_new_tokens
+    count = np.asarray([len(idx) for idx in per_shard], np.int32)
+    return Queue(prompt=prompt, plen=plen, size=size, budget=budget, tag=tag, count=count)
 
   def _init_state(self, params):
     model = nnx.merge(self.graphdef, params)
@@ -318,6 +395,7 @@ class ContinuousEngine:
       pslot=zeros(s, jnp.int32),
       live=zeros(s, jnp.bool_),
       wait=jnp.full((s,), -1, jnp.int32),
+      tag=jnp.full((s,), -1, jnp.int32),
     )
     lanes = LaneState(
       cache=fresh_cache(model, n_lanes, w + n),
@@ -359,7 +437,13 @@ class ContinuousEngine:
     if self.version is None:
       raise RuntimeError("the engine has no weights; call load(params, version) first.")
     held = self.live_samples
-    starts = self._starts(requests)
+    plan, per_shard = self._take(requests)
+    version = self.version
+    starting = [t for p in plan for t, _ in p.requests]
+    starting += [t for idx in per_shard for i in idx for t in self._waiting[i]]
+    for t in starting:  # queued prompts that start later in the call decode with it too
+      self._samples[t][1:] = [version, version, self._newest]
+    starts, queue = self._starts(plan), self._queue(per_shard)
     if self._state is None:
       spec = NamedSharding(self.mesh, PartitionSpec(sharding.BATCH_AXES))
       init = jax.jit(self._init_state, out_shardings=(spec, spec))
@@ -368,27 +452,29 @@ class ContinuousEngine:
     params = tuple((p if p is not None else self._params[self._newest])[1] for p in self._params)
     t0, t_launch = time.perf_counter(), time.time()
     with jax.set_mesh(self.mesh):
-      self._state, self._lanes, stats = self._call(
+      self._state, self._lanes, out, stats = self._call(
         params,
         self._state,
         self._lanes,
         starts,
+        queue,
         rng,
         np.int32(stop_free),
         np.int32(self.decode_steps),
       )
-    self._launched = (stats, self.version, t0, t_launch, held, int(np.sum(starts.new)))
+    queued = [[self._waiting[i] for i in idx] for idx in per_shard]
+    self._launched = (stats, out, version, t0, t_launch, held, int(np.sum(starts.new)), queued)
 
   def collect(self) -> list[Finished]:
     """Waits for the launched call (none: returns []) and returns the samples it finished."""
     if self._launched is None:
       return []
-    stats, version, t0, t_launch, held, started = self._launched
+    stats, out, version, t0, t_launch, held, started, queued = self._launched
     self._launched = None
     t_begin, running = time.time(), not stats.iterations.is_ready()
     with jax.set_mesh(self.mesh):
-      live, wait, active, stats = sharding.to_host(
-        (self._state.live, self._state.wait, self._lanes.active, stats)
+      tag, active, stats, n_out = sharding.to_host(
+        (self._state.tag, self._lanes.active, stats, out.count)
       )
     self.call_s += time.perf_counter() - t0
     self.calls += 1
@@ -398,36 +484,37 @@ class ContinuousEngine:
     self.rows_decoded += int(np.sum(stats.rows))
     self.rows_unsplit += int(np.sum(stats.rows_unsplit))
     self._lane_busy = [bool(a) for a in active]
+    taken = [g[: int(k)] for g, k in zip(queued, stats.taken, strict=True)]
+    started_now = {id(g) for gs in taken for g in gs}
+    self._waiting = [g for g in self._waiting if id(g) not in started_now]
+    self.prefills += sum(map(len, taken))
+    started += sum(map(len, taken))
     counts = (np.max(stats.iterations), np.max(stats.decode_passes), np.max(stats.chunk_passes))
     row = (t_launch, t_begin, time.time(), float(running), *map(float, counts), held, started)
     self.timeline.append(row)
-    return self._harvest(live, wait, version)
+    rows = [k * (len(out.tag) // self.shards) + i for k, n in enumerate(n_out) for i in range(n)]
+    return self._harvest(out, rows, tag, version)
 
-  def _harvest(self, live: np.ndarray, wait: np.ndarray, version: int) -> list[Finished]:
-    """Finished samples of a call that decoded with ``version`` (mid-generation adoption: the
-    newest version every live sample has used now)."""
+  def _harvest(self, out, rows: list[int], tag: np.ndarray, version: int) -> list[Finished]:
+    """The samples of outbox ``rows``, after a call that decoded with ``version`` (mid-generation
+    adoption: the newest version every sample it decoded has used now); ``tag``: the slots'
+    samples after it."""
+    tokens, logprobs, length, ids = ended_rows(out, rows) if rows else ([], [], [], [])
     if self.adoption == "mid_generation":
-      for s, req in enumerate(self._slot_req):
-        if req is not None:
-          self._slot_versions[s][1] = version
-    ended = [
-      s for s, req in enumerate(self._slot_req) if req is not None and not live[s] and wait[s] < 0
-    ]
-    if not ended:
-      return []
-    tokens, logprobs, length = ended_rows(self._state, ended)
-    out = []
-    for i, s in enumerate(ended):
+      for t in [*tag[tag >= 0], *ids]:
+        self._samples[int(t)][2] = version
+    self._slot_tag = np.asarray(tag, np.int32).copy()
+    finished = []
+    for i, t in enumerate(ids):
+      req, first, newest, _ = self._samples.pop(int(t))
       n = int(length[i])
-      first, newest = self._slot_versions[s]
-      out.append(
+      finished.append(
         Finished(
-          tag=self._slot_req[s].tag,
+          tag=req.tag,
           tokens=tokens[i, :n].copy(),
           logprobs=logprobs[i, :n].copy(),
           version=first,
           version_newest=newest,
         )
       )
-      self._slot_req[s] = None
-    return out
+    return finished

@@ -58,6 +58,7 @@ class SlotState:
   pslot: jax.Array  # [S] param slot the sample decodes with
   live: jax.Array  # [S] bool: holds a sample that has not finished
   wait: jax.Array  # [S] shard-local lane the slot waits on (-1: none)
+  tag: jax.Array  # [S] the host's id of the sample the slot holds (-1: the slot is free)
 
 
 @jax.tree_util.register_dataclass
@@ -84,6 +85,35 @@ class Starts:
   pslot: jax.Array  # [] param slot of the lanes started now
   wait: jax.Array  # [S] shard-local lane a slot starts waiting on (-1: none)
   budget: jax.Array  # [S] max new tokens of the slots that start waiting
+  tag: jax.Array  # [S] sample ids of the slots that start waiting
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Queue:
+  """Prompts the device starts by itself as room frees up during the call (the device-side
+  request queue), per shard in order; a prompt starts once a lane and ``size`` slots of its shard
+  are free, its samples tagged ``tag + 0 .. tag + size - 1``."""
+
+  prompt: jax.Array  # [Q, Pp] left-padded prompts
+  plen: jax.Array  # [Q]
+  size: jax.Array  # [Q] samples that share the prompt (at most a shard's slots)
+  budget: jax.Array  # [Q] max new tokens of each of its samples
+  tag: jax.Array  # [Q] id of its first sample
+  count: jax.Array  # [shards] prompts queued on each shard
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Outbox:
+  """Samples finished during the call (leading axis: row, per shard in finishing order): a slot
+  is free again the iteration its sample ends, so a queued prompt may take it in the same call."""
+
+  tokens: jax.Array  # [O, N]
+  logprobs: jax.Array  # [O, N]
+  length: jax.Array  # [O]
+  tag: jax.Array  # [O]
+  count: jax.Array  # [shards] rows filled on each shard
 
 
 @jax.tree_util.register_dataclass
@@ -96,6 +126,7 @@ class CallStats:
   chunk_passes: jax.Array
   rows: jax.Array  # slot rows the decode passes computed (live or not), summed over passes
   rows_unsplit: jax.Array  # what one pass over every slot per live version would have computed
+  taken: jax.Array  # queued prompts the shard started
 
 
 def fresh_cache(model, rows: int, max_len: int):
@@ -179,6 +210,7 @@ def _engine_shard(
   state,
   lanes,
   starts,
+  queue,
   rng,
   stop_free,
   decode_steps,
@@ -208,29 +240,91 @@ def _engine_shard(
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   # ---- start: new prompts into their lanes, their slots waiting (no compute) ------------------
-  def start(args):
-    st, ln = args
-    first = (width - starts.plen) // chunk  # chunks of padding only are skipped
-    fresh = fresh_cache(models[0], n_lanes, width + n_new)
-    fresh = dataclasses.replace(jax.tree.map(varying, fresh), index=first * chunk)
+  fresh = fresh_cache(models[0], n_lanes, width + n_new)
+  fresh = jax.tree.map(varying, fresh)
+
+  def start_lanes(st, ln, new, prompt, plen, joins, lane_of, budget, tag):
+    """Lanes ``new`` take ``prompt`` rows; slots ``joins`` wait on lane ``lane_of``."""
+    first = (width - plen) // chunk  # chunks of padding only are skipped
     ln = LaneState(
-      cache=_select(starts.new, fresh, ln.cache),
-      prompt=jnp.where(starts.new[:, None], starts.prompt, ln.prompt),
-      plen=jnp.where(starts.new, starts.plen, ln.plen),
-      chunk=jnp.where(starts.new, first, ln.chunk),
-      pslot=jnp.where(starts.new, starts.pslot, ln.pslot),
-      active=ln.active | starts.new,
+      cache=_select(new, dataclasses.replace(fresh, index=first * chunk), ln.cache),
+      prompt=jnp.where(new[:, None], prompt, ln.prompt),
+      plen=jnp.where(new, plen, ln.plen),
+      chunk=jnp.where(new, first, ln.chunk),
+      pslot=jnp.where(new, starts.pslot, ln.pslot),
+      active=ln.active | new,
     )
-    joins = starts.wait >= 0
     st = dataclasses.replace(
       st,
-      wait=jnp.where(joins, starts.wait, st.wait),
-      budget=jnp.where(joins, starts.budget, st.budget),
+      wait=jnp.where(joins, lane_of, st.wait),
+      budget=jnp.where(joins, budget, st.budget),
+      tag=jnp.where(joins, tag, st.tag),
       live=st.live & ~joins,
     )
     return st, ln
 
+  def start(args):
+    st, ln = args
+    joins = starts.wait >= 0
+    return start_lanes(
+      st, ln, starts.new, starts.prompt, starts.plen, joins, starts.wait, starts.budget, starts.tag
+    )
+
   state, lanes = jax.lax.cond(jnp.any(starts.new), start, lambda a: a, (state, lanes))
+
+  # ---- the device-side queue: the next prompt starts once a lane and its slots are free ------
+  n_queue = queue.size.shape[0]
+  queued = queue.count[0]
+
+  def admit(st, ln, head):
+    if n_queue == 0:
+      return st, ln, head
+    at = jnp.minimum(head, n_queue - 1)
+    free = st.tag < 0
+    size = queue.size[at]
+    ok = (head < queued) & (jnp.sum(free) >= size) & ~jnp.all(ln.active)
+
+    def run(args):
+      st, ln = args
+      lane = jnp.argmin(ln.active)  # the first free lane
+      new = jnp.arange(n_lanes) == lane
+      rank = jnp.cumsum(free) - 1
+      joins = free & (rank < size)
+      row = lambda x: jnp.broadcast_to(x[at], (n_lanes,) + x.shape[1:])  # noqa: E731
+      return start_lanes(
+        st,
+        ln,
+        new,
+        row(queue.prompt),
+        row(queue.plen),
+        joins,
+        lane,
+        queue.budget[at],
+        queue.tag[at] + rank,
+      )
+
+    st, ln = jax.lax.cond(ok, run, lambda a: a, (st, ln))
+    return st, ln, head + ok
+
+  # ---- the outbox: a finished sample leaves its slot at once --------------------------------
+  # Every sample a call ends was in a slot when it began or came from the queue: never more.
+  n_out = n_local + int(queue.size.shape[0]) * n_local
+
+  def emit(out, st, ended):
+    def run(args):
+      out, st = args
+      dest = jnp.where(ended, out.count[0] + jnp.cumsum(ended) - 1, n_out)  # n_out: dropped
+      put = lambda buf, x: buf.at[dest].set(x, mode="drop")  # noqa: E731
+      out = Outbox(
+        tokens=put(out.tokens, st.tokens),
+        logprobs=put(out.logprobs, st.logprobs),
+        length=put(out.length, st.length),
+        tag=put(out.tag, st.tag),
+        count=out.count + jnp.sum(ended),
+      )
+      return out, dataclasses.replace(st, tag=jnp.where(ended, -1, st.tag))
+
+    return jax.lax.cond(jnp.any(ended), run, lambda a: a, (out, st))
 
   # ---- one iteration: a prefill chunk per active lane, first tokens, one decode pass ----------
   def prefill_chunk(model, ln):
@@ -254,7 +348,7 @@ def _engine_shard(
     ln = dataclasses.replace(ln, cache=cache, chunk=ln.chunk + ln.active)
     return ln, logits
 
-  def go_live(it, st, ln, logits_l, done_l):
+  def go_live(it, st, ln, logits_l, done_l, out):
     lane = jnp.clip(st.wait, 0, n_lanes - 1)
     take = (st.wait >= 0) & done_l[lane]
 
@@ -273,10 +367,12 @@ def _engine_shard(
         pslot=ln.pslot[lane],
         live=~is_eos(token, eos_ids) & (st.budget > 1),
         wait=jnp.full_like(st.wait, -1),
+        tag=st.tag,
       )
       return _select(take, new, st)
 
-    return jax.lax.cond(jnp.any(take), run, lambda s: s, st)
+    st = jax.lax.cond(jnp.any(take), run, lambda s: s, st)
+    return emit(out, st, take & ~st.live)  # a first token that ends the sample
 
   def decode_rows(model, st, rows=None):
     """Logits and caches of the slot ``rows`` (None: every slot) after one decode step."""
@@ -306,37 +402,45 @@ def _engine_shard(
     col = jnp.minimum(st.length, n_new - 1)
     length = st.length + live
     ended = is_eos(token, eos_ids) | (length >= st.budget)
-    return dataclasses.replace(
-      st,
-      cache=cache,  # rows not live: their cache row is replaced before they go live again
-      last_token=jnp.where(live, token, st.last_token),
-      position=st.position + live,
-      tokens=st.tokens.at[rows, col].set(jnp.where(live, token, st.tokens[rows, col])),
-      logprobs=st.logprobs.at[rows, col].set(jnp.where(live, logp, st.logprobs[rows, col])),
-      length=length,
-      live=live & ~ended,
-    ), varying(counts)
+    return (
+      dataclasses.replace(
+        st,
+        cache=cache,  # rows not live: their cache row is replaced before they go live again
+        last_token=jnp.where(live, token, st.last_token),
+        position=st.position + live,
+        tokens=st.tokens.at[rows, col].set(jnp.where(live, token, st.tokens[rows, col])),
+        logprobs=st.logprobs.at[rows, col].set(jnp.where(live, logp, st.logprobs[rows, col])),
+        length=length,
+        live=live & ~ended,
+      ),
+      live & ended,
+      varying(counts),
+    )
 
-  def busy(st, ln):
-    # One all-reduce: live slots, slots waiting for a lane, active lanes (engine-wide).
-    local = jnp.stack([jnp.sum(st.live), jnp.sum(st.wait >= 0), jnp.sum(ln.active)])
+  def busy(st, ln, head):
+    # One all-reduce: live slots, slots waiting for a lane, active lanes, queued prompts not
+    # started (engine-wide).
+    local = jnp.stack([jnp.sum(st.live), jnp.sum(st.wait >= 0), jnp.sum(ln.active), queued - head])
     return jax.lax.psum(local.astype(jnp.int32), axes)
 
   n_total = n_local * jax.lax.axis_size(axes)
   n_lanes_total = n_lanes * jax.lax.axis_size(axes)
 
   def cond(carry):
-    it, st, ln, _ = carry
-    live, waiting, active = busy(st, ln)
-    # Stop as soon as the engine as a whole could start a group of `stop_free` samples: that many
-    # free slots and a free lane (after one iteration, so a caller that cannot start one still
-    # moves; stopping while every lane is busy would only return to the host for nothing).
+    it, st, ln, head, _, _ = carry
+    live, waiting, active, left = busy(st, ln, head)
+    # Stop as soon as the engine as a whole could start a group of `stop_free` samples that the
+    # host holds: that many free slots and a free lane, nothing left in the device queue (after one
+    # iteration, so a caller that cannot start one still moves; stopping while every lane is busy
+    # would only return to the host for nothing).
     room = (n_total - live - waiting >= stop_free) & (active < n_lanes_total)
-    enough = (stop_free > 0) & room & (it > 0)
-    return (it < decode_steps) & ((live > 0) | (active > 0)) & ~enough
+    enough = (stop_free > 0) & room & (it > 0) & (left == 0)
+    going = (live > 0) | (active > 0) | (left > 0)
+    return (it < decode_steps) & going & ~enough
 
   def body(carry):
-    it, st, ln, stats = carry
+    it, st, ln, head, out, stats = carry
+    st, ln, head = admit(st, ln, head)
     any_lane = jnp.any(ln.active)
     ln, logits_l = jax.lax.cond(
       any_lane,
@@ -345,27 +449,40 @@ def _engine_shard(
       ln,
     )
     done_l = ln.active & (ln.chunk >= n_chunks)
-    st = go_live(it, st, ln, logits_l, done_l)
+    out, st = go_live(it, st, ln, logits_l, done_l, out)
     ln = dataclasses.replace(ln, active=ln.active & ~done_l)
     any_live = jnp.any(st.live)
-    st, counts = jax.lax.cond(
-      any_live, lambda s: decode(it, s), lambda s: (s, varying(jnp.zeros(2, jnp.int32))), st
+    st, ended, counts = jax.lax.cond(
+      any_live,
+      lambda s: decode(it, s),
+      lambda s: (s, varying(jnp.zeros(n_local, jnp.bool_)), varying(jnp.zeros(2, jnp.int32))),
+      st,
     )
+    out, st = emit(out, st, ended)
     stats = CallStats(
       iterations=stats.iterations + 1,
       decode_passes=stats.decode_passes + any_live,
       chunk_passes=stats.chunk_passes + any_lane,
       rows=stats.rows + counts[0],
       rows_unsplit=stats.rows_unsplit + counts[1],
+      taken=stats.taken,
     )
-    return it + 1, st, ln, stats
+    return it + 1, st, ln, head, out, stats
 
   zero = varying(jnp.zeros((), jnp.int32))
-  stats0 = CallStats(zero, zero, zero, zero, zero)
-  _, state, lanes, stats = jax.lax.while_loop(
-    cond, body, (jnp.zeros((), jnp.int32), state, lanes, stats0)
+  stats0 = CallStats(zero, zero, zero, zero, zero, zero)
+  out0 = Outbox(
+    tokens=varying(jnp.full((n_out, n_new), pad_id, jnp.int32)),
+    logprobs=varying(jnp.zeros((n_out, n_new), jnp.float32)),
+    length=varying(jnp.zeros((n_out,), jnp.int32)),
+    tag=varying(jnp.full((n_out,), -1, jnp.int32)),
+    count=varying(jnp.zeros((1,), jnp.int32)),
   )
-  return state, lanes, jax.tree.map(lambda x: x[None], stats)
+  _, state, lanes, head, out, stats = jax.lax.while_loop(
+    cond, body, (jnp.zeros((), jnp.int32), state, lanes, zero, out0, stats0)
+  )
+  stats = dataclasses.replace(stats, taken=head)
+  return state, lanes, out, jax.tree.map(lambda x: x[None], stats)
 
 
 def make_engine_call(*, graphdef, mesh, sampling, eos_ids, pad_id, chunk, split_versions=True):
@@ -389,6 +506,7 @@ def engine_call(
   state,
   lanes,
   starts,
+  queue,
   rng,
   stop_free,
   decode_steps,
@@ -411,10 +529,12 @@ def engine_call(
     chunk=chunk,
     split_versions=split_versions,
   )
-  starts_spec = Starts(prompt=batch, plen=batch, new=batch, pslot=rep, wait=batch, budget=batch)
+  starts_spec = Starts(
+    prompt=batch, plen=batch, new=batch, pslot=rep, wait=batch, budget=batch, tag=batch
+  )
   return jax.shard_map(
     fn,
     mesh=mesh,
-    in_specs=(rep, batch, batch, starts_spec, rep, rep, rep),
-    out_specs=(batch, batch, batch),
-  )(params, state, lanes, starts, rng, stop_free, decode_steps)
+    in_specs=(rep, batch, batch, starts_spec, batch, rep, rep, rep),
+    out_specs=(batch, batch, batch, batch),
+  )(params, state, lanes, starts, queue, rng, stop_free, decode_steps)

@@ -16,7 +16,7 @@ class Placement(NamedTuple):
 
   lane: int  # global lane index (shard * lanes_per_shard + local)
   slots: list[int]  # global slot indices
-  requests: list  # the engine's `Request`s for these slots, in slot order
+  requests: list  # (sample id, the engine's `Request`) for these slots, in slot order
 
 
 def place(

@@ -181,6 +181,9 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
     "chunk_passes": fit["chunk_passes"],
     "group_start_stall_fraction": fit["group_start_stall_fraction"],
     "stall_measure": "timeline" if measured is not None else "call_fit",
+    "timeline_calls": int(len(timeline)),
+    "host_gap_s": fit.get("host_gap_s", float("nan")),  # from the timeline (nan: none)
+    "device_s": fit.get("device_s", float("nan")),
     "rollout_busy_s": float(dt.sum()),
     "groups_started": int(starts.sum()),
     "slots": int(t["slots"]),

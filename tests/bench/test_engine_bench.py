@@ -21,7 +21,9 @@ def test_quick_run_generates_every_sample_in_each_rollout(tmp_path):
   rollouts = engine.ROLLOUTS + engine.VERSIONED
   assert {w: e["samples"] for w, e in ro.items()} == dict.fromkeys(rollouts, samples)
   # One prefill per group after (each group fits one shard), one per sample before.
-  assert ro["after"]["prefills"] == config.groups
+  assert ro["after"]["prefills"] == ro["queued"]["prefills"] == config.groups
+  # Queued groups start inside calls: never more calls for the same groups.
+  assert ro["queued"]["engine_calls"] <= ro["after"]["engine_calls"]
   assert ro["before"]["prefills"] == samples
   assert ro["after"]["chunk_passes"] > 0
   # Version transitions: the split engine never computes more rows than one pass per version.

@@ -9,6 +9,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.rollout.continuous import ContinuousEngine, Request, ended_rows
+from knitjax.rollout.continuous_step import Outbox
 from knitjax.rollout.sampler import SamplingConfig
 from knitjax.train.batch import make_batch, pack_rows
 from knitjax.train.step import sequence_logprobs
@@ -73,7 +74,7 @@ def _teacher_forced(graphdef, params, reqs, done):
 
 def _drain(engine, reqs, pending, rng_seed=0, limit=200, on_call=None):
   done, call = [], 0
-  while (pending or engine.live_samples) and call < limit:
+  while (pending or engine.live_samples or engine.queued_samples) and call < limit:
     start = pending[: engine.capacity(1)]
     del pending[: len(start)]
     done += engine.step(start, rng=jax.random.key(rng_seed + call), stop_free=4)
@@ -329,22 +330,26 @@ def test_a_version_transition_decodes_each_versions_rows_once(model):
   assert rows < 0.8 * unsplit, (rows, unsplit)
 
 
-def test_harvest_reads_only_the_ended_rows_in_their_order():
+def test_harvest_reads_only_the_outbox_rows_asked_for_in_their_order():
   mesh = sharding.make_mesh((-1, 1, 1), devices=jax.devices()[:4])
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 16, size=(8, 5)).astype(np.int32)
   logprobs = rng.normal(size=(8, 5)).astype(np.float32)
   length = rng.integers(1, 6, size=(8,)).astype(np.int32)
-  state = type("State", (), {})()
-  state.tokens = jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
-  state.logprobs = jax.device_put(logprobs, sharding.batch_sharding(mesh, 2))
-  state.length = jax.device_put(length, sharding.batch_sharding(mesh, 1))
-  for ended in ([5], [6, 1, 3], [7, 0, 2, 4, 1]):  # 1, 4 (padded from 3) and 8 (from 5) rows
-    got = ended_rows(state, ended)
-    assert [g.shape[0] for g in got] == [len(ended)] * 3
-    np.testing.assert_array_equal(got[0], tokens[ended])
-    np.testing.assert_array_equal(got[1], logprobs[ended])
-    np.testing.assert_array_equal(got[2], length[ended])
+  tag = rng.permutation(8).astype(np.int32)
+  put = lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))  # noqa: E731
+  out = Outbox(
+    tokens=put(tokens),
+    logprobs=put(logprobs),
+    length=put(length),
+    tag=put(tag),
+    count=put(np.full(4, 2, np.int32)),
+  )
+  for rows in ([5], [6, 1, 3], [7, 0, 2, 4, 1]):  # 1, 4 (padded from 3) and 8 (from 5) rows
+    got = ended_rows(out, rows)
+    assert [g.shape[0] for g in got] == [len(rows)] * 4
+    for g, want in zip(got, (tokens, logprobs, length, tag), strict=True):
+      np.testing.assert_array_equal(g, want[rows])
 
 
 def test_launch_runs_while_the_host_goes_on_and_collect_keeps_the_launch_version(model):
@@ -363,3 +368,94 @@ def test_launch_runs_while_the_host_goes_on_and_collect_keeps_the_launch_version
   assert all(f.version == 0 and f.version_newest == 0 for f in done)
   got, want = _teacher_forced(graphdef, params, reqs, done)
   np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def _greedy_engine(model, **kw):
+  graphdef, _, _, mesh = model
+  args = dict(slots=8, prefill_lanes=1, prefill_chunk=2, decode_steps=64)
+  args.update(kw)
+  return ContinuousEngine(
+    graphdef,
+    mesh=mesh,
+    sampling=SamplingConfig(max_new_tokens=N, temperature=0.0),
+    prompt_len=P,
+    eos_id=EOS,
+    pad_id=PAD,
+    **args,
+  )
+
+
+def _run_groups(engine, groups, group_size):
+  """Feeds ``groups`` as the engine has room (whole groups), returns (finished by tag, calls)."""
+  pending, done, call = list(groups), [], 0
+  while pending or engine.live_samples or engine.queued_samples:
+    n = engine.capacity(group_size)
+    reqs = [r for g in pending[:n] for r in g]
+    del pending[:n]
+    done += engine.step(reqs, rng=jax.random.key(call), stop_free=group_size)
+    call += 1
+    assert call < 200
+  return {f.tag: f for f in done}, call
+
+
+def test_the_device_queue_starts_groups_inside_the_call_with_the_same_samples(model):
+  """Queued prompts take the slots and lanes that free up during a call: the same greedy samples
+  in fewer calls, log-probs still the trainer's, and every sample returned once."""
+  graphdef, params, _, _ = model
+  rng = np.random.default_rng(8)
+  groups = [
+    _group(10 * g, 2, r.tokens, int(rng.integers(2, N + 1)))
+    for g, r in enumerate(_requests(0, 16, rng))
+  ]
+  out, calls = {}, {}
+  for q in (0, 2):
+    engine = _greedy_engine(model, queue_prompts=q)  # 2 slots and 1 lane on each of 4 shards
+    engine.load(params, 0)
+    assert engine.capacity(2) == 4 + 4 * q
+    out[q], calls[q] = _run_groups(engine, groups, 2)
+    assert engine.prefills == 16 and not engine._samples
+  assert sorted(out[2]) == sorted(out[0]) == sorted(r.tag for g in groups for r in g)
+  for tag, f in out[0].items():
+    np.testing.assert_array_equal(out[2][tag].tokens, f.tokens)
+    np.testing.assert_allclose(out[2][tag].logprobs, f.logprobs, atol=1e-5)
+  assert calls[2] < calls[0], calls
+  reqs = {r.tag: r for g in groups for r in g}
+  got, want = _teacher_forced(graphdef, params, reqs, list(out[2].values()))
+  np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_queued_prompts_decode_with_the_version_of_the_call_they_start_in(model):
+  _, params, params2, _ = model
+  engine = _greedy_engine(model, slots=4, decode_steps=2, queue_prompts=1)  # 1 slot per shard
+  engine.load(params, 0)
+  prompt = np.asarray([1, 3, 4], np.int32)
+  reqs = [Request(tag=k, tokens=prompt + k, max_new_tokens=N) for k in range(8)]
+  assert engine.capacity(1) == 8
+  engine.step(reqs, rng=jax.random.key(0), stop_free=1)  # 4 start, 4 wait on the device
+  assert engine.live_samples == 4 and engine.queued_samples == 4 and engine.capacity(1) == 0
+  with pytest.raises(ValueError, match="device queue"):
+    engine.launch(reqs[:1], rng=jax.random.key(1), stop_free=1)
+  engine.load(params2, 1)
+  done = []
+  for call in range(40):
+    if not (engine.live_samples or engine.queued_samples):
+      break
+    done += engine.step([], rng=jax.random.key(2 + call), stop_free=1)
+  got = {f.tag: (f.version, f.version_newest) for f in done}
+  assert got == {k: ((0, 1) if k < 4 else (1, 1)) for k in range(8)}
+
+
+def test_one_call_returns_every_sample_it_ends_queued_ones_included(model):
+  """Samples ending during a call wait in the outbox (a row for each slot and each queued
+  sample): a call that runs through the whole queue returns every one of them, once."""
+  _, params, _, _ = model
+  engine = _greedy_engine(model, slots=4, queue_prompts=8, decode_steps=64)
+  engine.load(params, 0)
+  reqs = [
+    Request(tag=k, tokens=np.asarray([1, 3 + k % 13, 3 + k // 13], np.int32), max_new_tokens=1)
+    for k in range(36)
+  ]
+  assert engine.capacity(1) == 36  # 4 slots, 8 queued on each of 4 shards
+  done = engine.step(reqs, rng=jax.random.key(0), stop_free=0)
+  assert sorted(f.tag for f in done) == list(range(36))  # each ends at its first token
+  assert engine.calls == 1 and engine.prefills == 36 and not engine.queued_samples

@@ -14,20 +14,20 @@ def _responses(rollout, metas):
   return [p.response_tokens for p in unit.get([m.group_id for m in metas])]
 
 
-def test_greedy_groups_are_the_same_with_and_without_overlap(parts):  # noqa: F811
+def test_greedy_groups_are_the_same_with_and_without_overlap_and_device_queue(parts):  # noqa: F811
   source, _, _, params, mesh, _ = parts
   prompts = source.next(7)
   out = {}
-  for overlap in (False, True):
-    rollout = _streaming(parts, overlap_host=overlap, temperature=0.0)
+  for overlap, queue in ((False, 0), (True, 0), (True, 2)):
+    rollout = _streaming(parts, overlap_host=overlap, temperature=0.0, queue_prompts=queue)
     with jax.set_mesh(mesh):
       metas = contract.generate(
         rollout, params, prompts, version=0, rng=jax.random.key(0), first_group_id=0
       )
     assert [m.group_id for m in metas] == list(range(7)) and rollout.inflight == 0
     assert not rollout.engine.in_flight  # nothing left running once every group is back
-    out[overlap] = (metas, _responses(rollout, metas))
-  for (m0, r0), (m1, r1) in [(out[False], out[True])]:
+    out[overlap, queue] = (metas, _responses(rollout, metas))
+  for (m0, r0), (m1, r1) in [(out[False, 0], out[True, 0]), (out[False, 0], out[True, 2])]:
     assert [m.response_tokens for m in m0] == [m.response_tokens for m in m1]
     assert [m.reward_mean for m in m0] == [m.reward_mean for m in m1]
     for a, b in zip(r0, r1, strict=True):

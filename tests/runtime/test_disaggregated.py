@@ -7,6 +7,7 @@ import os
 import pytest
 
 from configs import arith_disagg
+from knitjax.bench import rollout_summary
 from knitjax.config import from_config_dict
 from knitjax.runtime import versions
 from knitjax.runtime.disaggregated import split_devices
@@ -69,8 +70,12 @@ def check_run(workdir, config):
 
 def test_quick_run_versions_quotas_and_conservation(tmp_path):
   config = quick_config()
+  config.rollout.queue_prompts = 2  # groups beyond the room wait on the device (queue off: others)
   train(from_config_dict(config), str(tmp_path))
   rows = check_run(str(tmp_path), config)
+  summary = rollout_summary.summarize(str(tmp_path), warmup_steps=1)
+  assert summary["steps_per_hour"] > 0 and summary["engine_calls"] > 0
+  assert summary["groups_started"] > 0 and summary["decode_s_per_iteration"] > 0
   timings = json.loads((tmp_path / "timings.json").read_text())
   assert timings["calls"] and len(timings["trainer_minibatch_s"]) == 2 * 3
   assert set(timings["lengths"]) == {"arith", "think"}
