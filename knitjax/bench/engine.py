@@ -188,7 +188,7 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
     out["prefills"] = engine.prefills - before[0]
     out["rows_decoded"] = engine.rows_decoded - before[1]
     out["rows_unsplit"] = engine.rows_unsplit - before[2]
-    out["timeline"] = engine.timeline[before[3] :]
+    out["timeline"] = list(engine.timeline)[before[3] :]
     return out
 
   for which in rollouts:  # compile (every call shape) on a few groups

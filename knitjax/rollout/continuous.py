@@ -18,6 +18,7 @@ pass per live version); a new version waits while every param slot still has liv
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -42,6 +43,7 @@ from knitjax.rollout.placement import Placement, place
 from knitjax.rollout.sampler import SamplingConfig, eos_tuple
 
 ADOPTION = ("new_groups", "mid_generation")
+TIMELINE_ROWS = 200_000  # calls the timeline keeps (the newest): bounded memory in long runs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,7 +180,7 @@ class ContinuousEngine:
     # was still running when collect began (1.0: the device was busy until collect end), loop
     # iterations, decode passes, prefill chunk passes, samples held before the launch, prompts
     # it started; `knitjax.sim.calibration.engine_timeline_fit` measures the stall from it.
-    self.timeline: list[tuple[float, ...]] = []
+    self.timeline: collections.deque[tuple[float, ...]] = collections.deque(maxlen=TIMELINE_ROWS)
     self._call = make_engine_call(
       graphdef=graphdef,
       mesh=mesh,

@@ -248,7 +248,7 @@ class Pipeline:
       "weight_publish_blocked_s_mean": self.weights.blocked_s / max(self.weights.published, 1),
       "weight_sync_dtype": self.weights.sync_dtype,
       "weight_sync_publish": self.weights.mode,
-      "lengths": self.thread.lengths,
+      "lengths": {c: list(v) for c, v in self.thread.lengths.items()},
       "restarts": self.restarts,
     }
     wd.path(workdir, "timings.json").write_text(json.dumps(out))

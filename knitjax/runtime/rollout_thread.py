@@ -32,6 +32,7 @@ from knitjax.tasks.streams import ClassStreams
 from knitjax.transfer.admission import AdmissionIndex
 
 _IDLE_WAIT_S = 0.5
+HISTORY_ROWS = 200_000  # rollout calls and response lengths per class kept (the newest)
 
 
 class RolloutThread:
@@ -87,9 +88,11 @@ class RolloutThread:
     self.idle_s = 0.0
     self.groups_started = 0
     self.groups_completed = 0
-    # Per rollout call: (end time, seconds, decode iterations, groups started, live samples before).
-    self.calls: list[tuple[float, float, int, int, int, int, int]] = []
-    self.lengths: dict[str, list[int]] = {c: [] for c in classes}
+    # Per rollout call: (end time, seconds, decode iterations, groups started, live samples
+    # before, prefill chunk passes, decode passes), and each class's response lengths: the
+    # newest HISTORY_ROWS of each (bounded memory in long runs; the calibration reads a window).
+    self.calls: collections.deque[tuple] = collections.deque(maxlen=HISTORY_ROWS)
+    self.lengths = {c: collections.deque(maxlen=HISTORY_ROWS) for c in classes}
 
   # ---- control ------------------------------------------------------------------------------
 
@@ -181,7 +184,7 @@ class RolloutThread:
     self.groups_started += 1
 
   def _offer(self, meta) -> None:
-    self.lengths[meta.cls] += list(meta.response_tokens)
+    self.lengths[meta.cls].extend(meta.response_tokens)
     rejected = self.admission.dynamic_sampling and meta.reward_std == 0
     with self.lock:
       prompt = self._inflight.pop(meta.group_id)

@@ -459,3 +459,16 @@ def test_one_call_returns_every_sample_it_ends_queued_ones_included(model):
   done = engine.step(reqs, rng=jax.random.key(0), stop_free=0)
   assert sorted(f.tag for f in done) == list(range(36))  # each ends at its first token
   assert engine.calls == 1 and engine.prefills == 36 and not engine.queued_samples
+
+
+def test_the_call_timeline_keeps_the_newest_rows_only(model, monkeypatch):
+  from knitjax.rollout import continuous
+
+  _, params, _, _ = model
+  monkeypatch.setattr(continuous, "TIMELINE_ROWS", 2)
+  engine = _engine(model)
+  engine.load(params, 0)
+  reqs = _requests(0, 8, np.random.default_rng(9), budget=N)
+  _drain(engine, {r.tag: r for r in reqs}, list(reqs))
+  assert engine.calls > 2 and len(engine.timeline) == 2  # bounded memory in long runs
+  assert engine.timeline[0][0] < engine.timeline[1][0]  # in launch order
