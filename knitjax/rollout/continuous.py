@@ -6,8 +6,10 @@ sequences at different positions decode together and finish out of order, as in 
 engines. A new prompt is prefilled in chunks by a prefill lane, interleaved with the decode
 iterations of the live slots, and once for all the samples that share it (a group's ``G``
 samples): the jitted loop is `knitjax.rollout.continuous_step`. This module keeps the host side:
-which request holds which slot, which lane prefills which prompt on which shard, the policy
-versions, and the finished samples.
+which sample holds which slot (the device tags slots with the engine's sample ids), which lane
+prefills which prompt on which shard, the prompts waiting in the device-side queue
+(``queue_prompts``: started inside a call as slots free up, without a return to the host), the
+policy versions, and the finished samples (read back from the call's outbox).
 
 Weights: `load` installs a new policy version. With ``adoption="mid_generation"`` (partial
 rollout) live samples switch to it at once; the sample's gen version stays the oldest version it
@@ -25,21 +27,14 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from knitjax import sharding
-from knitjax.rollout.continuous_step import (
-  LaneState,
-  Queue,
-  SlotState,
-  Starts,
-  fresh_cache,
-  make_engine_call,
-)
-from knitjax.rollout.placement import Placement, place
+from knitjax.rollout.continuous_step import make_engine_call
+from knitjax.rollout.engine_state import Queue, Starts, ended_rows, init_state, make_queue
+from knitjax.rollout.placement import Placement, assign, fit, place
 from knitjax.rollout.sampler import SamplingConfig, eos_tuple
 
 ADOPTION = ("new_groups", "mid_generation")
@@ -64,23 +59,6 @@ class Finished:
   logprobs: np.ndarray  # [length] float32
   version: int  # oldest policy version used (gen version)
   version_newest: int  # newest policy version used
-
-
-@jax.jit
-def _take_rows(out, rows):
-  return out.tokens[rows], out.logprobs[rows], out.length[rows], out.tag[rows]
-
-
-def ended_rows(out, rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """Tokens, log-probs, lengths and sample ids of the outbox ``rows``, as NumPy in that order.
-
-  The rows are gathered on device first, so the host reads only them rather than the whole
-  outbox; the row count is padded to a power of two (repeating a row) to bound recompiles.
-  """
-  size = 1 << (len(rows) - 1).bit_length()
-  idx = np.asarray(rows + rows[:1] * (size - len(rows)), np.int32)
-  got = sharding.to_host(_take_rows(out, idx))
-  return tuple(x[: len(rows)] for x in got)
 
 
 class ContinuousEngine:
@@ -254,14 +232,7 @@ class ContinuousEngine:
   def _fit(self, sizes: Sequence[int]) -> tuple[int, list, list[list[int]], list[list[int]]]:
     """How many of the prompts of ``sizes`` (oldest first) start now, their placement, and the
     free slots and lanes left after them."""
-    slots, lanes = self._free()
-    shares = []
-    for size in sizes:
-      trial = [list(x) for x in slots], [list(x) for x in lanes]
-      got = place(*trial, [size])
-      if got is None:
-        break
-      (slots, lanes), shares = trial, shares + got
+    shares, slots, lanes = fit(*self._free(), sizes)
     return len(shares), shares, slots, lanes
 
   def _queueable(self, size: int) -> bool:
@@ -331,12 +302,7 @@ class ContinuousEngine:
         plan.append(Placement(shard * self.lanes_per_shard + lane, taken, tagged))
         tags = tags[n:]
     del self._waiting[:n_fit]
-    per_shard: list[list[int]] = [[] for _ in range(self.shards)]
-    free = [len(s) for s in slots]
-    for i in range(len(self._waiting)):  # to the shard with the fewest queued, then most room
-      k = min(range(self.shards), key=lambda k: (len(per_shard[k]), -free[k], k))
-      per_shard[k].append(i)
-    return plan, per_shard
+    return plan, assign(len(self._waiting), [len(s) for s in slots])
 
   def _starts(self, plan: list[Placement]) -> Starts:
     n_lanes = self.shards * self.lanes_per_shard
@@ -366,48 +332,22 @@ class ContinuousEngine:
     )
 
   def _queue(self, per_shard: list[list[int]]) -> Queue:
-    q = self.queue_prompts
-    prompt = np.full((self.shards * q, self.width), self.pad_id, np.int32)
-    plen, size, budget, tag = (np.ones(self.shards * q, np.int32) for _ in range(4))
-    for k, idx in enumerate(per_shard):
-      for j, i in enumerate(idx):
-        tags = self._waiting[i]
-        req = self._samples[tags[0]][0]
-        toks = np.asarray(req.tokens, np.int32)
-        row = k * q + j
-        prompt[row, self.width - len(toks) :] = toks
-        plen[row], size[row], tag[row] = len(toks), len(tags), tags[0]
-        budget[row] = req.max_new_tokens
-    count = np.asarray([len(idx) for idx in per_shard], np.int32)
-    return Queue(prompt=prompt, plen=plen, size=size, budget=budget, tag=tag, count=count)
+    entries = []
+    for idx in per_shard:
+      reqs = [(self._samples[self._waiting[i][0]][0], self._waiting[i]) for i in idx]
+      entries.append([(r.tokens, len(tags), r.max_new_tokens, tags[0]) for r, tags in reqs])
+    return make_queue(entries, depth=self.queue_prompts, width=self.width, pad_id=self.pad_id)
 
   def _init_state(self, params):
     model = nnx.merge(self.graphdef, params)
-    s, n, w = self.slots, self.sampling.max_new_tokens, self.width
-    n_lanes = self.shards * self.lanes_per_shard
-    zeros = lambda rows, dtype: jnp.zeros((rows,), dtype)  # noqa: E731
-    slots = SlotState(
-      cache=fresh_cache(model, s, w + n),
-      last_token=zeros(s, jnp.int32),
-      position=zeros(s, jnp.int32),
-      tokens=jnp.full((s, n), self.pad_id, jnp.int32),
-      logprobs=jnp.zeros((s, n), jnp.float32),
-      length=zeros(s, jnp.int32),
-      budget=zeros(s, jnp.int32),
-      pslot=zeros(s, jnp.int32),
-      live=zeros(s, jnp.bool_),
-      wait=jnp.full((s,), -1, jnp.int32),
-      tag=jnp.full((s,), -1, jnp.int32),
+    return init_state(
+      model,
+      slots=self.slots,
+      lanes=self.shards * self.lanes_per_shard,
+      width=self.width,
+      max_new_tokens=self.sampling.max_new_tokens,
+      pad_id=self.pad_id,
     )
-    lanes = LaneState(
-      cache=fresh_cache(model, n_lanes, w + n),
-      prompt=jnp.full((n_lanes, w), self.pad_id, jnp.int32),
-      plen=jnp.ones((n_lanes,), jnp.int32),
-      chunk=zeros(n_lanes, jnp.int32),
-      pslot=zeros(n_lanes, jnp.int32),
-      active=zeros(n_lanes, jnp.bool_),
-    )
-    return slots, lanes
 
   def step(self, requests: Sequence[Request], *, rng: jax.Array, stop_free: int) -> list[Finished]:
     """Starts ``requests`` (their prompts in free lanes, their samples in free slots), then runs

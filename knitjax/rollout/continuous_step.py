@@ -8,17 +8,22 @@ in, its cache row is copied to every slot that waits on it and each of those slo
 own first token from the lane's last logits: a group's ``G`` samples share one prefill (prefix
 sharing) and go live in the same iteration, which then decodes them with the rest.
 
+A finished sample leaves its slot the iteration it ends, into the call's outbox, and the next
+prompt of the shard's device-side queue (if any) starts once a lane and its slots are free, in
+the same call: the host need not return for every group start.
+
 Everything runs inside `jax.shard_map` over the batch axes: slots and lanes are split over the
 shards (each shard prefills only the lanes whose slots it owns, nothing is replicated), and
-sampling needs no collective. The only collective is one scalar sum per iteration (busy slots and
-lanes), so all shards stop together: after ``decode_steps`` iterations, when nothing is live or
-prefilling, or once a group of ``stop_free`` samples could start (that many free slots and a
-free lane; after at least one iteration). With several param slots (adoption of new versions
-for new groups only) each iteration decodes the live rows of each param slot with that slot's
-parameters, split by version: a slot's rows are gathered into the smallest bucket (a power-of-two
-fraction of the shard's slots) that holds them, so a version transition that leaves a few rows on
-the old version costs a pass over a few rows, not a second pass over every slot (``rows``
-counts what the passes computed). Prefill lanes run one pass per param slot with active lanes.
+sampling needs no collective. The only collective is one small sum per iteration (busy slots,
+lanes, queued prompts), so all shards stop together: after ``decode_steps`` iterations, when
+nothing is live, prefilling or queued, or once a group of ``stop_free`` samples could start
+(that many free slots and a free lane, nothing left in the queue; after at least one iteration).
+With several param slots (adoption of new versions for new groups only) each iteration decodes
+the live rows of each param slot with that slot's parameters, split by version: a slot's rows are
+gathered into the smallest bucket (a power-of-two fraction of the shard's slots) that holds them,
+so a version transition that leaves a few rows on the old version costs a pass over a few rows,
+not a second pass over every slot (``rows`` counts what the passes computed;
+`knitjax.rollout.version_split`). Prefill lanes run one pass per param slot with active lanes.
 
 Layout of a slot's cache row: positions ``[0, Pp)`` hold the left-padded prompt (``Pp``: the
 prompt width rounded up to whole chunks), decoding appends from ``Pp``; RoPE positions count real
@@ -36,173 +41,20 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from knitjax import sharding
+from knitjax.rollout.engine_state import (
+  CallStats,
+  LaneState,
+  Outbox,
+  SlotState,
+  Starts,
+  fresh_cache,
+)
 
 # The batched sampler's draw (top-k / top-p / temperature, untruncated log-probs): one rule.
 from knitjax.rollout.sampler import _sample, is_eos
+from knitjax.rollout.version_split import gather_rows, per_param_slot, select_rows, split_by_version
 
 _FIRST_KEY = 1 << 30  # fold_in data of first-token draws, apart from the decode iterations
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SlotState:
-  """Device state of all slots (leading axis: slot)."""
-
-  cache: object  # KVCache with per-slot leaves [S, 1, ...] and index [S]
-  last_token: jax.Array  # [S] token to feed next
-  position: jax.Array  # [S] RoPE position of `last_token`
-  tokens: jax.Array  # [S, N] generated tokens, pad after the end
-  logprobs: jax.Array  # [S, N]
-  length: jax.Array  # [S] generated tokens so far
-  budget: jax.Array  # [S] max new tokens of the slot's sample
-  pslot: jax.Array  # [S] param slot the sample decodes with
-  live: jax.Array  # [S] bool: holds a sample that has not finished
-  wait: jax.Array  # [S] shard-local lane the slot waits on (-1: none)
-  tag: jax.Array  # [S] the host's id of the sample the slot holds (-1: the slot is free)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LaneState:
-  """Device state of the prefill lanes (leading axis: lane)."""
-
-  cache: object  # KVCache rows [L, 1, ...], index [L]
-  prompt: jax.Array  # [L, Pp] left-padded prompt
-  plen: jax.Array  # [L] prompt tokens
-  chunk: jax.Array  # [L] next chunk to prefill
-  pslot: jax.Array  # [L] param slot the prompt is prefilled with
-  active: jax.Array  # [L] bool: a prompt is being prefilled
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Starts:
-  """What the host starts in one call: new lane prompts and the slots that wait on them."""
-
-  prompt: jax.Array  # [L] rows of [Pp]: prompts of lanes started now
-  plen: jax.Array  # [L]
-  new: jax.Array  # [L] bool: the lane starts a prompt in this call
-  pslot: jax.Array  # [] param slot of the lanes started now
-  wait: jax.Array  # [S] shard-local lane a slot starts waiting on (-1: none)
-  budget: jax.Array  # [S] max new tokens of the slots that start waiting
-  tag: jax.Array  # [S] sample ids of the slots that start waiting
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Queue:
-  """Prompts the device starts by itself as room frees up during the call (the device-side
-  request queue), per shard in order; a prompt starts once a lane and ``size`` slots of its shard
-  are free, its samples tagged ``tag + 0 .. tag + size - 1``."""
-
-  prompt: jax.Array  # [Q, Pp] left-padded prompts
-  plen: jax.Array  # [Q]
-  size: jax.Array  # [Q] samples that share the prompt (at most a shard's slots)
-  budget: jax.Array  # [Q] max new tokens of each of its samples
-  tag: jax.Array  # [Q] id of its first sample
-  count: jax.Array  # [shards] prompts queued on each shard
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Outbox:
-  """Samples finished during the call (leading axis: row, per shard in finishing order): a slot
-  is free again the iteration its sample ends, so a queued prompt may take it in the same call."""
-
-  tokens: jax.Array  # [O, N]
-  logprobs: jax.Array  # [O, N]
-  length: jax.Array  # [O]
-  tag: jax.Array  # [O]
-  count: jax.Array  # [shards] rows filled on each shard
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class CallStats:
-  """Per shard: loop iterations, decode passes, prefill chunk passes, slot rows decoded."""
-
-  iterations: jax.Array
-  decode_passes: jax.Array
-  chunk_passes: jax.Array
-  rows: jax.Array  # slot rows the decode passes computed (live or not), summed over passes
-  rows_unsplit: jax.Array  # what one pass over every slot per live version would have computed
-  taken: jax.Array  # queued prompts the shard started
-
-
-def fresh_cache(model, rows: int, max_len: int):
-  return jax.vmap(lambda _: model.init_cache(1, max_len))(jnp.arange(rows))
-
-
-def _select(mask, new, old):
-  """Rows of ``new`` where ``mask`` (leading axis), else ``old``; works on whole pytrees."""
-
-  def pick(a, b):
-    return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
-
-  return jax.tree.map(pick, new, old)
-
-
-def _per_param_slot(models, which, active, fn, init):
-  """``fn(model)`` for the param slot of each row: one pass per param slot that has an active
-  row (a `lax.cond` skips the others), rows keeping their own slot's result."""
-  if len(models) == 1:
-    return jax.lax.cond(jnp.any(active), lambda a: fn(models[0]), lambda a: a, init)
-  out = init
-  for v, model in enumerate(models):
-    sel = active & (which == v)
-
-    def run(acc, model=model, sel=sel):
-      return _select(sel, fn(model), acc)
-
-    out = jax.lax.cond(jnp.any(sel), run, lambda a: a, out)
-  return out
-
-
-def buckets(rows: int, levels: int = 4) -> tuple[int, ...]:
-  """Row counts a version's decode pass may run on: ``rows / 2^k`` for ``k < levels``, rounded
-  up, ascending and distinct (the last is ``rows``: every slot)."""
-  return tuple(sorted({max(1, -(-rows // (1 << k))) for k in range(levels)}))
-
-
-def _gather_rows(idx, tree):
-  return jax.tree.map(lambda x: x[idx], tree)
-
-
-def _split_by_version(models, which, active, fn, init):
-  """``fn(model, rows)`` for the live rows of each param slot, each slot's rows gathered into its
-  smallest bucket; returns the rows' results (``init`` where no slot ran), the rows computed, and
-  the rows one pass over every row per slot with live rows would have computed (the old rule).
-
-  ``fn(model, rows)`` maps a pytree of row arrays (leading axis: rows) to results with the same
-  leading axis. A slot whose rows need every slot runs on all rows, without gathering.
-  """
-  n = which.shape[0]
-  sizes = buckets(n)
-  out, computed, unsplit = init, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
-  for v, model in enumerate(models):
-    sel = active & (which == v)
-    count = jnp.sum(sel)
-    # The slot's rows first (stable), then the others: idx[:size] holds all of them, and row r's
-    # result sits at inv[r] of the bucket. Results come back by a gather and a select (XLA's
-    # scatter into the full cache is much slower on the CPU).
-    idx = jnp.argsort(~sel, stable=True)
-    inv = jnp.argsort(idx)
-
-    def bucket(acc, size, model=model, sel=sel, idx=idx, inv=inv):
-      if size == n:
-        return _select(sel, fn(model, None), acc)
-      got = fn(model, idx[:size])
-      back = jnp.minimum(inv, size - 1)  # rows not in the bucket: any index, not selected
-      return _select(sel, _gather_rows(back, got), acc)
-
-    branches = [functools.partial(bucket, size=size) for size in sizes]
-    pick = jnp.sum(jnp.asarray(sizes) < count)  # the smallest bucket holding `count` rows
-    out = jax.lax.cond(
-      count > 0, lambda a, pick=pick, br=branches: jax.lax.switch(pick, br, a), lambda a: a, out
-    )
-    computed += jnp.where(count > 0, jnp.asarray(sizes)[jnp.minimum(pick, len(sizes) - 1)], 0)
-    unsplit += jnp.where(count > 0, n, 0)
-  return out, computed, unsplit
 
 
 def _engine_shard(
@@ -247,7 +99,7 @@ def _engine_shard(
     """Lanes ``new`` take ``prompt`` rows; slots ``joins`` wait on lane ``lane_of``."""
     first = (width - plen) // chunk  # chunks of padding only are skipped
     ln = LaneState(
-      cache=_select(new, dataclasses.replace(fresh, index=first * chunk), ln.cache),
+      cache=select_rows(new, dataclasses.replace(fresh, index=first * chunk), ln.cache),
       prompt=jnp.where(new[:, None], prompt, ln.prompt),
       plen=jnp.where(new, plen, ln.plen),
       chunk=jnp.where(new, first, ln.chunk),
@@ -342,7 +194,7 @@ def _engine_shard(
   def lane_pass(ln):
     vocab = models[0].config.vocab_size
     init = (varying(jnp.zeros((n_lanes, vocab), jnp.float32)), ln.cache)
-    logits, cache = _per_param_slot(
+    logits, cache = per_param_slot(
       models, ln.pslot, ln.active, lambda m: prefill_chunk(m, ln), init
     )
     ln = dataclasses.replace(ln, cache=cache, chunk=ln.chunk + ln.active)
@@ -369,7 +221,7 @@ def _engine_shard(
         wait=jnp.full_like(st.wait, -1),
         tag=st.tag,
       )
-      return _select(take, new, st)
+      return select_rows(take, new, st)
 
     st = jax.lax.cond(jnp.any(take), run, lambda s: s, st)
     return emit(out, st, take & ~st.live)  # a first token that ends the sample
@@ -378,7 +230,7 @@ def _engine_shard(
     """Logits and caches of the slot ``rows`` (None: every slot) after one decode step."""
     step = lambda t, q, c: model.decode_step(t[None], q[None], c)  # noqa: E731
     args = (st.last_token, st.position, st.cache)
-    logits, cache = jax.vmap(step)(*(args if rows is None else _gather_rows(rows, args)))
+    logits, cache = jax.vmap(step)(*(args if rows is None else gather_rows(rows, args)))
     return logits[:, 0], cache
 
   def decode(it, st):
@@ -388,12 +240,12 @@ def _engine_shard(
       logits, cache = decode_rows(models[0], st)
       computed = unsplit = jnp.asarray(n_local, jnp.int32)
     elif not split_versions:
-      logits, cache = _per_param_slot(models, st.pslot, st.live, lambda m: decode_rows(m, st), init)
+      logits, cache = per_param_slot(models, st.pslot, st.live, lambda m: decode_rows(m, st), init)
       computed = unsplit = n_local * sum(
         jnp.any(st.live & (st.pslot == v)) for v in range(len(models))
       ).astype(jnp.int32)
     else:
-      (logits, cache), computed, unsplit = _split_by_version(
+      (logits, cache), computed, unsplit = split_by_version(
         models, st.pslot, st.live, lambda m, rows: decode_rows(m, st, rows), init
       )
     counts = jnp.stack([computed, unsplit])

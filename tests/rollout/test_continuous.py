@@ -8,8 +8,8 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
-from knitjax.rollout.continuous import ContinuousEngine, Request, ended_rows
-from knitjax.rollout.continuous_step import Outbox
+from knitjax.rollout.continuous import ContinuousEngine, Request
+from knitjax.rollout.engine_state import Outbox, ended_rows
 from knitjax.rollout.sampler import SamplingConfig
 from knitjax.train.batch import make_batch, pack_rows
 from knitjax.train.step import sequence_logprobs
@@ -283,7 +283,7 @@ def test_group_starts_do_not_stall_live_slots(model):
 
 
 def test_split_by_version_runs_each_versions_rows_in_its_smallest_bucket():
-  from knitjax.rollout.continuous_step import _split_by_version, buckets
+  from knitjax.rollout.version_split import buckets, split_by_version
 
   assert buckets(16) == (2, 4, 8, 16)
   assert buckets(3) == (1, 2, 3)
@@ -295,7 +295,7 @@ def test_split_by_version_runs_each_versions_rows_in_its_smallest_bucket():
   which = np.array([0] * 13 + [1] * 3)
   active = np.arange(16) != 5
   (out,), rows, unsplit = jax.jit(
-    lambda w, a: _split_by_version([10.0, 100.0], w, a, fn, (np.full(16, -1.0),))
+    lambda w, a: split_by_version([10.0, 100.0], w, a, fn, (np.full(16, -1.0),))
   )(which, active)
   want = np.where(which == 0, np.arange(16.0) * 10, np.arange(16.0) * 100)
   want[5] = -1.0  # not active: untouched
