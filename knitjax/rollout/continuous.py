@@ -284,8 +284,9 @@ class ContinuousEngine:
     if len(left) > self.shards * self.queue_prompts or not all(map(self._queueable, left)):
       raise ValueError(
         f"{len(requests)} requests ({len(groups)} prompts) do not fit: free slots="
-        f"{self.free_slots}, free prefill lanes={self._lane_busy.count(False)}, device queue="
-        f"{self.shards * self.queue_prompts - (len(sizes) - n_fit - len(left))} prompts."
+        f"{self.free_slots}, free prefill lanes={self._lane_busy.count(False)}, {len(left)} "
+        f"prompts would wait but the device queue holds {self.shards * self.queue_prompts}"
+        f" (prompts of at most {self._per_shard} samples)."
       )
     for g in groups:
       tags = list(range(self._next_tag, self._next_tag + len(g)))
