@@ -10,8 +10,11 @@ window (after the warmup steps):
   of `calls`, idle waits excluded) is charged to group starts, ``c_g = (busy - b * decode passes) /
   groups started``, so the simulated rollout does the measured work; ``group_start_stall_fraction``
   is the engine's stall measured on the timeline (host gaps while samples were held, per-call costs,
-  prefill chunks). Runs without a usable timeline (rollout hosts, Ray workers, runs recorded before
-  it, or call times that do not grow with decode passes) use the call fit:
+  prefill chunks). The engine hands finished samples back only when the host collects a call, so a
+  group reaches admission after its last sample ends by ``report_delay_s``: the mean over calls of
+  ``collect end - launch - device seconds / 2`` (a sample ends, on average, half-way through its
+  call). Runs without a usable timeline (rollout hosts, Ray workers, runs recorded before it, or
+  call times that do not grow with decode passes) use the call fit, with no report delay:
 * Rollout engine calls (call fit): ``b``, the seconds per decode iteration, is the least squares fit
   of ``a + b * decode passes + e * prefill chunk passes`` over the calls (runs recorded before the
   chunked-prefill engine: ``a + b * iterations + c * [the call started groups]``); it is the
@@ -132,6 +135,9 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
   beyond = np.maximum(device - b * dpass, 0.0)
   stall = float(gaps.sum() + beyond.sum())
   busy = float(device.sum() + gaps.sum())
+  # A sample ends, on average, half-way through its call's device time and is handed back when
+  # the host collects the call (collect end): the report delay the simulator adds to a group.
+  report = max(float(np.mean(end - launch - device / 2.0)), 0.0)
   return {
     "decode_s_per_iteration": b,
     "group_start_s": stall / max(groups_started, 1),
@@ -140,6 +146,7 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
     "device_s": float(device.sum()),
     "calls_running_at_collect": float(known.mean()),
     "decode_split": split,
+    "report_delay_s": report,
   }
 
 
@@ -184,6 +191,7 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
     "timeline_calls": int(len(timeline)),
     "host_gap_s": fit.get("host_gap_s", float("nan")),  # from the timeline (nan: none)
     "device_s": fit.get("device_s", float("nan")),
+    "report_delay_s": fit.get("report_delay_s", 0.0),  # from the timeline (0: none)
     "rollout_busy_s": float(dt.sum()),
     "groups_started": int(starts.sum()),
     "slots": int(t["slots"]),
@@ -236,6 +244,7 @@ def disaggregated_workload(
     trainer_s_per_token=0.0,
     trainer_overhead_s=costs["trainer_minibatch_s"],
     trainer_step_overhead_s=costs["trainer_step_overhead_s"],
+    report_delay_s=costs.get("report_delay_s", 0.0),
   )
 
 

@@ -14,6 +14,7 @@ started so far (started minus rejected) are fewer than ``B * (completed_steps + 
 """
 
 import dataclasses
+import heapq
 import math
 import time
 
@@ -106,6 +107,7 @@ class _Simulation:
       c.prompt_tokens * w.prefill_s_per_token / w.decode_s_per_token for c in w.classes
     ]
     self.rollout_version = 0
+    self._reports: list[tuple[float, int]] = []  # heap of (offer time, group id), report delay
     self.accepted_started = 0
     self.in_system = 0
     self.system_area = 0.0
@@ -279,7 +281,13 @@ class _Simulation:
     while trainer.version < self.target:
       t_r, kind = pool.next_event()
       t_tr = trainer.busy_until
-      if t_tr <= t_r:
+      t_rep = self._reports[0][0] if self._reports else math.inf
+      if t_rep < t_r and t_rep < t_tr:  # a finished group reaches admission (report delay)
+        pool.advance(t_rep)
+        self._complete(heapq.heappop(self._reports)[1])
+        self._try_train(t_rep)
+        self._try_start()
+      elif t_tr <= t_r:
         if t_tr == math.inf:
           self._break_deadlock()
           continue
@@ -297,7 +305,11 @@ class _Simulation:
         if pool.free >= G:
           self._try_start()
       else:
-        self._complete(pool.pop_group(t_r))
+        gid = pool.pop_group(t_r)
+        if self.w.report_delay_s > 0:  # offered once the engine hands it back
+          heapq.heappush(self._reports, (t_r + self.w.report_delay_s, gid))
+          continue
+        self._complete(gid)
         self._try_train(t_r)
         self._try_start()
     self._system(pool.t, 0)

@@ -87,6 +87,8 @@ class Workload:
     trainer_overhead_s: fixed trainer seconds per mini-batch (optimizer update, launch).
     trainer_step_overhead_s: trainer seconds of host work once per train step, after its last
       mini-batch's weights are published (metrics, logging); the next mini-batch waits for it.
+    report_delay_s: seconds from a group's last sample ending to its offer to admission (an
+      engine that hands finished samples back only when its call returns to the host); 0: at once.
   """
 
   classes: tuple[ClassSpec, ...]
@@ -101,6 +103,7 @@ class Workload:
   trainer_s_per_token: float = 1e-5
   trainer_overhead_s: float = 1.0
   trainer_step_overhead_s: float = 0.0
+  report_delay_s: float = 0.0
 
   def __post_init__(self):
     object.__setattr__(self, "classes", tuple(self.classes))
@@ -123,6 +126,7 @@ class Workload:
       "trainer_s_per_token",
       "trainer_overhead_s",
       "trainer_step_overhead_s",
+      "report_delay_s",
     ):
       v = getattr(self, name)
       _check(math.isfinite(v) and v >= 0, f"Workload.{name}={v!r} must be finite and >= 0.")

@@ -77,3 +77,14 @@ def test_call_times_that_do_not_grow_with_decode_passes_give_device_seconds_per_
   want = (rows[:, 2] - rows[:, 0]).sum() / rows[:, 5].sum()
   assert fit["decode_s_per_iteration"] == pytest.approx(want)
   assert fit["group_start_stall_fraction"] >= 0
+
+
+def test_the_report_delay_is_half_a_call_after_its_launch_plus_the_wait_for_collect():
+  """A sample ends on average half-way through its call's device time and is handed back at
+  collect end: the delay is the mean of ``collect end - launch - device / 2``."""
+  rows = _timeline(0.009, overlap=True)  # some calls collected late, after host work
+  fit = engine_timeline_fit(rows, groups_started=40)
+  device = A + B * rows[:, 5] + E * rows[:, 6]
+  want = np.mean(rows[:, 2] - rows[:, 0] - device / 2)
+  assert fit["report_delay_s"] == pytest.approx(want, rel=1e-3)
+  assert fit["report_delay_s"] > np.mean(device) / 2  # the host's lateness adds to it

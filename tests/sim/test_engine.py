@@ -198,3 +198,20 @@ def test_bad_arguments_raise_one_clear_sentence(make_tiny):
     simulate(make_tiny(), Pipeline(), num_steps=3, warmup_steps=3)
   with pytest.raises(ValueError, match="multiple of 1/M"):
     simulate(make_tiny(), Pipeline(max_lag_steps=0.3), num_steps=3)
+
+
+def test_a_report_delay_offers_each_group_later_and_keeps_every_group(make_tiny):
+  """With ``report_delay_s`` a finished group reaches admission that much later (the engine hands
+  samples back at call boundaries): the first offer moves by exactly the delay, staleness does
+  not fall, and every group is still consumed, rejected, queued, pending or generating."""
+  w = make_tiny(reject_a=0.2)
+  base = _run(w, policy="minibatch", max_lag_steps=0.5)
+  late = _run(dataclasses.replace(w, report_delay_s=2.0), policy="minibatch", max_lag_steps=0.5)
+  first = int(np.nanargmin(base.t_complete))
+  assert int(np.nanargmin(late.t_complete)) == first  # identical until the first offer
+  assert late.t_complete[first] == pytest.approx(base.t_complete[first] + 2.0)
+  n = counts(late)
+  assert n["completed"] == n["consumed"] + n["rejected"] + n["pending"] + n["queued"]
+  assert n["started"] == n["completed"] + n["generating"]
+  assert n["consumed"] == 30 * w.groups_per_step
+  assert summarize_result(late)["staleness_mean"] >= summarize_result(base)["staleness_mean"]
