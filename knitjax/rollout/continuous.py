@@ -238,6 +238,13 @@ class ContinuousEngine:
   def _queueable(self, size: int) -> bool:
     return self.queue_prompts > 0 and size <= self._per_shard
 
+  def _queue_room(self, left: Sequence[int]) -> int:
+    """Prompts the device queue can still take once prompts of ``left`` sizes wait in it
+    (negative: they do not all fit)."""
+    if not all(map(self._queueable, left)):
+      return -1
+    return self.shards * self.queue_prompts - len(left)
+
   def capacity(self, group_size: int, queued: Sequence[int] = ()) -> int:
     """How many more prompts of ``group_size`` samples fit now (started at once or queued on the
     device), after the engine's waiting prompts and prompts of ``queued`` sizes (each a prompt
@@ -247,8 +254,8 @@ class ContinuousEngine:
     sizes += list(queued) if self.share_prefix else [1] * sum(queued)
     n_fit, _, slots, lanes = self._fit(sizes)
     left = sizes[n_fit:]
-    room = self.shards * self.queue_prompts - len(left)
-    if room < 0 or not all(self._queueable(z) for z in left):
+    room = self._queue_room(left)
+    if room < 0:
       return 0
     n = 0
     while not left and place(slots, lanes, per_prompt) is not None:
@@ -281,7 +288,7 @@ class ContinuousEngine:
     sizes = [len(g) for g in self._waiting] + [len(g) for g in groups]
     n_fit, shares, _, _ = self._fit(sizes)
     left = sizes[n_fit:]
-    if len(left) > self.shards * self.queue_prompts or not all(map(self._queueable, left)):
+    if self._queue_room(left) < 0:
       raise ValueError(
         f"{len(requests)} requests ({len(groups)} prompts) do not fit: free slots="
         f"{self.free_slots}, free prefill lanes={self._lane_busy.count(False)}, {len(left)} "
