@@ -13,8 +13,11 @@ window (after the warmup steps):
   prefill chunks). The engine hands finished samples back only when the host collects a call, so a
   group reaches admission after its last sample ends by ``report_delay_s``: the mean over calls of
   ``collect end - launch - device seconds / 2`` (a sample ends, on average, half-way through its
-  call). Runs without a usable timeline (rollout hosts, Ray workers, runs recorded before it, or
-  call times that do not grow with decode passes) use the call fit, with no report delay:
+  call). The rollout loop reads the trainer's version once per turn, so a version published while
+  it is busy is seen (for its start limit and the version new groups start with) after
+  ``adoption_delay_s``, the mean residual of its busy turns (`turn_residual_s`). Runs without a
+  usable timeline (rollout hosts, Ray workers, runs recorded before it, or call times that do not
+  grow with decode passes) use the call fit, with no report or adoption delay:
 * Rollout engine calls (call fit): ``b``, the seconds per decode iteration, is the least squares fit
   of ``a + b * decode passes + e * prefill chunk passes`` over the calls (runs recorded before the
   chunked-prefill engine: ``a + b * iterations + c * [the call started groups]``); it is the
@@ -150,6 +153,17 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
   }
 
 
+def turn_residual_s(turn_s: np.ndarray) -> float:
+  """Mean wait from a moment the rollout loop is busy to the end of its turn in progress:
+  ``sum(dt^2) / (2 sum(dt))`` over the busy turns' seconds ``dt`` (a long turn is more likely to
+  be in progress). The loop reads the trainer's version once per turn, so this is how long a
+  version published while it is busy waits to be seen (an idle loop waits on the trainer and
+  sees it at once); the simulator's ``adoption_delay_s``."""
+  dt = np.asarray(turn_s, np.float64)
+  total = float(dt.sum())
+  return float((dt**2).sum() / (2.0 * total)) if total > 0 else 0.0
+
+
 def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   """Service times of a disaggregated run over its window (see the module docstring)."""
   t = run["timings"]
@@ -170,7 +184,7 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
     # at depth 0, is on the critical path too).
     b = measured["decode_s_per_iteration"]
     c = max(0.0, (dt.sum() - b * calls[:, 6].sum()) / max(starts.sum(), 1.0))
-    fit = {**fit, **measured, "group_start_s": float(c)}
+    fit = {**fit, **measured, "group_start_s": float(c), "adoption_delay_s": turn_residual_s(dt)}
   elif fit["decode_s_per_iteration"] <= 0:  # the call fit found no per-pass time either
     b = float(dt.sum() / max(calls[:, 6].sum() if calls.shape[1] >= 7 else calls[:, 2].sum(), 1))
     fit = {**fit, "decode_s_per_iteration": b, "group_start_s": 0.0}
@@ -192,6 +206,7 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
     "host_gap_s": fit.get("host_gap_s", float("nan")),  # from the timeline (nan: none)
     "device_s": fit.get("device_s", float("nan")),
     "report_delay_s": fit.get("report_delay_s", 0.0),  # from the timeline (0: none)
+    "adoption_delay_s": fit.get("adoption_delay_s", 0.0),  # with the timeline (0: none)
     "rollout_busy_s": float(dt.sum()),
     "groups_started": int(starts.sum()),
     "slots": int(t["slots"]),
@@ -245,6 +260,7 @@ def disaggregated_workload(
     trainer_overhead_s=costs["trainer_minibatch_s"],
     trainer_step_overhead_s=costs["trainer_step_overhead_s"],
     report_delay_s=costs.get("report_delay_s", 0.0),
+    adoption_delay_s=costs.get("adoption_delay_s", 0.0),
   )
 
 

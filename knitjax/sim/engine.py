@@ -13,6 +13,7 @@ started so far (started minus rejected) are fewer than ``B * (completed_steps + 
 (`knitjax.rollout.scheduling.start_limit`, the runtime's rule too).
 """
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -107,6 +108,10 @@ class _Simulation:
       c.prompt_tokens * w.prefill_s_per_token / w.decode_s_per_token for c in w.classes
     ]
     self.rollout_version = 0
+    # Versions a busy rollout has not seen yet: (time it sees it, version, whether weights come
+    # with it); the start limit counts the versions the rollout has seen (`adoption_delay_s`).
+    self._adoptions: collections.deque = collections.deque()
+    self.seen_version = 0
     self._reports: list[tuple[float, int]] = []  # heap of (offer time, group id), report delay
     self.accepted_started = 0
     self.in_system = 0
@@ -148,6 +153,17 @@ class _Simulation:
 
   # ---- rollout ----------------------------------------------------------------------------------
 
+  def _see(self, v: int, weights: bool) -> None:
+    self.seen_version = v
+    if weights:
+      self.rollout_version = v
+
+  def _adopt(self, t: float) -> None:
+    """The versions whose adoption time has come are the rollout's now."""
+    while self._adoptions and self._adoptions[0][0] <= t:
+      _, v, weights = self._adoptions.popleft()
+      self._see(v, weights)
+
   def _start_group(self, c: int) -> None:
     t = self.pool.t
     gid = len(self.g_cls)
@@ -172,7 +188,7 @@ class _Simulation:
   def _try_start(self) -> None:
     pool, trainer = self.pool, self.trainer
     limit = start_limit(
-      trainer.version,
+      self.seen_version,
       groups_per_step=self.B,
       minibatches=self.M,
       lag_groups=self.lag,
@@ -247,8 +263,13 @@ class _Simulation:
   def _finish_train(self, t: float) -> None:
     self.trainer.finish()
     v = self.trainer.version
-    if v % self.sync_every == 0:
-      self.rollout_version = v
+    weights = v % self.sync_every == 0
+    if self.w.adoption_delay_s > 0 and (self.pool.inflight_groups or self._reports):  # busy
+      self._adoptions.append((t + self.w.adoption_delay_s, v, weights))
+    else:  # an idle rollout waits on the trainer and sees the version at once
+      self._adoptions.clear()
+      self._see(v, weights)
+    if weights:
       self.pool.pause(self.w.weight_sync_s)
     if v == self.warmup_versions:
       self._system(t, 0)
@@ -282,7 +303,12 @@ class _Simulation:
       t_r, kind = pool.next_event()
       t_tr = trainer.busy_until
       t_rep = self._reports[0][0] if self._reports else math.inf
-      if t_rep < t_r and t_rep < t_tr:  # a finished group reaches admission (report delay)
+      t_see = self._adoptions[0][0] if self._adoptions else math.inf
+      if t_see < t_r and t_see < t_tr and t_see <= t_rep:  # a busy rollout sees a new version
+        pool.advance(t_see)
+        self._adopt(t_see)
+        self._try_start()
+      elif t_rep < t_r and t_rep < t_tr:  # a finished group reaches admission (report delay)
         pool.advance(t_rep)
         self._complete(heapq.heappop(self._reports)[1])
         self._try_train(t_rep)

@@ -89,6 +89,10 @@ class Workload:
       mini-batch's weights are published (metrics, logging); the next mini-batch waits for it.
     report_delay_s: seconds from a group's last sample ending to its offer to admission (an
       engine that hands finished samples back only when its call returns to the host); 0: at once.
+    adoption_delay_s: seconds from the trainer publishing a version to the rollout seeing it
+      while the rollout is busy (a rollout loop that reads the trainer's version once per turn:
+      its start limit and the version its new groups start with); an idle rollout, waiting on the
+      trainer, sees it at once. 0: at once always.
   """
 
   classes: tuple[ClassSpec, ...]
@@ -104,6 +108,7 @@ class Workload:
   trainer_overhead_s: float = 1.0
   trainer_step_overhead_s: float = 0.0
   report_delay_s: float = 0.0
+  adoption_delay_s: float = 0.0
 
   def __post_init__(self):
     object.__setattr__(self, "classes", tuple(self.classes))
@@ -127,6 +132,7 @@ class Workload:
       "trainer_overhead_s",
       "trainer_step_overhead_s",
       "report_delay_s",
+      "adoption_delay_s",
     ):
       v = getattr(self, name)
       _check(math.isfinite(v) and v >= 0, f"Workload.{name}={v!r} must be finite and >= 0.")

@@ -4,7 +4,7 @@ overlapping the calls (`knitjax.sim.calibration.engine_timeline_fit`)."""
 import numpy as np
 import pytest
 
-from knitjax.sim.calibration import engine_timeline_fit
+from knitjax.sim.calibration import engine_timeline_fit, turn_residual_s
 
 A, B, E = 0.001, 0.002, 0.005  # a call: 1 ms + 2 ms per decode pass + 5 ms per chunk pass
 
@@ -88,3 +88,13 @@ def test_the_report_delay_is_half_a_call_after_its_launch_plus_the_wait_for_coll
   want = np.mean(rows[:, 2] - rows[:, 0] - device / 2)
   assert fit["report_delay_s"] == pytest.approx(want, rel=1e-3)
   assert fit["report_delay_s"] > np.mean(device) / 2  # the host's lateness adds to it
+
+
+def test_the_adoption_delay_is_the_mean_residual_of_the_busy_turns():
+  """A version published at a random busy moment waits for the turn in progress: equal turns
+  give half a turn; unequal turns weigh the long ones more (they are more likely in progress)."""
+  assert turn_residual_s(np.full(10, 0.004)) == pytest.approx(0.002)
+  dt = np.array([0.001] * 9 + [0.091])
+  assert turn_residual_s(dt) == pytest.approx((9 * 0.001**2 + 0.091**2) / (2 * 0.1))
+  assert turn_residual_s(dt) > dt.mean() / 2
+  assert turn_residual_s(np.zeros(3)) == 0.0

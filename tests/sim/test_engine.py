@@ -215,3 +215,22 @@ def test_a_report_delay_offers_each_group_later_and_keeps_every_group(make_tiny)
   assert n["started"] == n["completed"] + n["generating"]
   assert n["consumed"] == 30 * w.groups_per_step
   assert summarize_result(late)["staleness_mean"] >= summarize_result(base)["staleness_mean"]
+
+
+def test_an_adoption_delay_starts_groups_on_older_versions_and_keeps_every_group(make_tiny):
+  """With ``adoption_delay_s`` a busy rollout sees a published version that much later (a loop
+  that reads the trainer's version once per turn): groups start on versions no newer than the
+  trainer's, staleness does not fall, the depth bound still holds, and every group is accounted
+  for; an idle rollout sees each version at once, so a delay longer than a step still runs."""
+  w = make_tiny(reject_a=0.2)
+  base = _run(w, policy="minibatch", max_lag_steps=0.5)
+  late = _run(dataclasses.replace(w, adoption_delay_s=0.5), policy="minibatch", max_lag_steps=0.5)
+  for r in (base, late):
+    n = counts(r)
+    assert n["completed"] == n["consumed"] + n["rejected"] + n["pending"] + n["queued"]
+    assert n["started"] == n["completed"] + n["generating"]
+    assert n["consumed"] == 30 * w.groups_per_step
+  assert summarize_result(late)["staleness_mean"] > summarize_result(base)["staleness_mean"]
+  assert np.all(np.diff(late.gen_version[np.argsort(late.t_start, kind="stable")]) >= 0)
+  huge = _run(dataclasses.replace(w, adoption_delay_s=1e3), policy="minibatch", max_lag_steps=0.5)
+  assert counts(huge)["consumed"] == 30 * w.groups_per_step
