@@ -47,7 +47,8 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
-from knitjax.rollout.continuous import ContinuousEngine, Request
+from knitjax.rollout.continuous import ContinuousEngine
+from knitjax.rollout.engine_requests import Request
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.sim.calibration import engine_call_fit, engine_timeline_fit
 

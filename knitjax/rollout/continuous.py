@@ -21,7 +21,6 @@ pass per live version); a new version waits while every param slot still has liv
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -33,32 +32,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from knitjax import sharding
 from knitjax.rollout.continuous_step import make_engine_call
+from knitjax.rollout.engine_requests import Finished, Request, group_requests
 from knitjax.rollout.engine_state import Queue, Starts, ended_rows, init_state, make_queue
 from knitjax.rollout.placement import Placement, assign, fit, place
 from knitjax.rollout.sampler import SamplingConfig, eos_tuple
 
 ADOPTION = ("new_groups", "mid_generation")
 TIMELINE_ROWS = 200_000  # calls the timeline keeps (the newest): bounded memory in long runs
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Request:
-  """One sample to generate: ``tag`` is the caller's (e.g. ``(group_id, k)``)."""
-
-  tag: object
-  tokens: np.ndarray  # 1-D prompt ids, BOS first
-  max_new_tokens: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Finished:
-  """A finished sample: tokens and log-probs up to its length, and the versions it used."""
-
-  tag: object
-  tokens: np.ndarray  # [length] int32, EOS last when produced
-  logprobs: np.ndarray  # [length] float32
-  version: int  # oldest policy version used (gen version)
-  version_newest: int  # newest policy version used
 
 
 class ContinuousEngine:
@@ -264,27 +244,15 @@ class ContinuousEngine:
       n += room // len(per_prompt)
     return n
 
-  def _prompts(self, requests: Sequence[Request]) -> list[list[Request]]:
-    """``requests`` checked and grouped by shared prompt (and budget), in order."""
-    p, budget_max = self.prompt_len, self.sampling.max_new_tokens
-    prompts: dict[object, list[Request]] = {}
-    for k, req in enumerate(requests):
-      n = len(req.tokens)
-      if not 1 <= n <= p:
-        raise ValueError(f"request {req.tag}: prompt of {n} tokens; accepted: 1..{p}.")
-      if not 1 <= req.max_new_tokens <= budget_max:
-        raise ValueError(
-          f"request {req.tag}: max_new_tokens={req.max_new_tokens}; accepted: 1..{budget_max}."
-        )
-      toks = np.asarray(req.tokens, np.int32).tobytes()
-      key = (toks, req.max_new_tokens) if self.share_prefix else k
-      prompts.setdefault(key, []).append(req)
-    return list(prompts.values())
-
   def _take(self, requests: Sequence[Request]) -> tuple[list[Placement], list[list[int]]]:
     """Adds ``requests`` to the waiting prompts; returns where the prompts that fit now start and,
     per shard, the waiting prompts queued on the device (all or nothing: ValueError)."""
-    groups = self._prompts(requests)
+    groups = group_requests(
+      requests,
+      prompt_len=self.prompt_len,
+      max_new_tokens=self.sampling.max_new_tokens,
+      share_prefix=self.share_prefix,
+    )
     sizes = [len(g) for g in self._waiting] + [len(g) for g in groups]
     n_fit, shares, _, _ = self._fit(sizes)
     left = sizes[n_fit:]

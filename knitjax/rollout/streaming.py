@@ -27,8 +27,9 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
-from knitjax.rollout.continuous import ContinuousEngine, Finished, Request
+from knitjax.rollout.continuous import ContinuousEngine
 from knitjax.rollout.contract import RolloutStats
+from knitjax.rollout.engine_requests import Finished, Request
 from knitjax.rollout.worker import assemble_group
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta

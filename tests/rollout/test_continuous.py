@@ -8,7 +8,8 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
-from knitjax.rollout.continuous import ContinuousEngine, Request
+from knitjax.rollout.continuous import ContinuousEngine
+from knitjax.rollout.engine_requests import Request
 from knitjax.rollout.engine_state import Outbox, ended_rows
 from knitjax.rollout.sampler import SamplingConfig
 from knitjax.train.batch import make_batch, pack_rows
