@@ -7,7 +7,8 @@ prints, per run, over the steps after ``warmup``: train steps per hour, mean arc
 staleness, engine calls and groups started (calls per group start), the group-start stall
 fraction and its parts from the engine's call timeline (`knitjax.sim.calibration
 .engine_timeline_fit`: host gaps while samples were held, device seconds, seconds per decode
-pass), and the calibrated simulator's ``group_start_s`` (`knitjax.sim.calibration.fit_costs`).
+pass), and the calibrated simulator's ``group_start_s``, ``report_delay_s`` and
+``adoption_delay_s`` (`knitjax.sim.calibration.fit_costs`).
 The figures of an A/B between two rollout settings come from this, one line per run.
 """
 
@@ -29,6 +30,8 @@ COLUMNS = (
   ("device_s", "device s", ".2f"),
   ("decode_s_per_iteration", "s/pass", ".2e"),
   ("group_start_s", "start s", ".2e"),
+  ("report_delay_s", "report s", ".2e"),
+  ("adoption_delay_s", "adopt s", ".2e"),
 )
 
 
@@ -53,7 +56,7 @@ def summarize(workdir: str, *, warmup_steps: int = 4) -> dict:
   out.update({k: costs[k] for k in ("host_gap_s", "device_s", "decode_s_per_iteration")})
   out["engine_calls"] = costs["timeline_calls"]
   out["calls_per_group"] = costs["timeline_calls"] / max(costs["groups_started"], 1)
-  out["group_start_s"] = costs["group_start_s"]
+  out.update({k: costs[k] for k in ("group_start_s", "report_delay_s", "adoption_delay_s")})
   return out
 
 

@@ -48,6 +48,7 @@ def _consumed_row(mb, version: int) -> dict:
     "group_ids": [g.group_id for g in mb.groups],
     "classes": [g.cls for g in mb.groups],
     "gen_versions": [g.gen_version for g in mb.groups],
+    "t": time.time(),  # wall time the update that consumed it was done
   }
 
 
@@ -116,7 +117,7 @@ class Pipeline:
       return None
     return jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
 
-  def _on_offer(self, meta, prompt, rejected: bool) -> None:
+  def _on_offer(self, meta, prompt, rejected: bool, started: float | None) -> None:
     self._seq += 1
     self.offered.write(
       {
@@ -126,6 +127,10 @@ class Pipeline:
         "cls": meta.cls,
         "gen_version": meta.gen_version,
         "rejected": bool(rejected),
+        # Wall times (time.time()): the group started, its last sample done, offered here.
+        "t_start": started,
+        "t_complete": meta.completion_time,
+        "t_offer": time.time(),
       }
     )
 

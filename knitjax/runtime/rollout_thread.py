@@ -50,7 +50,8 @@ class RolloutThread:
     accepted_started: groups started so far minus rejected ones (the depth bound counts them).
     restart: prompts of groups that were generating at the checkpoint; they start first.
     rng: base key of the rollout's draws.
-    on_offer: called under ``lock`` after each offer with ``(group meta, prompt, rejected)``.
+    on_offer: called under ``lock`` after each offer with ``(group meta, prompt, rejected,
+      started)``, ``started`` the wall time (``time.time()``) the group was started.
   """
 
   def __init__(
@@ -81,6 +82,7 @@ class RolloutThread:
     self._classes = classes
     self._scheduler = PlainScheduler([admission.spec.class_quotas[c] for c in classes])
     self._inflight: dict[int, Prompt] = {}
+    self._started_at: dict[int, float] = {}  # wall time each generating group was started
     self._thread = threading.Thread(target=self._main, name="rollout", daemon=True)
     self.error: BaseException | None = None
     # Counters read by the trainer for metrics (plain numbers: one writer, GIL-atomic reads).
@@ -179,6 +181,7 @@ class RolloutThread:
       gid = self.next_group_id
       self.next_group_id += 1
       self._inflight[gid] = prompt
+      self._started_at[gid] = time.time()
     self.rollout.start(prompt, gid)
     self.accepted_started += 1
     self.groups_started += 1
@@ -188,10 +191,11 @@ class RolloutThread:
     rejected = self.admission.dynamic_sampling and meta.reward_std == 0
     with self.lock:
       prompt = self._inflight.pop(meta.group_id)
+      started = self._started_at.pop(meta.group_id, None)
       for mb in self.admission.offer(meta):  # a rejected group is released by on_reject
         self.queue.put(mb)
       if self._on_offer is not None:
-        self._on_offer(meta, prompt, rejected)
+        self._on_offer(meta, prompt, rejected, started)
       faultpoints.point("admission")
     self.groups_completed += 1
     self.accepted_started -= rejected

@@ -50,6 +50,10 @@ def check_run(workdir, config):
     per_step[c["step"]].update(counts)
     assert all(v <= c["consume_version"] for v in c["gen_versions"])
   assert all(dict(per_step[s]) == quotas for s in per_step)  # and every step its quotas
+  # Each group's wall times: started before offered, offered before the update that used it.
+  t_offer = {o["group_id"]: o["t_offer"] for o in offered}
+  assert all(o["t_start"] is None or o["t_start"] <= o["t_offer"] for o in offered)
+  assert all(c["t"] >= t_offer[g] for c in consumed for g in c["group_ids"])
   # Generation used versions past 0 (weights were synced) and lagged by at most the depth.
   gen = [v for c in consumed for v in c["gen_versions"]]
   assert max(gen) >= 1
