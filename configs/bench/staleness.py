@@ -85,7 +85,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   c.trainer_overhead_s = 0.0
   c.trainer_step_overhead_s = 0.0  # per-step host work after a step's last mini-batch
   c.report_delay_s = 0.0  # a finished group reaches admission this long after its last sample
-  c.adoption_delay_s = 0.0  # a busy rollout sees a published version this long after it
+  c.trainer_contended_s = 0.0  # extra trainer seconds per mini-batch started while rollout runs
   # ---- pipeline (knitjax.sim.workload.Pipeline) ----
   c.weight_sync = "minibatch"
   c.adoption = "new_groups"

@@ -7,8 +7,9 @@ prints, per run, over the steps after ``warmup``: train steps per hour, mean arc
 staleness, engine calls and groups started (calls per group start), the group-start stall
 fraction and its parts from the engine's call timeline (`knitjax.sim.calibration
 .engine_timeline_fit`: host gaps while samples were held, device seconds, seconds per decode
-pass), and the calibrated simulator's ``group_start_s``, ``report_delay_s`` and
-``adoption_delay_s`` (`knitjax.sim.calibration.fit_costs`).
+pass), and the calibrated simulator's ``group_start_s``, ``report_delay_s``, and the trainer's
+mini-batch seconds alone and extra while rollout runs (``trainer_alone_s``,
+``trainer_contended_s``; `knitjax.sim.calibration.fit_costs`).
 The figures of an A/B between two rollout settings come from this, one line per run.
 """
 
@@ -31,7 +32,8 @@ COLUMNS = (
   ("decode_s_per_iteration", "s/pass", ".2e"),
   ("group_start_s", "start s", ".2e"),
   ("report_delay_s", "report s", ".2e"),
-  ("adoption_delay_s", "adopt s", ".2e"),
+  ("trainer_alone_s", "train s", ".2e"),
+  ("trainer_contended_s", "+contend", ".2e"),
 )
 
 
@@ -56,7 +58,12 @@ def summarize(workdir: str, *, warmup_steps: int = 4) -> dict:
   out.update({k: costs[k] for k in ("host_gap_s", "device_s", "decode_s_per_iteration")})
   out["engine_calls"] = costs["timeline_calls"]
   out["calls_per_group"] = costs["timeline_calls"] / max(costs["groups_started"], 1)
-  out.update({k: costs[k] for k in ("group_start_s", "report_delay_s", "adoption_delay_s")})
+  out.update(
+    {
+      k: costs[k]
+      for k in ("group_start_s", "report_delay_s", "trainer_alone_s", "trainer_contended_s")
+    }
+  )
   return out
 
 

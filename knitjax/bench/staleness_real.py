@@ -142,6 +142,8 @@ def _predict_all(config, runs, shared: bool) -> dict:
       "decode_s_per_iteration",
       "group_start_s",
       "trainer_minibatch_s",
+      "trainer_alone_s",
+      "trainer_contended_s",
       "trainer_step_overhead_s",
     )
     median = {k: float(np.median([c[k] for c in costs.values()])) for k in keys}

@@ -13,11 +13,8 @@ window (after the warmup steps):
   prefill chunks). The engine hands finished samples back only when the host collects a call, so a
   group reaches admission after its last sample ends by ``report_delay_s``: the mean over calls of
   ``collect end - launch - device seconds / 2`` (a sample ends, on average, half-way through its
-  call). The rollout loop reads the trainer's version once per turn, so a version published while
-  it is busy is seen (for its start limit and the version new groups start with) after
-  ``adoption_delay_s``, the mean residual of its busy turns (`turn_residual_s`). Runs without a
-  usable timeline (rollout hosts, Ray workers, runs recorded before it, or call times that do not
-  grow with decode passes) use the call fit, with no report or adoption delay:
+  call). Runs without a usable timeline (rollout hosts, Ray workers, runs recorded before it, or
+  call times that do not grow with decode passes) use the call fit, with no report delay:
 * Rollout engine calls (call fit): ``b``, the seconds per decode iteration, is the least squares fit
   of ``a + b * decode passes + e * prefill chunk passes`` over the calls (runs recorded before the
   chunked-prefill engine: ``a + b * iterations + c * [the call started groups]``); it is the
@@ -153,15 +150,44 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
   }
 
 
-def turn_residual_s(turn_s: np.ndarray) -> float:
-  """Mean wait from a moment the rollout loop is busy to the end of its turn in progress:
-  ``sum(dt^2) / (2 sum(dt))`` over the busy turns' seconds ``dt`` (a long turn is more likely to
-  be in progress). The loop reads the trainer's version once per turn, so this is how long a
-  version published while it is busy waits to be seen (an idle loop waits on the trainer and
-  sees it at once); the simulator's ``adoption_delay_s``."""
-  dt = np.asarray(turn_s, np.float64)
-  total = float(dt.sum())
-  return float((dt**2).sum() / (2.0 * total)) if total > 0 else 0.0
+def overlap_fraction(windows: np.ndarray, intervals: np.ndarray) -> np.ndarray:
+  """Per ``[start, end]`` row of ``windows``, the fraction of it covered by the union of the
+  disjoint, sorted ``[start, end]`` rows of ``intervals``."""
+  w = np.asarray(windows, np.float64).reshape(-1, 2)
+  iv = np.asarray(intervals, np.float64).reshape(-1, 2)
+  lo = np.maximum(w[:, None, 0], iv[None, :, 0])
+  hi = np.minimum(w[:, None, 1], iv[None, :, 1])
+  covered = np.clip(hi - lo, 0.0, None).sum(axis=1)
+  return np.clip(covered / np.maximum(w[:, 1] - w[:, 0], 1e-12), 0.0, 1.0)
+
+
+def trainer_contention(minibatches: np.ndarray, rollout_busy: np.ndarray) -> tuple[float, float]:
+  """A mini-batch's seconds alone and the extra seconds when rollout runs throughout it: the
+  least squares line ``seconds = alone + extra * overlap`` over ``minibatches`` (rows of ``(end
+  time, seconds)``), ``overlap`` the fraction of each mini-batch during which rollout had groups
+  generating (``rollout_busy``: disjoint sorted ``[start, end]`` rows). Trainer and rollout
+  sharing the same cores (one CPU host) makes ``extra`` > 0; ``extra`` is clamped at 0 and
+  ``alone`` keeps the mean when there is no spread to fit on."""
+  mb = np.asarray(minibatches, np.float64).reshape(-1, 2)
+  mean = float(mb[:, 1].mean()) if len(mb) else 0.0
+  if len(mb) < 3 or len(rollout_busy) == 0:
+    return mean, 0.0
+  x = overlap_fraction(np.stack([mb[:, 0] - mb[:, 1], mb[:, 0]], 1), rollout_busy)
+  if np.ptp(x) < 0.1:
+    return mean, 0.0
+  extra, alone = np.polyfit(x, mb[:, 1], 1)
+  if extra <= 0 or alone <= 0:
+    return mean, 0.0
+  return float(alone), float(extra)
+
+
+def rollout_busy_intervals(timeline: np.ndarray) -> np.ndarray:
+  """From the engine's call timeline, the spans during which rollout was working: each call
+  that held samples before its launch or started prompts, from its launch to its collect end
+  (the host's work on the call included; idle waits between calls are not)."""
+  rows = np.asarray(timeline, np.float64).reshape(-1, 9)
+  busy = (rows[:, 7] + rows[:, 8]) > 0
+  return np.stack([rows[:, 0], np.maximum(rows[:, 2], rows[:, 0])], 1)[busy]
 
 
 def fit_costs(run: dict, *, warmup_steps: int) -> dict:
@@ -184,7 +210,7 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
     # at depth 0, is on the critical path too).
     b = measured["decode_s_per_iteration"]
     c = max(0.0, (dt.sum() - b * calls[:, 6].sum()) / max(starts.sum(), 1.0))
-    fit = {**fit, **measured, "group_start_s": float(c), "adoption_delay_s": turn_residual_s(dt)}
+    fit = {**fit, **measured, "group_start_s": float(c)}
   elif fit["decode_s_per_iteration"] <= 0:  # the call fit found no per-pass time either
     b = float(dt.sum() / max(calls[:, 6].sum() if calls.shape[1] >= 7 else calls[:, 2].sum(), 1))
     fit = {**fit, "decode_s_per_iteration": b, "group_start_s": 0.0}
@@ -193,10 +219,13 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   window = run["rows"][warmup_steps:]
   idle_s = sum(r["trainer_idle_fraction"] * r["step_s"] for r in window)
   host_s = _window_span(run, warmup_steps) - idle_s - mb[:, 1].sum()
+  alone, extra = trainer_contention(mb, rollout_busy_intervals(timeline))
   return {
     "decode_s_per_iteration": fit["decode_s_per_iteration"],
     "group_start_s": fit["group_start_s"],
     "trainer_minibatch_s": float(mb[:, 1].mean()),
+    "trainer_alone_s": alone,  # a mini-batch with rollout idle (= the mean without a timeline)
+    "trainer_contended_s": extra,  # extra when rollout runs throughout it
     "trainer_step_overhead_s": max(0.0, float(host_s) / len(window)),
     "engine_calls": int(len(calls)),
     "chunk_passes": fit["chunk_passes"],
@@ -206,7 +235,6 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
     "host_gap_s": fit.get("host_gap_s", float("nan")),  # from the timeline (nan: none)
     "device_s": fit.get("device_s", float("nan")),
     "report_delay_s": fit.get("report_delay_s", 0.0),  # from the timeline (0: none)
-    "adoption_delay_s": fit.get("adoption_delay_s", 0.0),  # with the timeline (0: none)
     "rollout_busy_s": float(dt.sum()),
     "groups_started": int(starts.sum()),
     "slots": int(t["slots"]),
@@ -257,10 +285,10 @@ def disaggregated_workload(
     group_start_pause_s=costs["group_start_s"],
     weight_sync_s=0.0,
     trainer_s_per_token=0.0,
-    trainer_overhead_s=costs["trainer_minibatch_s"],
+    trainer_overhead_s=costs.get("trainer_alone_s", costs["trainer_minibatch_s"]),
+    trainer_contended_s=costs.get("trainer_contended_s", 0.0),
     trainer_step_overhead_s=costs["trainer_step_overhead_s"],
     report_delay_s=costs.get("report_delay_s", 0.0),
-    adoption_delay_s=costs.get("adoption_delay_s", 0.0),
   )
 
 

@@ -13,7 +13,6 @@ started so far (started minus rejected) are fewer than ``B * (completed_steps + 
 (`knitjax.rollout.scheduling.start_limit`, the runtime's rule too).
 """
 
-import collections
 import dataclasses
 import heapq
 import math
@@ -108,10 +107,6 @@ class _Simulation:
       c.prompt_tokens * w.prefill_s_per_token / w.decode_s_per_token for c in w.classes
     ]
     self.rollout_version = 0
-    # Versions a busy rollout has not seen yet: (time it sees it, version, whether weights come
-    # with it); the start limit counts the versions the rollout has seen (`adoption_delay_s`).
-    self._adoptions: collections.deque = collections.deque()
-    self.seen_version = 0
     self._reports: list[tuple[float, int]] = []  # heap of (offer time, group id), report delay
     self.accepted_started = 0
     self.in_system = 0
@@ -153,17 +148,6 @@ class _Simulation:
 
   # ---- rollout ----------------------------------------------------------------------------------
 
-  def _see(self, v: int, weights: bool) -> None:
-    self.seen_version = v
-    if weights:
-      self.rollout_version = v
-
-  def _adopt(self, t: float) -> None:
-    """The versions whose adoption time has come are the rollout's now."""
-    while self._adoptions and self._adoptions[0][0] <= t:
-      _, v, weights = self._adoptions.popleft()
-      self._see(v, weights)
-
   def _start_group(self, c: int) -> None:
     t = self.pool.t
     gid = len(self.g_cls)
@@ -188,7 +172,7 @@ class _Simulation:
   def _try_start(self) -> None:
     pool, trainer = self.pool, self.trainer
     limit = start_limit(
-      self.seen_version,
+      trainer.version,
       groups_per_step=self.B,
       minibatches=self.M,
       lag_groups=self.lag,
@@ -249,7 +233,9 @@ class _Simulation:
       return
     if self.colocated and self.pool.inflight_groups:
       return  # colocated: the devices are generating
-    mb = trainer.start(t, self._tokens)
+    # Trainer and rollout on the same cores: a mini-batch started while groups generate is slower.
+    contended = self.w.trainer_contended_s if self.pool.inflight_groups else 0.0
+    mb = trainer.start(t, self._tokens, contended)
     for g in mb.groups:
       gid = g.group_id
       self.g_outcome[gid] = CONSUMED
@@ -263,13 +249,8 @@ class _Simulation:
   def _finish_train(self, t: float) -> None:
     self.trainer.finish()
     v = self.trainer.version
-    weights = v % self.sync_every == 0
-    if self.w.adoption_delay_s > 0 and (self.pool.inflight_groups or self._reports):  # busy
-      self._adoptions.append((t + self.w.adoption_delay_s, v, weights))
-    else:  # an idle rollout waits on the trainer and sees the version at once
-      self._adoptions.clear()
-      self._see(v, weights)
-    if weights:
+    if v % self.sync_every == 0:
+      self.rollout_version = v
       self.pool.pause(self.w.weight_sync_s)
     if v == self.warmup_versions:
       self._system(t, 0)
@@ -303,12 +284,7 @@ class _Simulation:
       t_r, kind = pool.next_event()
       t_tr = trainer.busy_until
       t_rep = self._reports[0][0] if self._reports else math.inf
-      t_see = self._adoptions[0][0] if self._adoptions else math.inf
-      if t_see < t_r and t_see < t_tr and t_see <= t_rep:  # a busy rollout sees a new version
-        pool.advance(t_see)
-        self._adopt(t_see)
-        self._try_start()
-      elif t_rep < t_r and t_rep < t_tr:  # a finished group reaches admission (report delay)
+      if t_rep < t_r and t_rep < t_tr:  # a finished group reaches admission (report delay)
         pool.advance(t_rep)
         self._complete(heapq.heappop(self._reports)[1])
         self._try_train(t_rep)

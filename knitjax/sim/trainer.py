@@ -42,15 +42,18 @@ class Trainer:
     """Seconds to compute a mini-batch of ``tokens`` prompt + response tokens."""
     return self._overhead_s + self._s_per_token * tokens
 
-  def start(self, t: float, tokens_of: Callable[[MiniBatch], int]) -> MiniBatch:
+  def start(
+    self, t: float, tokens_of: Callable[[MiniBatch], int], extra_s: float = 0.0
+  ) -> MiniBatch:
     """Starts the next queued mini-batch at time ``t``; returns it (consumed at ``version``).
 
     Args:
       t: wall time.
       tokens_of: prompt + response tokens of a mini-batch.
+      extra_s: seconds this mini-batch costs beyond its own (e.g. sharing the cores with rollout).
     """
     mb = self.queue.popleft()
-    self._cost = self.cost(tokens_of(mb))
+    self._cost = self.cost(tokens_of(mb)) + extra_s
     self.busy_until = t + self._cost
     return mb
 

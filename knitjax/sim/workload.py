@@ -89,10 +89,9 @@ class Workload:
       mini-batch's weights are published (metrics, logging); the next mini-batch waits for it.
     report_delay_s: seconds from a group's last sample ending to its offer to admission (an
       engine that hands finished samples back only when its call returns to the host); 0: at once.
-    adoption_delay_s: seconds from the trainer publishing a version to the rollout seeing it
-      while the rollout is busy (a rollout loop that reads the trainer's version once per turn:
-      its start limit and the version its new groups start with); an idle rollout, waiting on the
-      trainer, sees it at once. 0: at once always.
+    trainer_contended_s: extra trainer seconds for a mini-batch that starts while rollout has
+      groups generating (trainer and rollout sharing the same cores, as on one CPU host); 0: the
+      trainer's speed does not depend on rollout.
   """
 
   classes: tuple[ClassSpec, ...]
@@ -108,7 +107,7 @@ class Workload:
   trainer_overhead_s: float = 1.0
   trainer_step_overhead_s: float = 0.0
   report_delay_s: float = 0.0
-  adoption_delay_s: float = 0.0
+  trainer_contended_s: float = 0.0
 
   def __post_init__(self):
     object.__setattr__(self, "classes", tuple(self.classes))
@@ -132,7 +131,7 @@ class Workload:
       "trainer_overhead_s",
       "trainer_step_overhead_s",
       "report_delay_s",
-      "adoption_delay_s",
+      "trainer_contended_s",
     ):
       v = getattr(self, name)
       _check(math.isfinite(v) and v >= 0, f"Workload.{name}={v!r} must be finite and >= 0.")

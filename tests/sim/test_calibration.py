@@ -4,7 +4,12 @@ overlapping the calls (`knitjax.sim.calibration.engine_timeline_fit`)."""
 import numpy as np
 import pytest
 
-from knitjax.sim.calibration import engine_timeline_fit, turn_residual_s
+from knitjax.sim.calibration import (
+  engine_timeline_fit,
+  overlap_fraction,
+  rollout_busy_intervals,
+  trainer_contention,
+)
 
 A, B, E = 0.001, 0.002, 0.005  # a call: 1 ms + 2 ms per decode pass + 5 ms per chunk pass
 
@@ -90,11 +95,37 @@ def test_the_report_delay_is_half_a_call_after_its_launch_plus_the_wait_for_coll
   assert fit["report_delay_s"] > np.mean(device) / 2  # the host's lateness adds to it
 
 
-def test_the_adoption_delay_is_the_mean_residual_of_the_busy_turns():
-  """A version published at a random busy moment waits for the turn in progress: equal turns
-  give half a turn; unequal turns weigh the long ones more (they are more likely in progress)."""
-  assert turn_residual_s(np.full(10, 0.004)) == pytest.approx(0.002)
-  dt = np.array([0.001] * 9 + [0.091])
-  assert turn_residual_s(dt) == pytest.approx((9 * 0.001**2 + 0.091**2) / (2 * 0.1))
-  assert turn_residual_s(dt) > dt.mean() / 2
-  assert turn_residual_s(np.zeros(3)) == 0.0
+def test_overlap_is_the_covered_fraction_of_each_window():
+  iv = np.array([[1.0, 2.0], [3.0, 3.5]])
+  w = np.array([[0.0, 1.0], [1.5, 3.5], [1.0, 2.0], [5.0, 6.0]])
+  np.testing.assert_allclose(overlap_fraction(w, iv), [0.0, 0.5, 1.0, 0.0])
+
+
+def test_trainer_contention_recovers_alone_and_extra_seconds():
+  """Mini-batches that overlap rollout by a fraction x take alone + extra * x: the fit returns
+  both; without spread in x, or when rollout does not slow the trainer, the mean and 0."""
+  rng = np.random.default_rng(0)
+  busy = np.array([[k * 0.1, k * 0.1 + 0.04] for k in range(200)])  # rollout 40% of the time
+  start = np.sort(rng.uniform(0, 19.9, 300))
+  x = overlap_fraction(np.stack([start, start + 0.01], 1), busy)  # 10 ms windows
+  seconds = 0.008 + 0.005 * x
+  ends = start + 0.01  # the windows the fit sees: (end time, seconds) with seconds = 10 ms
+  alone, extra = trainer_contention(np.stack([ends, np.full(300, 0.01)], 1), busy)
+  assert extra == pytest.approx(0.0, abs=1e-9)  # no dependence on overlap
+  assert alone == pytest.approx(0.01)
+  alone, extra = trainer_contention(np.stack([start + seconds, seconds], 1), busy)
+  assert alone == pytest.approx(0.008, rel=0.05) and extra == pytest.approx(0.005, rel=0.1)
+  mean, zero = trainer_contention(np.stack([start + 0.01, np.full(300, 0.01)], 1), busy[:0])
+  assert (mean, zero) == (pytest.approx(0.01), 0.0)
+
+
+def test_rollout_busy_spans_are_the_calls_that_held_or_started_groups():
+  # launch, collect begin, collect end, running, iterations, decode passes, chunks, held, started
+  rows = np.array(
+    [
+      [0.0, 0.1, 0.2, 1, 3, 3, 1, 0, 2],
+      [0.3, 0.4, 0.5, 1, 3, 3, 0, 16, 0],
+      [2.0, 2.1, 2.2, 0, 0, 0, 0, 0, 0],  # nothing held or started: idle
+    ]
+  )
+  np.testing.assert_allclose(rollout_busy_intervals(rows), [[0.0, 0.2], [0.3, 0.5]])
