@@ -59,7 +59,7 @@ def _variant(config: mc.ConfigDict, *, mode, policy, depth, steps, lr) -> mc.Con
   return c
 
 
-def _prompt_tokens(cfg) -> dict[str, int]:
+def prompt_tokens(cfg) -> dict[str, int]:
   prompts = builder.build_prompts(cfg)
   return {c: int(len(copy.copy(s).next(1)[0].tokens)) for c, s in prompts.sources.items()}
 
@@ -119,9 +119,9 @@ def _frontier_runs(runs: dict) -> dict:
 def _predict_run(config, r, costs, traces) -> dict:
   warm, steps = config.warmup_steps, config.frontier_steps
   cfg = from_config_dict(r["config"])
-  prompt_tokens = _prompt_tokens(cfg)
+  tokens = prompt_tokens(cfg)
   colocated = r["policy"] == "colocated"
-  w = real_calibration.disaggregated_workload(cfg, costs, traces, prompt_tokens)
+  w = real_calibration.disaggregated_workload(cfg, costs, traces, tokens)
   p = real_calibration.pipeline_of(cfg, colocated=colocated)
   seeds = tuple(range(config.sim_seeds))
   return real_calibration.predict(w, p, num_steps=steps, warmup_steps=warm, seeds=seeds)

@@ -30,6 +30,10 @@ window (after the warmup steps):
   publish; the step has fixed shapes, so no per-token term), and the per-step host work after a
   step's last mini-batch (metrics, TensorBoard, logging): the window's wall time the trainer
   spent neither on mini-batches nor waiting for one, per step (``trainer_step_overhead_s``).
+  With the engine timeline, the mini-batch seconds split into seconds alone and extra seconds
+  while rollout runs (`trainer_contention`; trainer and rollout share the host's cores): the
+  simulated trainer costs ``alone`` per mini-batch, plus ``extra`` when it starts while groups
+  generate (``trainer_contended_s``).
 * Weight sync: publishing is part of the trainer's time; the rollout adopts a version without a
   pause (``weight_sync_s = 0``).
 * Lengths: each class's measured response lengths, as a trace the simulator samples from.

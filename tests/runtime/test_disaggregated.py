@@ -7,7 +7,7 @@ import os
 import pytest
 
 from configs import arith_disagg
-from knitjax.bench import rollout_summary
+from knitjax.bench import group_times, rollout_summary
 from knitjax.config import from_config_dict
 from knitjax.runtime import versions
 from knitjax.runtime.disaggregated import split_devices
@@ -80,6 +80,22 @@ def test_quick_run_versions_quotas_and_conservation(tmp_path):
   summary = rollout_summary.summarize(str(tmp_path), warmup_steps=1)
   assert summary["steps_per_hour"] > 0 and summary["engine_calls"] > 0
   assert summary["groups_started"] > 0 and summary["decode_s_per_iteration"] > 0
+  # The parts of the groups' staleness add up to it, in the run and in the simulator.
+  parts = group_times.measured(str(tmp_path), warmup_steps=1)
+  later = [c for c in read_jsonl(str(tmp_path), "consumed.jsonl") if c["step"] >= 1]
+  gaps = [c["consume_version"] - g for c in later for g in c["gen_versions"]]
+  assert parts["groups"] == len(gaps)
+  total = parts["label_lag"] + parts["start_to_offer"] + parts["offer_to_consume"]
+  assert total == pytest.approx(sum(gaps) / len(gaps))
+  assert set(parts["start_to_offer_s"]) == {"arith", "think"}
+  cfg_file = tmp_path / "run_config.py"
+  cfg_file.write_text(
+    "import json\nimport ml_collections\n\ndef get_config(arg=None):\n"
+    f"  return ml_collections.ConfigDict(json.loads({json.dumps(config.to_dict())!r}))\n"
+  )
+  sim = group_times.simulated(str(tmp_path), str(cfg_file), warmup_steps=1, seeds=(0,))
+  assert sim["groups"] > 0 and sim["start_to_offer"] >= 0 and sim["offer_to_consume"] >= 0
+  assert "simulator" in group_times.table({"run": parts, "simulator": sim})
   timings = json.loads((tmp_path / "timings.json").read_text())
   assert timings["calls"] and len(timings["trainer_minibatch_s"]) == 2 * 3
   assert set(timings["lengths"]) == {"arith", "think"}
