@@ -81,7 +81,7 @@ def measured(workdir: str, *, warmup_steps: int = 4) -> dict:
       gen.append(v_offer - v_start)
       wait.append(c["consume_version"] - v_offer)
       by_class.setdefault(o["cls"], []).append(o["t_offer"] - o["t_start"])
-  t0 = cal._window_start(run, warmup_steps)
+  t0 = cal.window_start(run, warmup_steps)
   m = _minibatches_per_step(run)
   step_publish = publish[m - 1 :: m]
   step_publish = step_publish[step_publish > t0]

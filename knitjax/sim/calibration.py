@@ -69,7 +69,8 @@ PREDICTED_KEYS = (
 )
 
 
-def _window_start(run: dict, warmup_steps: int) -> float:
+def window_start(run: dict, warmup_steps: int) -> float:
+  """Wall time (time.time()) the measurement window begins: the end of the warmup steps."""
   t_start = run["timings"]["t_start"] if run["timings"] else 0.0
   return t_start + (run["wall"][warmup_steps - 1] if warmup_steps else 0.0)
 
@@ -155,13 +156,23 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
 
 
 def overlap_fraction(windows: np.ndarray, intervals: np.ndarray) -> np.ndarray:
-  """Per ``[start, end]`` row of ``windows``, the fraction of it covered by the union of the
-  disjoint, sorted ``[start, end]`` rows of ``intervals``."""
+  """Per ``[start, end]`` row of ``windows``, the fraction of it covered by the disjoint
+  ``[start, end]`` rows of ``intervals`` (in time order or not); O((windows + intervals) log
+  intervals), so whole-run timelines stay cheap."""
   w = np.asarray(windows, np.float64).reshape(-1, 2)
   iv = np.asarray(intervals, np.float64).reshape(-1, 2)
-  lo = np.maximum(w[:, None, 0], iv[None, :, 0])
-  hi = np.minimum(w[:, None, 1], iv[None, :, 1])
-  covered = np.clip(hi - lo, 0.0, None).sum(axis=1)
+  iv = iv[np.argsort(iv[:, 0])]
+  lengths = np.maximum(iv[:, 1] - iv[:, 0], 0.0)
+  before = np.concatenate([[0.0], np.cumsum(lengths)])  # covered time before each interval
+
+  def covered_until(t: np.ndarray) -> np.ndarray:
+    k = np.searchsorted(iv[:, 0], t, side="right") - 1  # the last interval starting by t
+    inside = np.clip(t - iv[np.maximum(k, 0), 0], 0.0, lengths[np.maximum(k, 0)])
+    return np.where(k >= 0, before[np.maximum(k, 0)] + inside, 0.0)
+
+  if not len(iv):
+    return np.zeros(len(w))
+  covered = covered_until(w[:, 1]) - covered_until(w[:, 0])
   return np.clip(covered / np.maximum(w[:, 1] - w[:, 0], 1e-12), 0.0, 1.0)
 
 
@@ -197,7 +208,7 @@ def rollout_busy_intervals(timeline: np.ndarray) -> np.ndarray:
 def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   """Service times of a disaggregated run over its window (see the module docstring)."""
   t = run["timings"]
-  t0 = _window_start(run, warmup_steps)
+  t0 = window_start(run, warmup_steps)
   raw = np.asarray(t["calls"], np.float64)
   calls = raw.reshape(-1, raw.shape[-1] if raw.ndim == 2 else 5)
   calls = calls[calls[:, 0] > t0]

@@ -99,6 +99,8 @@ def test_overlap_is_the_covered_fraction_of_each_window():
   iv = np.array([[1.0, 2.0], [3.0, 3.5]])
   w = np.array([[0.0, 1.0], [1.5, 3.5], [1.0, 2.0], [5.0, 6.0]])
   np.testing.assert_allclose(overlap_fraction(w, iv), [0.0, 0.5, 1.0, 0.0])
+  np.testing.assert_allclose(overlap_fraction(w, iv[::-1]), [0.0, 0.5, 1.0, 0.0])  # any order
+  np.testing.assert_allclose(overlap_fraction(w, iv[:0]), [0.0] * 4)
 
 
 def test_trainer_contention_recovers_alone_and_extra_seconds():
