@@ -81,6 +81,10 @@ class RolloutConfig:
   # Continuous engine: prompts each shard may hold in the device-side queue, started inside an
   # engine call as its slots and lanes free up, without a return to the host (0: off).
   queue_prompts: int = 0
+  # Continuous engine: run a decode iteration's prefill chunks inside its decode pass (one
+  # forward over the live slots' tokens and the new prompts' chunks), so live samples never wait
+  # for a group's prefill; mid-generation adoption only (False: the chunks run before the pass).
+  fuse_prefill: bool = False
   # What generates behind the rollout contract: "batched" (one sampler call per wave of
   # slots // group_size groups; colocated: the whole step), "continuous" (the engine),
   # "multiturn" (model and environment turns, tasks with an environment), "auto".
@@ -100,7 +104,7 @@ class RolloutConfig:
     positive("config.rollout.refill_groups", self.refill_groups)
     positive("config.rollout.prefill_chunk", self.prefill_chunk, allow_zero=True)
     positive("config.rollout.queue_prompts", self.queue_prompts, allow_zero=True)
-    for name in ("share_prefix", "overlap_host"):
+    for name in ("share_prefix", "overlap_host", "fuse_prefill"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(
           f"config.rollout.{name}={getattr(self, name)!r} is not accepted; use True or False."

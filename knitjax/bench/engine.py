@@ -14,6 +14,9 @@ compile round:
 * ``queued``: ``after`` with the device-side request queue (``queue_prompts`` per shard): groups
   beyond the free room wait on the device and start inside a call as slots free up, without a
   return to the host;
+* ``fused``: ``queued`` with each iteration's prefill chunks inside its decode pass
+  (``fuse_prefill``: one forward over the live slots' tokens and the lanes' chunks), so live
+  samples advance in every iteration a group prefills;
 * ``batched``: the batched sampler, in waves of ``slots // G`` groups, each wave running until
   its longest sample ends.
 
@@ -53,7 +56,7 @@ from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.sim.calibration import engine_call_fit, engine_timeline_fit
 
 BOS, EOS, PAD = 1, 2, 0
-ROLLOUTS = ("before", "after", "queued", "batched")
+ROLLOUTS = ("before", "after", "queued", "fused", "batched")
 VERSIONED = ("versions_split", "versions_unsplit")
 
 
@@ -83,7 +86,8 @@ def _engine(config, graphdef, mesh, sampling, which: str) -> ContinuousEngine:
     decode_steps=config.decode_steps,
     adoption="new_groups" if versioned else "mid_generation",
     split_versions=which != "versions_unsplit",
-    queue_prompts=config.queue_prompts if which == "queued" else 0,
+    queue_prompts=config.queue_prompts if which in ("queued", "fused") else 0,
+    fuse_prefill=which == "fused",
   )
 
 
@@ -181,7 +185,10 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
     if which == "batched":
       return _drive_batched(sampler, params, items, G, wave, seed)
     engine = engines[which]  # drained after each run; reused so nothing compiles again
-    before = (engine.prefills, engine.rows_decoded, engine.rows_unsplit, len(engine.timeline))
+    before = (
+      engine.prefills, engine.rows_decoded, engine.rows_unsplit, len(engine.timeline),
+      engine.fused_passes, engine.decode_passes,
+    )  # fmt: skip
     if which in VERSIONED:
       out = _drive_engine(engine, items, G, seed, versions, config.version_every)
     else:
@@ -190,6 +197,8 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
     out["rows_decoded"] = engine.rows_decoded - before[1]
     out["rows_unsplit"] = engine.rows_unsplit - before[2]
     out["timeline"] = list(engine.timeline)[before[3] :]
+    out["fused_passes"] = engine.fused_passes - before[4]
+    out["decode_passes"] = engine.decode_passes - before[5]
     return out
 
   for which in rollouts:  # compile (every call shape) on a few groups
@@ -229,6 +238,11 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
       entry["engine_calls"] = len(calls)
       entry["rows_decoded"] = rs[0]["rows_decoded"]
       entry["rows_unsplit"] = rs[0]["rows_unsplit"]
+      # Decode passes that carried prefill chunks (``fused``), and the seconds per decode pass
+      # the timeline fit sees (the cost of the chunks riding along shows here and in tokens/s).
+      entry["fused_pass_fraction"] = rs[0]["fused_passes"] / max(rs[0]["decode_passes"], 1)
+      if all(f is not None for f in fits):
+        entry["decode_s_per_pass"] = float(np.median([f["decode_s_per_iteration"] for f in fits]))
     out["rollouts"][which] = entry
   ro = out["rollouts"]
   out["after_vs_before"] = ro["after"]["tokens_per_s"] / ro["before"]["tokens_per_s"]
@@ -237,6 +251,9 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
   out["stall_fraction_after"] = ro["after"]["group_start_stall_fraction"]
   out["queued_vs_after"] = ro["queued"]["tokens_per_s"] / ro["after"]["tokens_per_s"]
   out["stall_fraction_queued"] = ro["queued"]["group_start_stall_fraction"]
+  out["fused_vs_queued"] = ro["fused"]["tokens_per_s"] / ro["queued"]["tokens_per_s"]
+  out["fused_vs_batched"] = ro["fused"]["tokens_per_s"] / ro["batched"]["tokens_per_s"]
+  out["stall_fraction_fused"] = ro["fused"]["group_start_stall_fraction"]
   if config.version_every:
     split, unsplit = ro["versions_split"], ro["versions_unsplit"]
     out["versions_split_vs_unsplit"] = split["tokens_per_s"] / unsplit["tokens_per_s"]
@@ -259,7 +276,8 @@ def _table(out: dict) -> str:
     )
   lines.append(
     f"after / before {out['after_vs_before']:.2f}x, after / batched {out['after_vs_batched']:.2f}x"
-    f", queued / after {out['queued_vs_after']:.2f}x"
+    f", queued / after {out['queued_vs_after']:.2f}x, fused / queued {out['fused_vs_queued']:.2f}x"
+    f" ({out['rollouts']['fused']['fused_pass_fraction']:.0%} of its decode passes carried chunks)"
   )
   if "versions_split_vs_unsplit" in out:
     lines.append(

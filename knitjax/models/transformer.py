@@ -412,3 +412,55 @@ class Transformer(nnx.Module):
     valid_b1 = jnp.ones(x.shape[:2], jnp.bool_)
     x, cache = self._extend(x, positions_b[:, None], valid_b1, cache)
     return self._logits(x[:, 0]), cache
+
+  def mixed_step(self, parts):
+    """One forward over several batches of cached rows at once, each row with its own cache and
+    index (the continuous engine's live slots, one token each, beside its prefill lanes, a chunk
+    each): the projections and MLPs of every part's tokens run as one matmul, so a prefill chunk
+    rides along the decode pass instead of running before it; attention is per row, against the
+    row's own cache. Each row's result equals `prefill` / `decode_step` on that row alone.
+
+    Args:
+      parts: sequence of ``(tokens [N, T], positions [N, T], valid [N, T], cache)``, ``cache`` a
+        `KVCache` per row (leaves [N, 1, ...], index [N]: `jax.vmap` of batch-1 caches).
+
+    Returns:
+      Per part, the float32 logits of each row's last position [N, V] and the updated caches.
+    """
+    shapes = [tokens.shape for tokens, *_ in parts]
+    x = jnp.concatenate([self.embed(p[0]).reshape(1, -1, self.config.d_model) for p in parts], 1)
+    sin_cos = self._rope(jnp.concatenate([p[1].reshape(1, -1) for p in parts], 1))
+
+    def valid_row(cache, valid_t):
+      return jax.lax.dynamic_update_slice(cache.valid_bs, valid_t[None], (0, cache.index))
+
+    valids = [jax.vmap(valid_row)(p[3], p[2].astype(jnp.bool_)) for p in parts]
+    offsets = [0]
+    for n, t in shapes:
+      offsets.append(offsets[-1] + n * t)
+    new_k, new_v = [[] for _ in parts], [[] for _ in parts]
+    for layer, block in enumerate(self.blocks):
+      q, k, v = block.attn.qkv(block.attn_norm(x), sin_cos)
+      outs = []
+      for i, ((n, t), part) in enumerate(zip(shapes, parts, strict=True)):
+        cache = part[3]
+
+        def cut(a, i=i, n=n, t=t):  # part i's tokens as rows of batch 1: [n, 1, t, ...]
+          return a[0, offsets[i] : offsets[i + 1]].reshape((n, 1, t) + a.shape[2:])
+
+        out, (kc, vc) = jax.vmap(
+          lambda q, k, v, kc, vc, index, valid, attn=block.attn: attn.attend_cached(
+            q, k, v, (kc, vc), index, valid
+          )
+        )(cut(q), cut(k), cut(v), cache.k[layer], cache.v[layer], cache.index, valids[i])
+        outs.append(out.reshape((1, n * t) + out.shape[3:]))
+        new_k[i].append(kc)
+        new_v[i].append(vc)
+      x = x + block.attn.project_out(jnp.concatenate(outs, 1))
+      x = x + block.mlp(block.mlp_norm(x))
+    results = []
+    for i, ((n, t), (*_, cache)) in enumerate(zip(shapes, parts, strict=True)):
+      last = x[0, offsets[i] : offsets[i + 1]].reshape(n, t, -1)[:, -1]
+      new = KVCache(tuple(new_k[i]), tuple(new_v[i]), valids[i], cache.index + t)
+      results.append((self._logits(last), new))
+    return results

@@ -65,6 +65,7 @@ class ContinuousEngine:
     param_slots: int = 2,
     split_versions: bool = True,
     queue_prompts: int = 0,
+    fuse_prefill: bool = False,
   ):
     """Builds an idle engine; call `load` before the first `step`.
 
@@ -89,6 +90,9 @@ class ContinuousEngine:
       queue_prompts: prompts each shard may hold in the device-side queue: requests beyond the
         free room wait there and start inside the call as slots and lanes free up, without a
         return to the host (0: off; every start waits for the host's next call).
+      fuse_prefill: run an iteration's prefill chunks inside its decode pass, one forward over the
+        live slots' tokens and the lanes' chunks, so live samples never wait for a group's prefill
+        (with one param slot, i.e. mid-generation adoption; else the passes stay apart).
     """
     shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
     if adoption not in ADOPTION:
@@ -147,11 +151,14 @@ class ContinuousEngine:
       pad_id=pad_id,
       chunk=self.chunk,
       split_versions=split_versions,
+      fuse=fuse_prefill,
     )
+    self.fuse_prefill = fuse_prefill and n_params == 1
     self.calls = 0
     self.decode_iterations = 0  # loop iterations (max over shards per call), summed over calls
     self.decode_passes = 0  # iterations that decoded live slots (max over shards)
-    self.chunk_passes = 0  # iterations that ran a prefill chunk (max over shards)
+    self.chunk_passes = 0  # iterations that ran a prefill chunk apart (max over shards)
+    self.fused_passes = 0  # decode passes that carried prefill chunks (``fuse_prefill``)
     self.prefills = 0  # prompts prefilled (lanes started)
     self.rows_decoded = 0  # slot rows the decode passes computed, summed over shards and passes
     self.rows_unsplit = 0  # the same with one pass over every slot per live version (old rule)
@@ -399,6 +406,7 @@ class ContinuousEngine:
     self.decode_iterations += int(np.max(stats.iterations))
     self.decode_passes += int(np.max(stats.decode_passes))
     self.chunk_passes += int(np.max(stats.chunk_passes))
+    self.fused_passes += int(np.max(stats.fused_passes))
     self.rows_decoded += int(np.sum(stats.rows))
     self.rows_unsplit += int(np.sum(stats.rows_unsplit))
     self._lane_busy = [bool(a) for a in active]

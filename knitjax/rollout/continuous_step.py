@@ -73,11 +73,14 @@ def _engine_shard(
   pad_id,
   chunk,
   split_versions=True,
+  fuse=False,
 ):
   """One engine call on one batch shard (one scalar psum per iteration, nothing else).
 
   ``split_versions=False`` decodes every slot once per param slot with live rows (the rule
-  before version splitting; kept for the engine benchmark's A/B).
+  before version splitting; kept for the engine benchmark's A/B). ``fuse``: with one param slot,
+  an iteration's prefill chunks ride in the decode pass (`Transformer.mixed_step`; see
+  `fused_body`) instead of running before it.
   """
   axes = sharding.BATCH_AXES
   rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
@@ -179,17 +182,23 @@ def _engine_shard(
     return jax.lax.cond(jnp.any(ended), run, lambda a: a, (out, st))
 
   # ---- one iteration: a prefill chunk per active lane, first tokens, one decode pass ----------
-  def prefill_chunk(model, ln):
-    def one(prompt, plen, k, cache):
+  def chunk_inputs(ln):
+    """Tokens, RoPE positions and validity [L, chunk] of each lane's next chunk."""
+
+    def one(prompt, plen, k):
       at = k * chunk + jnp.arange(chunk)
-      toks = jax.lax.dynamic_slice(prompt, (k * chunk,), (chunk,))
       pad = width - plen
-      valid = at >= pad
-      pos = jnp.maximum(at - pad, 0)
+      toks = jax.lax.dynamic_slice(prompt, (k * chunk,), (chunk,))
+      return toks, jnp.maximum(at - pad, 0), at >= pad
+
+    return jax.vmap(one)(ln.prompt, ln.plen, ln.chunk)
+
+  def prefill_chunk(model, ln):
+    def one(toks, pos, valid, cache):
       logits, cache = model.prefill(toks[None], pos[None], valid[None], cache)
       return logits[0], cache
 
-    return jax.vmap(one)(ln.prompt, ln.plen, ln.chunk, ln.cache)
+    return jax.vmap(one)(*chunk_inputs(ln), ln.cache)
 
   def lane_pass(ln):
     vocab = models[0].config.vocab_size
@@ -248,7 +257,10 @@ def _engine_shard(
       (logits, cache), computed, unsplit = split_by_version(
         models, st.pslot, st.live, lambda m, rows: decode_rows(m, st, rows), init
       )
-    counts = jnp.stack([computed, unsplit])
+    return advance(it, st, logits, cache, jnp.stack([computed, unsplit]))
+
+  def advance(it, st, logits, cache, counts):
+    """The live slots' next tokens drawn from ``logits``; ``cache``: the pass's caches."""
     token, logp = _sample(logits, jax.random.fold_in(rng, it), sampling)
     live = st.live
     col = jnp.minimum(st.length, n_new - 1)
@@ -318,11 +330,61 @@ def _engine_shard(
       rows=stats.rows + counts[0],
       rows_unsplit=stats.rows_unsplit + counts[1],
       taken=stats.taken,
+      fused_passes=stats.fused_passes,
+    )
+    return it + 1, st, ln, head, out, stats
+
+  def fused_body(carry):
+    """One iteration with the prefill chunks in the decode pass: a single forward over the live
+    slots' tokens and the active lanes' chunks (`Transformer.mixed_step`), so the live samples
+    advance in every iteration a group prefills (no stall); a lane's slots go live after the
+    pass and decode from the next iteration on."""
+    it, st, ln, head, out, stats = carry
+    st, ln, head = admit(st, ln, head)
+    any_lane, any_live = jnp.any(ln.active), jnp.any(st.live)
+    model, vocab = models[0], models[0].config.vocab_size
+    zeros_d = varying(jnp.zeros((n_local, vocab), jnp.float32))
+    zeros_l = varying(jnp.zeros((n_lanes, vocab), jnp.float32))
+    one = jnp.ones((n_local, 1), jnp.bool_)
+
+    def both(st, ln):
+      slots = (st.last_token[:, None], st.position[:, None], one, st.cache)
+      (ld, cd), (ll, cl) = model.mixed_step([slots, (*chunk_inputs(ln), ln.cache)])
+      return ld, cd, ll, cl
+
+    def lanes_only(st, ln):
+      ll, cl = prefill_chunk(model, ln)
+      return zeros_d, st.cache, ll, cl
+
+    def live_only(st, ln):
+      ld, cd = decode_rows(model, st)
+      return ld, cd, zeros_l, ln.cache
+
+    def neither(st, ln):
+      return zeros_d, st.cache, zeros_l, ln.cache
+
+    pick = 2 * any_lane.astype(jnp.int32) + any_live.astype(jnp.int32)
+    ld, cd, ll, cl = jax.lax.switch(pick, [neither, live_only, lanes_only, both], st, ln)
+    ln = dataclasses.replace(ln, cache=cl, chunk=ln.chunk + ln.active)
+    computed = jnp.where(any_live, n_local, 0).astype(jnp.int32)
+    st, ended, counts = advance(it, st, ld, cd, jnp.stack([computed, computed]))
+    out, st = emit(out, st, ended)
+    done_l = ln.active & (ln.chunk >= n_chunks)
+    out, st = go_live(it, st, ln, ll, done_l, out)
+    ln = dataclasses.replace(ln, active=ln.active & ~done_l)
+    stats = CallStats(
+      iterations=stats.iterations + 1,
+      decode_passes=stats.decode_passes + any_live,
+      chunk_passes=stats.chunk_passes + (any_lane & ~any_live),  # chunks that stalled nothing live
+      rows=stats.rows + counts[0],
+      rows_unsplit=stats.rows_unsplit + counts[1],
+      taken=stats.taken,
+      fused_passes=stats.fused_passes + (any_lane & any_live),
     )
     return it + 1, st, ln, head, out, stats
 
   zero = varying(jnp.zeros((), jnp.int32))
-  stats0 = CallStats(zero, zero, zero, zero, zero, zero)
+  stats0 = CallStats(zero, zero, zero, zero, zero, zero, zero)
   out0 = Outbox(
     tokens=varying(jnp.full((n_out, n_new), pad_id, jnp.int32)),
     logprobs=varying(jnp.zeros((n_out, n_new), jnp.float32)),
@@ -331,13 +393,17 @@ def _engine_shard(
     count=varying(jnp.zeros((1,), jnp.int32)),
   )
   _, state, lanes, head, out, stats = jax.lax.while_loop(
-    cond, body, (jnp.zeros((), jnp.int32), state, lanes, zero, out0, stats0)
+    cond,
+    fused_body if fuse and len(models) == 1 else body,
+    (jnp.zeros((), jnp.int32), state, lanes, zero, out0, stats0),
   )
   stats = dataclasses.replace(stats, taken=head)
   return state, lanes, out, jax.tree.map(lambda x: x[None], stats)
 
 
-def make_engine_call(*, graphdef, mesh, sampling, eos_ids, pad_id, chunk, split_versions=True):
+def make_engine_call(
+  *, graphdef, mesh, sampling, eos_ids, pad_id, chunk, split_versions=True, fuse=False
+):
   """The jitted engine call with its static settings bound once (hashing a `GraphDef` as a
   static argument on every call costs about a millisecond on the host)."""
   fn = functools.partial(
@@ -349,6 +415,7 @@ def make_engine_call(*, graphdef, mesh, sampling, eos_ids, pad_id, chunk, split_
     pad_id=pad_id,
     chunk=chunk,
     split_versions=split_versions,
+    fuse=fuse,
   )
   return jax.jit(fn, donate_argnums=(1, 2))
 
@@ -370,6 +437,7 @@ def engine_call(
   pad_id,
   chunk,
   split_versions=True,
+  fuse=False,
 ):
   batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
   fn = functools.partial(
@@ -380,6 +448,7 @@ def engine_call(
     pad_id=pad_id,
     chunk=chunk,
     split_versions=split_versions,
+    fuse=fuse,
   )
   starts_spec = Starts(
     prompt=batch, plen=batch, new=batch, pslot=rep, wait=batch, budget=batch, tag=batch

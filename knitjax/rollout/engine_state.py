@@ -89,7 +89,8 @@ class Outbox:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CallStats:
-  """Per shard: loop iterations, decode passes, prefill chunk passes, slot rows decoded."""
+  """Per shard: loop iterations, decode passes, prefill chunk passes run apart from a decode pass,
+  slot rows decoded, queued prompts started, decode passes that carried prefill chunks."""
 
   iterations: jax.Array
   decode_passes: jax.Array
@@ -97,6 +98,7 @@ class CallStats:
   rows: jax.Array  # slot rows the decode passes computed (live or not), summed over passes
   rows_unsplit: jax.Array  # what one pass over every slot per live version would have computed
   taken: jax.Array  # queued prompts the shard started
+  fused_passes: jax.Array  # decode passes that also prefilled lane chunks (``fuse``)
 
 
 def fresh_cache(model, rows: int, max_len: int):

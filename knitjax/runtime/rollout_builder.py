@@ -152,6 +152,7 @@ def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> Conti
     adoption=rt.adoption,
     param_slots=rt.param_slots,
     queue_prompts=r.queue_prompts,
+    fuse_prefill=r.fuse_prefill,
   )
 
 

@@ -26,6 +26,10 @@ def test_quick_run_generates_every_sample_in_each_rollout(tmp_path):
   assert ro["queued"]["engine_calls"] <= ro["after"]["engine_calls"]
   assert ro["before"]["prefills"] == samples
   assert ro["after"]["chunk_passes"] > 0
+  # Fused: the same prefills; the chunks that met live slots rode in their decode pass.
+  assert ro["fused"]["prefills"] == config.groups
+  assert ro["fused"]["chunk_passes"] < ro["queued"]["chunk_passes"]
+  assert 0 < ro["fused"]["fused_pass_fraction"] <= 1 and ro["queued"]["fused_pass_fraction"] == 0
   # Version transitions: the split engine never computes more rows than one pass per version.
   split, unsplit = ro["versions_split"], ro["versions_unsplit"]
   assert split["rows_decoded"] <= split["rows_unsplit"]

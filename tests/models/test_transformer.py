@@ -246,3 +246,45 @@ def test_sharded_forward_on_2x2x2_mesh_matches_one_device():
     logits = forward(sharded_state, *inputs)
   # float32; the sharded matmuls reduce in a different order.
   np.testing.assert_allclose(logits, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["qkv_bias", "qk_norm", "lora"])
+def test_mixed_step_equals_decode_step_and_prefill_row_by_row(variant):
+  """One forward over decode rows (one token each) and prefill rows (a chunk each, with padding),
+  every row with its own cache and index, gives each row's `decode_step` / `prefill` result."""
+  extra = {"qkv_bias": {"qkv_bias": True}, "qk_norm": {"qk_norm": True}, "lora": {"lora_rank": 2}}
+  cfg = TransformerConfig(
+    vocab_size=64, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64,
+    **extra[variant],
+  )  # fmt: skip
+  model = _model(cfg, 3)
+  rng = np.random.default_rng(0)
+  fresh = lambda n: jax.vmap(lambda _: model.init_cache(1, 24))(jnp.arange(n))  # noqa: E731
+
+  def prefill(t, p, v, c):
+    return model.prefill(t[None], p[None], v[None], c)
+
+  # Three decode rows at different depths (prompts of 5, 3 and 6 tokens already in the cache).
+  plens = np.array([5, 3, 6])
+  prompt = jnp.asarray(rng.integers(3, 64, (3, 6)), jnp.int32)
+  pos = jnp.asarray(np.maximum(np.arange(6)[None] - (6 - plens[:, None]), 0))
+  _, slots = jax.vmap(prefill)(prompt, pos, jnp.asarray(np.arange(6)[None] >= 6 - plens[:, None]),
+                               fresh(3))  # fmt: skip
+  token = jnp.asarray(rng.integers(3, 64, (3,)), jnp.int32)
+  want_d, want_dc = jax.vmap(lambda t, q, c: model.decode_step(t[None], q[None], c))(
+    token, jnp.asarray(plens), slots
+  )
+  # Two prefill rows, a chunk of 4 each, the second left-padded by one.
+  chunk = jnp.asarray(rng.integers(3, 64, (2, 4)), jnp.int32)
+  cpos = jnp.asarray([[0, 1, 2, 3], [0, 0, 1, 2]])
+  cvalid = jnp.asarray([[True] * 4, [False, True, True, True]])
+  want_l, want_lc = jax.vmap(prefill)(chunk, cpos, cvalid, fresh(2))
+  decode_part = (token[:, None], jnp.asarray(plens)[:, None], jnp.ones((3, 1), bool), slots)
+  (got_d, got_dc), (got_l, got_lc) = model.mixed_step(
+    [decode_part, (chunk, cpos, cvalid, fresh(2))]
+  )
+  np.testing.assert_allclose(got_d, want_d[:, 0], atol=1e-5)
+  np.testing.assert_allclose(got_l, want_l[:, 0], atol=1e-5)
+  for got, want in ((got_dc, want_dc), (got_lc, want_lc)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)

@@ -473,3 +473,39 @@ def test_the_call_timeline_keeps_the_newest_rows_only(model, monkeypatch):
   _drain(engine, {r.tag: r for r in reqs}, list(reqs))
   assert engine.calls > 2 and len(engine.timeline) == 2  # bounded memory in long runs
   assert engine.timeline[0][0] < engine.timeline[1][0]  # in launch order
+
+
+@pytest.mark.parametrize("queue", [0, 2])
+def test_fused_prefill_gives_the_same_samples_without_a_pass_that_stalls_live_slots(model, queue):
+  """With ``fuse_prefill`` a lane's chunk rides in the decode pass (`Transformer.mixed_step`):
+  the same greedy samples and log-probs as chunks run before the pass, the log-probs still the
+  trainer's, and no chunk pass while a sample is live (every chunk with live slots is fused)."""
+  graphdef, params, _, _ = model
+  rng = np.random.default_rng(11)
+  groups = [
+    _group(10 * g, 2, r.tokens, int(rng.integers(2, N + 1)))
+    for g, r in enumerate(_requests(0, 16, rng))
+  ]
+  out, engines = {}, {}
+  for fuse in (False, True):
+    engine = _greedy_engine(model, slots=16, queue_prompts=queue, fuse_prefill=fuse)
+    engine.load(params, 0)
+    out[fuse], _ = _run_groups(engine, groups, 2)
+    engines[fuse] = engine
+    assert engine.prefills == 16 and not engine._samples
+  assert sorted(out[True]) == sorted(out[False]) == sorted(r.tag for g in groups for r in g)
+  for tag, f in out[False].items():
+    np.testing.assert_array_equal(out[True][tag].tokens, f.tokens)
+    np.testing.assert_allclose(out[True][tag].logprobs, f.logprobs, atol=1e-5)
+  fused, apart = engines[True], engines[False]
+  assert apart.fused_passes == 0 and fused.fused_passes > 0
+  # The chunk passes left ran where no slot was live (e.g. a call's first groups).
+  assert fused.chunk_passes < apart.chunk_passes
+  reqs = {r.tag: r for g in groups for r in g}
+  got, want = _teacher_forced(graphdef, params, reqs, list(out[True].values()))
+  np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_fused_prefill_stays_apart_with_several_param_slots(model):
+  engine = _greedy_engine(model, fuse_prefill=True, adoption="new_groups", param_slots=2)
+  assert not engine.fuse_prefill
