@@ -141,7 +141,8 @@ class ContinuousEngine:
     # Per collected call: (launch, collect begin, collect end) as time.time(), whether the call
     # was still running when collect began (1.0: the device was busy until collect end), loop
     # iterations, decode passes, prefill chunk passes, samples held before the launch, prompts
-    # it started; `knitjax.sim.calibration.engine_timeline_fit` measures the stall from it.
+    # it started, decode passes that carried prefill chunks (``fuse_prefill``);
+    # `knitjax.sim.calibration.engine_timeline_fit` measures the stall from it.
     self.timeline: collections.deque[tuple[float, ...]] = collections.deque(maxlen=TIMELINE_ROWS)
     self._call = make_engine_call(
       graphdef=graphdef,
@@ -416,7 +417,9 @@ class ContinuousEngine:
     self.prefills += sum(map(len, taken))
     started += sum(map(len, taken))
     counts = (np.max(stats.iterations), np.max(stats.decode_passes), np.max(stats.chunk_passes))
+    fused = float(np.max(stats.fused_passes))
     row = (t_launch, t_begin, time.time(), float(running), *map(float, counts), held, started)
+    row += (fused,)
     self.timeline.append(row)
     rows = [k * (len(out.tag) // self.shards) + i for k, n in enumerate(n_out) for i in range(n)]
     return self._harvest(out, rows, tag, version)

@@ -335,42 +335,43 @@ def _engine_shard(
     return it + 1, st, ln, head, out, stats
 
   def fused_body(carry):
-    """One iteration with the prefill chunks in the decode pass: a single forward over the live
-    slots' tokens and the active lanes' chunks (`Transformer.mixed_step`), so the live samples
-    advance in every iteration a group prefills (no stall); a lane's slots go live after the
-    pass and decode from the next iteration on."""
+    """One iteration with the prefill chunks in the decode pass: where lanes prefill and slots
+    are live, a single forward over the live slots' tokens and the lanes' chunks
+    (`Transformer.mixed_step`), so the live samples advance in every iteration a group prefills
+    (no stall); otherwise the lane pass or the decode pass alone. A lane's slots go live after
+    the pass and decode from the next iteration on. Each pass sits in a `lax.cond` over only
+    the state it changes where it can: one cond over slots and lanes in every iteration cost the
+    engine bench 20-28% of its tokens/s on the CPU (most likely a copy of the slot caches)."""
     it, st, ln, head, out, stats = carry
     st, ln, head = admit(st, ln, head)
     any_lane, any_live = jnp.any(ln.active), jnp.any(st.live)
-    model, vocab = models[0], models[0].config.vocab_size
-    zeros_d = varying(jnp.zeros((n_local, vocab), jnp.float32))
-    zeros_l = varying(jnp.zeros((n_lanes, vocab), jnp.float32))
-    one = jnp.ones((n_local, 1), jnp.bool_)
+    model = models[0]
+    n_rows = jnp.asarray(n_local, jnp.int32)
 
-    def both(st, ln):
-      slots = (st.last_token[:, None], st.position[:, None], one, st.cache)
-      (ld, cd), (ll, cl) = model.mixed_step([slots, (*chunk_inputs(ln), ln.cache)])
-      return ld, cd, ll, cl
+    def mixed(args):
+      st, ln = args
+      slots = (st.last_token[:, None], st.position[:, None], jnp.ones((n_local, 1), jnp.bool_))
+      (ld, cd), (ll, cl) = model.mixed_step([(*slots, st.cache), (*chunk_inputs(ln), ln.cache)])
+      ln = dataclasses.replace(ln, cache=cl, chunk=ln.chunk + ln.active)
+      st, ended, counts = advance(it, st, ld, cd, jnp.stack([n_rows, n_rows]))
+      return st, ln, ll, ended, counts
 
-    def lanes_only(st, ln):
-      ll, cl = prefill_chunk(model, ln)
-      return zeros_d, st.cache, ll, cl
-
-    def live_only(st, ln):
-      ld, cd = decode_rows(model, st)
-      return ld, cd, zeros_l, ln.cache
-
-    def neither(st, ln):
-      return zeros_d, st.cache, zeros_l, ln.cache
-
-    pick = 2 * any_lane.astype(jnp.int32) + any_live.astype(jnp.int32)
-    ld, cd, ll, cl = jax.lax.switch(pick, [neither, live_only, lanes_only, both], st, ln)
-    ln = dataclasses.replace(ln, cache=cl, chunk=ln.chunk + ln.active)
-    computed = jnp.where(any_live, n_local, 0).astype(jnp.int32)
-    st, ended, counts = advance(it, st, ld, cd, jnp.stack([computed, computed]))
+    zeros_l = varying(jnp.zeros((n_lanes, model.config.vocab_size), jnp.float32))
+    no_end = varying(jnp.zeros(n_local, jnp.bool_))
+    no_rows = varying(jnp.zeros(2, jnp.int32))
+    ln, logits_l = jax.lax.cond(any_lane & ~any_live, lane_pass, lambda ln: (ln, zeros_l), ln)
+    st, ended, counts = jax.lax.cond(
+      any_live & ~any_lane, lambda s: decode(it, s), lambda s: (s, no_end, no_rows), st
+    )
+    st, ln, logits_l, ended, counts = jax.lax.cond(
+      any_lane & any_live,
+      mixed,
+      lambda a: (a[0], a[1], logits_l, ended, counts),
+      (st, ln),
+    )
     out, st = emit(out, st, ended)
     done_l = ln.active & (ln.chunk >= n_chunks)
-    out, st = go_live(it, st, ln, ll, done_l, out)
+    out, st = go_live(it, st, ln, logits_l, done_l, out)
     ln = dataclasses.replace(ln, active=ln.active & ~done_l)
     stats = CallStats(
       iterations=stats.iterations + 1,

@@ -107,6 +107,21 @@ def engine_call_fit(calls: np.ndarray) -> dict:
   }
 
 
+TIMELINE_COLUMNS = 10  # `ContinuousEngine.timeline` rows; runs recorded before fusion have 9
+
+
+def timeline_rows(timeline) -> np.ndarray:
+  """An engine call timeline as a [calls, 10] float array (the last column, decode passes that
+  carried prefill chunks, is 0 in timelines recorded before the engine could fuse them)."""
+  rows = np.asarray(timeline if len(timeline) else np.zeros((0, 10)), np.float64)
+  rows = rows.reshape(len(rows), -1)
+  if rows.shape[1] == TIMELINE_COLUMNS - 1:
+    rows = np.concatenate([rows, np.zeros((len(rows), 1))], 1)
+  if rows.shape[1] != TIMELINE_COLUMNS:
+    raise ValueError(f"an engine call timeline has 9 or 10 columns, not {rows.shape[1]}.")
+  return rows
+
+
 def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None:
   """Decode seconds per iteration and the group-start stall from the engine's own call timeline
   (`ContinuousEngine.timeline`), whether host work overlaps the calls or not.
@@ -124,20 +139,23 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
   trainer a call's wall time is mostly contention), ``b`` is the seen calls' device seconds per
   decode pass instead, an upper bound (``decode_split="ratio"``).
   """
-  launch, begin, end, running, _, dpass, chunks, held, _ = np.asarray(rows, np.float64).T
+  launch, begin, end, running, _, dpass, chunks, held, _, fused = timeline_rows(rows).T
   known = running > 0
   if known.sum() < 3:
     return None
-  x = np.stack([np.ones_like(launch), dpass, chunks], 1)
+  # A fused pass (decode with prefill chunks riding along) advances its live samples: its extra
+  # seconds ``f`` are decode time, not stall, reported apart as ``fused_overhead_fraction``.
+  x = np.stack([np.ones_like(launch), dpass, chunks, fused], 1)
   coef, *_ = np.linalg.lstsq(x[known], (end - launch)[known], rcond=None)
   b, split = float(coef[1]), "fit"
   if b <= 0:  # call time does not grow with passes (contention): device seconds per pass instead
     b, split = float((end - launch)[known].sum() / max(dpass[known].sum(), 1.0)), "ratio"
-    coef = np.array([0.0, b, 0.0])
-  estimate = np.clip(x @ np.array([coef[0], b, coef[2]]), 0.0, begin - launch)
+    coef = np.array([0.0, b, 0.0, 0.0])
+  f = max(float(coef[3]), 0.0) if fused.any() else 0.0
+  estimate = np.clip(x @ np.array([coef[0], b, coef[2], f]), 0.0, begin - launch)
   device = np.where(known, end - launch, estimate)
   gaps = np.maximum(launch[1:] - (launch + device)[:-1], 0.0) * (held[1:] > 0)
-  beyond = np.maximum(device - b * dpass, 0.0)
+  beyond = np.maximum(device - b * dpass - f * fused, 0.0)
   stall = float(gaps.sum() + beyond.sum())
   busy = float(device.sum() + gaps.sum())
   # A sample ends, on average, half-way through its call's device time and is handed back when
@@ -152,6 +170,8 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
     "calls_running_at_collect": float(known.mean()),
     "decode_split": split,
     "report_delay_s": report,
+    "fused_pass_s": f,  # a fused pass's seconds beyond a plain decode pass
+    "fused_overhead_fraction": float(f * fused.sum() / max(busy, 1e-12)),
   }
 
 
@@ -200,7 +220,7 @@ def rollout_busy_intervals(timeline: np.ndarray) -> np.ndarray:
   """From the engine's call timeline, the spans during which rollout was working: each call
   that held samples before its launch or started prompts, from its launch to its collect end
   (the host's work on the call included; idle waits between calls are not)."""
-  rows = np.asarray(timeline, np.float64).reshape(-1, 9)
+  rows = timeline_rows(timeline)
   busy = (rows[:, 7] + rows[:, 8]) > 0
   return np.stack([rows[:, 0], np.maximum(rows[:, 2], rows[:, 0])], 1)[busy]
 
@@ -214,7 +234,7 @@ def fit_costs(run: dict, *, warmup_steps: int) -> dict:
   calls = calls[calls[:, 0] > t0]
   fit = engine_call_fit(calls)
   dt, starts = calls[:, 1], calls[:, 3]
-  timeline = np.asarray(t.get("engine_calls") or [], np.float64).reshape(-1, 9)
+  timeline = timeline_rows(t.get("engine_calls") or [])
   timeline = timeline[timeline[:, 0] > t0]
   measured = engine_timeline_fit(timeline, groups_started=int(starts.sum()))
   if measured is not None:
