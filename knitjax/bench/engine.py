@@ -242,7 +242,13 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
       # the timeline fit sees (the cost of the chunks riding along shows here and in tokens/s).
       entry["fused_pass_fraction"] = rs[0]["fused_passes"] / max(rs[0]["decode_passes"], 1)
       if all(f is not None for f in fits):
-        entry["decode_s_per_pass"] = float(np.median([f["decode_s_per_iteration"] for f in fits]))
+        for key, name in (
+          ("decode_s_per_iteration", "decode_s_per_pass"),
+          ("fused_pass_s", "fused_pass_s"),  # a fused pass's seconds beyond a plain one
+          ("fused_overhead_fraction", "fused_overhead_fraction"),  # their share of busy time
+          ("host_gap_s", "host_gap_s"),
+        ):
+          entry[name] = float(np.median([f[key] for f in fits]))
     out["rollouts"][which] = entry
   ro = out["rollouts"]
   out["after_vs_before"] = ro["after"]["tokens_per_s"] / ro["before"]["tokens_per_s"]
