@@ -10,7 +10,7 @@ Shape: a Qwen3-style decoder (2 layers, d_model 128, ffn 256, 4 heads x 32, 2 KV
 tokens (GSM8K-like chat prompts are ~100-200); budgets cycling 8, 16, 64 tokens (a long tail, as
 the longtail task's classes); 64 slots (8 groups at once), 8 iterations per call, chunks of 64
 prompt tokens (the config default), one prefill lane; the "queued" engine holds 2 more prompts
-on the device.
+on the device, and the "fused" engine is "queued" with its prefill chunks inside the decode pass.
 """
 
 import ml_collections
