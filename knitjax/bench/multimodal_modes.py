@@ -108,7 +108,9 @@ class OnDemandConsumers:
   Consumer ``c`` fetches its groups of each mini-batch once the mini-batch is released
   (``release``), each unique image once, places its rows on device ``c`` and hands them over
   through a one-slot queue (like the runtime's Grain thread prefetch: one ready, one being
-  prepared). The trainer thread takes every consumer's part and computes.
+  prepared). The trainer thread takes every consumer's part, waits until its copy is on the
+  device, and computes. ``transfer_s`` of a mini-batch: its fetch and layout and the placement
+  call (the copy itself may finish later, after a running step; any wait for it is exposed).
   """
 
   def __init__(self, minibatches, storage, layout: BatchLayout, micro_batches: int, devices):
@@ -138,8 +140,11 @@ class OnDemandConsumers:
       part, info = consumer_batch(
         mb, storage, layout=layout, consumer=c, num_consumers=consumers, locality_slack=0.0
       )
+      # Not waited for here, as the runtime does not: on the CPU a copy onto a device that runs
+      # the (multi-device) train step completes only after it, so waiting would hold back the
+      # next mini-batch's host work until the step ends. The trainer waits for the copy before it
+      # computes (counted as exposed).
       placed = place(part, micro_batches, device)
-      jax.block_until_ready(placed)
       self.queues[c].put((placed, info, t, time.perf_counter()))
 
   def join(self) -> None:
@@ -162,7 +167,7 @@ def on_demand_step(state, step_fn, minibatches, consumers, shardings, *, next_st
       consumers.release(next_step)  # the next step's mini-batches are complete: fetch ahead
     t_want = time.perf_counter()
     got = [q.get() for q in consumers.queues]
-    batch = global_batch([p for p, *_ in got], shardings)
+    batch = jax.block_until_ready(global_batch([p for p, *_ in got], shardings))
     t_got = time.perf_counter()
     state, metrics = step_fn(state, batch)
     m = host_metrics(metrics)
