@@ -386,6 +386,15 @@ def _greedy_engine(model, **kw):
   )
 
 
+def _pairs(*, seed: int) -> list:
+  """16 groups of 2 samples, prompts from `_requests`, token budgets 2..N."""
+  rng = np.random.default_rng(seed)
+  return [
+    _group(10 * g, 2, r.tokens, int(rng.integers(2, N + 1)))
+    for g, r in enumerate(_requests(0, 16, rng))
+  ]
+
+
 def _run_groups(engine, groups, group_size):
   """Feeds ``groups`` as the engine has room (whole groups), returns (finished by tag, calls)."""
   pending, done, call = list(groups), [], 0
@@ -403,11 +412,7 @@ def test_the_device_queue_starts_groups_inside_the_call_with_the_same_samples(mo
   """Queued prompts take the slots and lanes that free up during a call: the same greedy samples
   in fewer calls, log-probs still the trainer's, and every sample returned once."""
   graphdef, params, _, _ = model
-  rng = np.random.default_rng(8)
-  groups = [
-    _group(10 * g, 2, r.tokens, int(rng.integers(2, N + 1)))
-    for g, r in enumerate(_requests(0, 16, rng))
-  ]
+  groups = _pairs(seed=8)
   out, calls = {}, {}
   for q in (0, 2):
     engine = _greedy_engine(model, queue_prompts=q)  # 2 slots and 1 lane on each of 4 shards
@@ -481,11 +486,7 @@ def test_fused_prefill_gives_the_same_samples_without_a_pass_that_stalls_live_sl
   the same greedy samples and log-probs as chunks run before the pass, the log-probs still the
   trainer's, and no chunk pass while a sample is live (every chunk with live slots is fused)."""
   graphdef, params, _, _ = model
-  rng = np.random.default_rng(11)
-  groups = [
-    _group(10 * g, 2, r.tokens, int(rng.integers(2, N + 1)))
-    for g, r in enumerate(_requests(0, 16, rng))
-  ]
+  groups = _pairs(seed=11)
   out, engines = {}, {}
   for fuse in (False, True):
     engine = _greedy_engine(model, slots=16, queue_prompts=queue, fuse_prefill=fuse)
