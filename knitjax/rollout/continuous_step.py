@@ -302,6 +302,17 @@ def _engine_shard(
     going = (live > 0) | (active > 0) | (left > 0)
     return (it < decode_steps) & going & ~enough
 
+  def tally(stats, decoded, *, chunked, counts):
+    """The call's counters after one more iteration (``chunked``: a chunk pass ran apart)."""
+    return dataclasses.replace(
+      stats,
+      iterations=stats.iterations + 1,
+      decode_passes=stats.decode_passes + decoded,
+      chunk_passes=stats.chunk_passes + chunked,
+      rows=stats.rows + counts[0],
+      rows_unsplit=stats.rows_unsplit + counts[1],
+    )
+
   def body(carry):
     it, st, ln, head, out, stats = carry
     st, ln, head = admit(st, ln, head)
@@ -323,16 +334,7 @@ def _engine_shard(
       st,
     )
     out, st = emit(out, st, ended)
-    stats = CallStats(
-      iterations=stats.iterations + 1,
-      decode_passes=stats.decode_passes + any_live,
-      chunk_passes=stats.chunk_passes + any_lane,
-      rows=stats.rows + counts[0],
-      rows_unsplit=stats.rows_unsplit + counts[1],
-      taken=stats.taken,
-      fused_passes=stats.fused_passes,
-    )
-    return it + 1, st, ln, head, out, stats
+    return it + 1, st, ln, head, out, tally(stats, any_live, chunked=any_lane, counts=counts)
 
   def fused_body(carry):
     """One iteration with the prefill chunks in the decode pass: where lanes prefill and slots
@@ -373,15 +375,8 @@ def _engine_shard(
     done_l = ln.active & (ln.chunk >= n_chunks)
     out, st = go_live(it, st, ln, logits_l, done_l, out)
     ln = dataclasses.replace(ln, active=ln.active & ~done_l)
-    stats = CallStats(
-      iterations=stats.iterations + 1,
-      decode_passes=stats.decode_passes + any_live,
-      chunk_passes=stats.chunk_passes + (any_lane & ~any_live),  # chunks that stalled nothing live
-      rows=stats.rows + counts[0],
-      rows_unsplit=stats.rows_unsplit + counts[1],
-      taken=stats.taken,
-      fused_passes=stats.fused_passes + (any_lane & any_live),
-    )
+    stats = tally(stats, any_live, chunked=any_lane & ~any_live, counts=counts)
+    stats = dataclasses.replace(stats, fused_passes=stats.fused_passes + (any_lane & any_live))
     return it + 1, st, ln, head, out, stats
 
   zero = varying(jnp.zeros((), jnp.int32))

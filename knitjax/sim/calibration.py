@@ -113,7 +113,7 @@ TIMELINE_COLUMNS = 10  # `ContinuousEngine.timeline` rows; runs recorded before 
 def timeline_rows(timeline) -> np.ndarray:
   """An engine call timeline as a [calls, 10] float array (the last column, decode passes that
   carried prefill chunks, is 0 in timelines recorded before the engine could fuse them)."""
-  rows = np.asarray(timeline if len(timeline) else np.zeros((0, 10)), np.float64)
+  rows = np.asarray(timeline if len(timeline) else np.zeros((0, TIMELINE_COLUMNS)), np.float64)
   rows = rows.reshape(len(rows), -1)
   if rows.shape[1] == TIMELINE_COLUMNS - 1:
     rows = np.concatenate([rows, np.zeros((len(rows), 1))], 1)
