@@ -85,6 +85,11 @@ class RolloutConfig:
   # forward over the live slots' tokens and the new prompts' chunks), so live samples never wait
   # for a group's prefill; mid-generation adoption only (False: the chunks run before the pass).
   fuse_prefill: bool = False
+  # Continuous engine: engine calls launched and not yet collected, 1 or 2. With 2 the next call
+  # is launched before the running one is collected, so the device never waits for the host
+  # between calls (new groups go into slots known free before the running call; needs
+  # queue_prompts=0 and overlap_host).
+  calls_in_flight: int = 1
   # What generates behind the rollout contract: "batched" (one sampler call per wave of
   # slots // group_size groups; colocated: the whole step), "continuous" (the engine),
   # "multiturn" (model and environment turns, tasks with an environment), "auto".
@@ -109,6 +114,16 @@ class RolloutConfig:
         raise ValueError(
           f"config.rollout.{name}={getattr(self, name)!r} is not accepted; use True or False."
         )
+    if type(self.calls_in_flight) is not int or self.calls_in_flight not in (1, 2):
+      raise ValueError(
+        f"config.rollout.calls_in_flight={self.calls_in_flight!r} is not accepted; use 1 or 2."
+      )
+    if self.calls_in_flight == 2 and (self.queue_prompts or not self.overlap_host):
+      raise ValueError(
+        f"config.rollout.calls_in_flight=2 needs queue_prompts=0 and overlap_host=True (got "
+        f"queue_prompts={self.queue_prompts}, overlap_host={self.overlap_host}): the next call is "
+        "placed before the running one is collected, which a device-side queue would not allow."
+      )
     one_of("config.rollout.engine", self.engine, ENGINES)
     positive("config.rollout.max_new_tokens", self.max_new_tokens)
     positive("config.rollout.max_turns", self.max_turns)

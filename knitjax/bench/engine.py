@@ -17,6 +17,9 @@ compile round:
 * ``fused``: ``queued`` with each iteration's prefill chunks inside its decode pass
   (``fuse_prefill``: one forward over the live slots' tokens and the lanes' chunks), so live
   samples advance in every iteration a group prefills;
+* ``ahead``: ``fused`` without the queue, with two engine calls in flight
+  (``calls_in_flight=2``): each call is launched behind the running one, so the device goes from
+  call to call without waiting for the host, which places new groups one call ahead;
 * ``batched``: the batched sampler, in waves of ``slots // G`` groups, each wave running until
   its longest sample ends.
 
@@ -56,7 +59,7 @@ from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.sim.calibration import engine_call_fit, engine_timeline_fit
 
 BOS, EOS, PAD = 1, 2, 0
-ROLLOUTS = ("before", "after", "queued", "fused", "batched")
+ROLLOUTS = ("before", "after", "queued", "fused", "ahead", "batched")
 VERSIONED = ("versions_split", "versions_unsplit")
 
 
@@ -87,7 +90,8 @@ def _engine(config, graphdef, mesh, sampling, which: str) -> ContinuousEngine:
     adoption="new_groups" if versioned else "mid_generation",
     split_versions=which != "versions_unsplit",
     queue_prompts=config.queue_prompts if which in ("queued", "fused") else 0,
-    fuse_prefill=which == "fused",
+    fuse_prefill=which in ("fused", "ahead"),
+    calls_in_flight=2 if which == "ahead" else 1,
   )
 
 
@@ -127,6 +131,10 @@ def _drive_engine(
     tokens += sum(len(f.tokens) for f in done)
     samples += len(done)
     call += 1
+  while engine.in_flight:  # ``calls_in_flight=2``: the last call launched
+    done = engine.collect()
+    tokens += sum(len(f.tokens) for f in done)
+    samples += len(done)
   return {
     "seconds": time.perf_counter() - t_start,
     "tokens": tokens,
@@ -260,6 +268,8 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
   out["fused_vs_queued"] = ro["fused"]["tokens_per_s"] / ro["queued"]["tokens_per_s"]
   out["fused_vs_batched"] = ro["fused"]["tokens_per_s"] / ro["batched"]["tokens_per_s"]
   out["stall_fraction_fused"] = ro["fused"]["group_start_stall_fraction"]
+  out["ahead_vs_fused"] = ro["ahead"]["tokens_per_s"] / ro["fused"]["tokens_per_s"]
+  out["stall_fraction_ahead"] = ro["ahead"]["group_start_stall_fraction"]
   if config.version_every:
     split, unsplit = ro["versions_split"], ro["versions_unsplit"]
     out["versions_split_vs_unsplit"] = split["tokens_per_s"] / unsplit["tokens_per_s"]
@@ -284,6 +294,7 @@ def _table(out: dict) -> str:
     f"after / before {out['after_vs_before']:.2f}x, after / batched {out['after_vs_batched']:.2f}x"
     f", queued / after {out['queued_vs_after']:.2f}x, fused / queued {out['fused_vs_queued']:.2f}x"
     f" ({out['rollouts']['fused']['fused_pass_fraction']:.0%} of its decode passes carried chunks)"
+    f", ahead / fused {out['ahead_vs_fused']:.2f}x"
   )
   if "versions_split_vs_unsplit" in out:
     lines.append(

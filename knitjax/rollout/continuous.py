@@ -66,6 +66,7 @@ class ContinuousEngine:
     split_versions: bool = True,
     queue_prompts: int = 0,
     fuse_prefill: bool = False,
+    calls_in_flight: int = 1,
   ):
     """Builds an idle engine; call `load` before the first `step`.
 
@@ -93,6 +94,12 @@ class ContinuousEngine:
       fuse_prefill: run an iteration's prefill chunks inside its decode pass, one forward over the
         live slots' tokens and the lanes' chunks, so live samples never wait for a group's prefill
         (with one param slot, i.e. mid-generation adoption; else the passes stay apart).
+      calls_in_flight: engine calls that may be launched and not yet collected (1 or 2). With 2
+        the host launches the next call before it collects the running one, so the device never
+        waits for the host between calls: the next call decodes on from the running call's
+        state, with new groups placed only in slots known to be free before the running call
+        (it can only free slots), and stops once it has freed ``stop_free`` slots itself. Needs
+        ``queue_prompts=0``: a queued prompt takes slots the host sees only at collect.
     """
     shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
     if adoption not in ADOPTION:
@@ -107,6 +114,14 @@ class ContinuousEngine:
       raise ValueError(f"decode_steps={decode_steps} must be >= 1.")
     if queue_prompts < 0:
       raise ValueError(f"queue_prompts={queue_prompts} must be >= 0 (0: no device-side queue).")
+    if calls_in_flight not in (1, 2):
+      raise ValueError(f"calls_in_flight={calls_in_flight} is not accepted; choose 1 or 2.")
+    if calls_in_flight == 2 and queue_prompts:
+      raise ValueError(
+        f"calls_in_flight=2 needs queue_prompts=0 (got {queue_prompts}): a prompt queued on the "
+        "device takes slots the host learns of only when it collects the call, so the next call "
+        "could not be placed before then."
+      )
     if adoption == "new_groups" and param_slots < 2:
       raise ValueError(f"param_slots={param_slots} must be >= 2 with adoption='new_groups'.")
     self.graphdef, self.mesh, self.sampling = graphdef, mesh, sampling
@@ -135,9 +150,11 @@ class ContinuousEngine:
     self._lane_busy = [False] * (shards * prefill_lanes)
     self._state = None
     self._lanes = None
-    # The call in flight: (stats, outbox, version, perf_counter and time.time at launch, samples
-    # held before it, prompts the host started, prompts queued on each shard).
-    self._launched = None
+    # The calls in flight, oldest first: (stats, outbox, slots and lanes after it, version,
+    # perf_counter and time.time at launch, samples held before it, prompts the host started,
+    # prompts queued on each shard, the (lane, [(slot, sample)]) it started).
+    self.calls_in_flight = calls_in_flight
+    self._launched: collections.deque[tuple] = collections.deque()
     # Per collected call: (launch, collect begin, collect end) as time.time(), whether the call
     # was still running when collect began (1.0: the device was busy until collect end), loop
     # iterations, decode passes, prefill chunk passes, samples held before the launch, prompts
@@ -336,7 +353,8 @@ class ContinuousEngine:
   def step(self, requests: Sequence[Request], *, rng: jax.Array, stop_free: int) -> list[Finished]:
     """Starts ``requests`` (their prompts in free lanes, their samples in free slots), then runs
     prefill chunks and decode iterations; returns the samples that finished (`launch` then
-    `collect`).
+    `collect`). With ``calls_in_flight=2`` the call just launched keeps running: a step returns
+    the samples of the call before it (none at the first), and `collect` those of the last.
 
     Args:
       requests: new samples; they must fit (`capacity`), else ValueError and nothing starts.
@@ -345,20 +363,37 @@ class ContinuousEngine:
         nothing is live or prefilling).
     """
     self.launch(requests, rng=rng, stop_free=stop_free)
+    if self.calls_in_flight > 1 and self.launched < 2:
+      return []  # the call runs on; the next step (or `collect`) returns its samples
     return self.collect()
 
   @property
   def in_flight(self) -> bool:
     """A launched call has not been collected yet."""
-    return self._launched is not None
+    return bool(self._launched)
+
+  @property
+  def launched(self) -> int:
+    """Calls launched and not yet collected."""
+    return len(self._launched)
+
+  @property
+  def can_launch(self) -> bool:
+    """Fewer than ``calls_in_flight`` calls are launched and not collected."""
+    return len(self._launched) < self.calls_in_flight
 
   def launch(self, requests: Sequence[Request], *, rng: jax.Array, stop_free: int) -> None:
     """`step` without waiting: places ``requests`` and dispatches the call; the device runs it
     while the host goes on (JAX dispatches asynchronously). `collect` returns its finished
     samples. Slots and lanes the call may free count as busy until then (`capacity` is
-    conservative meanwhile); `load` may run in between (the call keeps the params it got)."""
-    if self._launched is not None:
-      raise RuntimeError("a launched call was not collected; call collect() first.")
+    conservative meanwhile); `load` may run in between (the call keeps the params it got). With
+    ``calls_in_flight=2`` a second call may be launched before the first is collected; it runs
+    after it on the device."""
+    if not self.can_launch:
+      raise RuntimeError(
+        f"{len(self._launched)} launched call(s) were not collected (calls_in_flight="
+        f"{self.calls_in_flight}); call collect() first."
+      )
     self._adopt_pending()
     if self.version is None:
       raise RuntimeError("the engine has no weights; call load(params, version) first.")
@@ -370,6 +405,7 @@ class ContinuousEngine:
     for t in starting:  # queued prompts that start later in the call decode with it too
       self._samples[t][1:] = [version, version, self._newest]
     starts, queue = self._starts(plan), self._queue(per_shard)
+    placed = [(p.lane, list(zip(p.slots, [t for t, _ in p.requests], strict=True))) for p in plan]
     if self._state is None:
       spec = NamedSharding(self.mesh, PartitionSpec(sharding.BATCH_AXES))
       init = jax.jit(self._init_state, out_shardings=(spec, spec))
@@ -378,7 +414,7 @@ class ContinuousEngine:
     params = tuple((p if p is not None else self._params[self._newest])[1] for p in self._params)
     t0, t_launch = time.perf_counter(), time.time()
     with jax.set_mesh(self.mesh):
-      self._state, self._lanes, out, stats = self._call(
+      self._state, self._lanes, out, stats, after = self._call(
         params,
         self._state,
         self._lanes,
@@ -387,21 +423,30 @@ class ContinuousEngine:
         rng,
         np.int32(stop_free),
         np.int32(self.decode_steps),
+        np.bool_(bool(self._launched)),  # behind a running call: count only its own frees
       )
     queued = [[self._waiting[i] for i in idx] for idx in per_shard]
-    self._launched = (stats, out, version, t0, t_launch, held, int(np.sum(starts.new)), queued)
+    started = int(np.sum(starts.new))
+    self._launched.append((stats, out, after, version, t0, t_launch, held, started, queued, placed))
 
   def collect(self) -> list[Finished]:
-    """Waits for the launched call (none: returns []) and returns the samples it finished."""
-    if self._launched is None:
+    """Waits for the oldest launched call (none: returns []) and returns the samples it
+    finished."""
+    if not self._launched:
       return []
-    stats, out, version, t0, t_launch, held, started, queued = self._launched
-    self._launched = None
+    stats, out, after, version, t0, t_launch, held, started, queued, _ = self._launched.popleft()
     t_begin, running = time.time(), not stats.iterations.is_ready()
     with jax.set_mesh(self.mesh):
-      tag, active, stats, n_out = sharding.to_host(
-        (self._state.tag, self._lanes.active, stats, out.count)
-      )
+      tag, active, stats, n_out = sharding.to_host((*after, stats, out.count))
+    # What the host knows now: the slots and lanes after this call, plus what the calls still in
+    # flight started (they can only free more).
+    self._slot_tag = np.asarray(tag, np.int32).copy()
+    active = [bool(a) for a in active]
+    for *_, placed in self._launched:
+      for lane, slots in placed:
+        active[lane] = True
+        for s, t in slots:
+          self._slot_tag[s] = t
     self.call_s += time.perf_counter() - t0
     self.calls += 1
     self.decode_iterations += int(np.max(stats.iterations))
@@ -410,7 +455,7 @@ class ContinuousEngine:
     self.fused_passes += int(np.max(stats.fused_passes))
     self.rows_decoded += int(np.sum(stats.rows))
     self.rows_unsplit += int(np.sum(stats.rows_unsplit))
-    self._lane_busy = [bool(a) for a in active]
+    self._lane_busy = active
     taken = [g[: int(k)] for g, k in zip(queued, stats.taken, strict=True)]
     started_now = {id(g) for gs in taken for g in gs}
     self._waiting = [g for g in self._waiting if id(g) not in started_now]
@@ -432,7 +477,6 @@ class ContinuousEngine:
     if self.adoption == "mid_generation":
       for t in [*tag[tag >= 0], *ids]:
         self._samples[int(t)][2] = version
-    self._slot_tag = np.asarray(tag, np.int32).copy()
     finished = []
     for i, t in enumerate(ids):
       req, first, newest, _ = self._samples.pop(int(t))

@@ -66,6 +66,7 @@ def _engine_shard(
   rng,
   stop_free,
   decode_steps,
+  own_frees,
   *,
   graphdef,
   sampling,
@@ -80,7 +81,9 @@ def _engine_shard(
   ``split_versions=False`` decodes every slot once per param slot with live rows (the rule
   before version splitting; kept for the engine benchmark's A/B). ``fuse``: with one param slot,
   an iteration's prefill chunks ride in the decode pass (`Transformer.mixed_step`; see
-  `fused_body`) instead of running before it.
+  `fused_body`) instead of running before it. ``own_frees``: only slots this call frees count
+  toward ``stop_free`` (a call launched behind another: the slots free when it starts are the
+  next call's to fill, which the host placed meanwhile).
   """
   axes = sharding.BATCH_AXES
   rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
@@ -290,6 +293,10 @@ def _engine_shard(
   n_total = n_local * jax.lax.axis_size(axes)
   n_lanes_total = n_lanes * jax.lax.axis_size(axes)
 
+  zero = varying(jnp.zeros((), jnp.int32))
+  live0, waiting0, _, _ = busy(state, lanes, zero)
+  reserve = jnp.where(own_frees, n_total - live0 - waiting0, 0)
+
   def cond(carry):
     it, st, ln, head, _, _ = carry
     live, waiting, active, left = busy(st, ln, head)
@@ -297,7 +304,7 @@ def _engine_shard(
     # host holds: that many free slots and a free lane, nothing left in the device queue (after one
     # iteration, so a caller that cannot start one still moves; stopping while every lane is busy
     # would only return to the host for nothing).
-    room = (n_total - live - waiting >= stop_free) & (active < n_lanes_total)
+    room = (n_total - live - waiting - reserve >= stop_free) & (active < n_lanes_total)
     enough = (stop_free > 0) & room & (it > 0) & (left == 0)
     going = (live > 0) | (active > 0) | (left > 0)
     return (it < decode_steps) & going & ~enough
@@ -379,7 +386,6 @@ def _engine_shard(
     stats = dataclasses.replace(stats, fused_passes=stats.fused_passes + (any_lane & any_live))
     return it + 1, st, ln, head, out, stats
 
-  zero = varying(jnp.zeros((), jnp.int32))
   stats0 = CallStats(zero, zero, zero, zero, zero, zero, zero)
   out0 = Outbox(
     tokens=varying(jnp.full((n_out, n_new), pad_id, jnp.int32)),
@@ -394,7 +400,10 @@ def _engine_shard(
     (jnp.zeros((), jnp.int32), state, lanes, zero, out0, stats0),
   )
   stats = dataclasses.replace(stats, taken=head)
-  return state, lanes, out, jax.tree.map(lambda x: x[None], stats)
+  # The slots' samples and the busy lanes after the call, apart from the state (which the next
+  # call takes over, donated): the host reads them when it collects this call.
+  after = (state.tag, lanes.active)
+  return state, lanes, out, jax.tree.map(lambda x: x[None], stats), after
 
 
 def make_engine_call(
@@ -425,6 +434,7 @@ def engine_call(
   rng,
   stop_free,
   decode_steps,
+  own_frees,
   *,
   graphdef,
   mesh,
@@ -452,6 +462,6 @@ def engine_call(
   return jax.shard_map(
     fn,
     mesh=mesh,
-    in_specs=(rep, batch, batch, starts_spec, batch, rep, rep, rep),
-    out_specs=(batch, batch, batch, batch),
-  )(params, state, lanes, starts, queue, rng, stop_free, decode_steps)
+    in_specs=(rep, batch, batch, starts_spec, batch, rep, rep, rep, rep),
+    out_specs=(batch, batch, batch, batch, (batch, batch)),
+  )(params, state, lanes, starts, queue, rng, stop_free, decode_steps, own_frees)

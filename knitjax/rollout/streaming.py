@@ -17,6 +17,11 @@ that call has ended and the next is placed (the host may come late for it, after
 Groups the caller starts while a call runs wait in a queue (up to one per prefill lane beyond the
 room known then) and go into the slots that call frees, at the next launch; their gen version is
 the version they start decoding with.
+
+With ``calls_in_flight=2`` on the engine, a `step` launches the next call first, behind the one
+running, and then collects the running one: the device goes from one call to the next without
+waiting for the host, which places new groups one call ahead (in slots free before the running
+call) and works on the finished groups while the next call runs.
 """
 
 from __future__ import annotations
@@ -64,6 +69,10 @@ class StreamingRollout:
     self.engine, self._unit = engine, storage
     self._reward_fn, self._tokenizer = reward_fn, tokenizer
     self._g, self._budgets = group_size, dict(budgets or {})
+    if engine.calls_in_flight > 1 and not overlap_host:
+      raise ValueError(
+        f"calls_in_flight={engine.calls_in_flight} on the engine needs overlap_host=True."
+      )
     self._overlap = overlap_host
     self._requests: list[Request] = []  # started, not yet handed to the engine (whole groups)
     self._groups: dict[int, tuple[Prompt, list[Finished | None]]] = {}
@@ -112,14 +121,19 @@ class StreamingRollout:
     return taken
 
   def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
-    finished = self.engine.collect() if self._overlap else []
+    ahead = self.engine.calls_in_flight > 1  # launch behind the running call, then collect it
+    finished = self.engine.collect() if self._overlap and not ahead else []
     requests = self._take_fitting()
+    launched = False
     if requests or self.engine.live_samples or self.engine.queued_samples:
       # Stop early once a group could start: the caller wants room, or a group is queued.
       room = want_room or bool(self._requests)
       self.engine.launch(requests, rng=rng, stop_free=self._g if room else 0)
+      launched = True
       if not self._overlap:
         finished = self.engine.collect()
+    if ahead and self.engine.launched > launched:
+      finished = self.engine.collect()
     done = []
     for f in finished:
       gid, k = f.tag
@@ -128,6 +142,8 @@ class StreamingRollout:
       self._tokens += len(f.tokens)
       if all(s is not None for s in samples):
         done.append(self._complete(gid))
+    if ahead and not self._groups and self.engine.in_flight:
+      self.engine.collect()  # the call behind holds no sample: leave none running
     return done
 
   def _complete(self, gid: int) -> GroupMeta:

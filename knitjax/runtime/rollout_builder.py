@@ -153,6 +153,7 @@ def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> Conti
     param_slots=rt.param_slots,
     queue_prompts=r.queue_prompts,
     fuse_prefill=r.fuse_prefill,
+    calls_in_flight=r.calls_in_flight,
   )
 
 

@@ -143,24 +143,27 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
   known = running > 0
   if known.sum() < 3:
     return None
+  # A call launched behind the running one (``rollout.calls_in_flight=2``) starts on the device
+  # when that one ends, which its collect end bounds; one after the other, at its launch.
+  after = np.maximum(launch, np.concatenate([[-np.inf], end[:-1]]))
   # A fused pass (decode with prefill chunks riding along) advances its live samples: its extra
   # seconds ``f`` are decode time, not stall, reported apart as ``fused_overhead_fraction``.
   x = np.stack([np.ones_like(launch), dpass, chunks, fused], 1)
-  coef, *_ = np.linalg.lstsq(x[known], (end - launch)[known], rcond=None)
+  coef, *_ = np.linalg.lstsq(x[known], (end - after)[known], rcond=None)
   b, split = float(coef[1]), "fit"
   if b <= 0:  # call time does not grow with passes (contention): device seconds per pass instead
-    b, split = float((end - launch)[known].sum() / max(dpass[known].sum(), 1.0)), "ratio"
+    b, split = float((end - after)[known].sum() / max(dpass[known].sum(), 1.0)), "ratio"
     coef = np.array([0.0, b, 0.0, 0.0])
   f = max(float(coef[3]), 0.0) if fused.any() else 0.0
-  estimate = np.clip(x @ np.array([coef[0], b, coef[2], f]), 0.0, begin - launch)
-  device = np.where(known, end - launch, estimate)
-  gaps = np.maximum(launch[1:] - (launch + device)[:-1], 0.0) * (held[1:] > 0)
+  estimate = x @ np.array([coef[0], b, coef[2], f])
+  device, gaps, start = _device_spans(launch, begin, end, known, estimate)
+  gaps = gaps[1:] * (held[1:] > 0)
   beyond = np.maximum(device - b * dpass - f * fused, 0.0)
   stall = float(gaps.sum() + beyond.sum())
   busy = float(device.sum() + gaps.sum())
   # A sample ends, on average, half-way through its call's device time and is handed back when
   # the host collects the call (collect end): the report delay the simulator adds to a group.
-  report = max(float(np.mean(end - launch - device / 2.0)), 0.0)
+  report = max(float(np.mean(end - start - device / 2.0)), 0.0)
   return {
     "decode_s_per_iteration": b,
     "group_start_s": stall / max(groups_started, 1),
@@ -173,6 +176,21 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
     "fused_pass_s": f,  # a fused pass's seconds beyond a plain decode pass
     "fused_overhead_fraction": float(f * fused.sum() / max(busy, 1e-12)),
   }
+
+
+def _device_spans(launch, begin, end, known, estimate) -> tuple[np.ndarray, ...]:
+  """Per call, its device seconds, the idle gap before it and its start: it starts at its launch or
+  when the call ahead of it ends, whichever is later, and runs to its collect end where it was
+  still running then (``known``), else ``estimate`` seconds, at most to its collect begin."""
+  device, gaps, start = np.zeros(len(launch)), np.zeros(len(launch)), np.zeros(len(launch))
+  free_at = -np.inf
+  for n in range(len(launch)):
+    start[n] = max(launch[n], free_at)
+    gaps[n] = max(launch[n] - free_at, 0.0) if n else 0.0
+    span = end[n] - start[n] if known[n] else min(max(estimate[n], 0.0), begin[n] - start[n])
+    device[n] = max(span, 0.0)
+    free_at = start[n] + device[n]
+  return device, gaps, start
 
 
 def overlap_fraction(windows: np.ndarray, intervals: np.ndarray) -> np.ndarray:

@@ -30,6 +30,9 @@ def test_quick_run_generates_every_sample_in_each_rollout(tmp_path):
   assert ro["fused"]["prefills"] == config.groups
   assert ro["fused"]["chunk_passes"] < ro["queued"]["chunk_passes"]
   assert 0 < ro["fused"]["fused_pass_fraction"] <= 1 and ro["queued"]["fused_pass_fraction"] == 0
+  # Ahead: every call after the first was launched before the one ahead of it was collected.
+  assert ro["ahead"]["prefills"] == config.groups and ro["ahead"]["fused_pass_fraction"] > 0
+  assert out["ahead_vs_fused"] > 0 and out["stall_fraction_ahead"] >= 0
   # Version transitions: the split engine never computes more rows than one pass per version.
   split, unsplit = ro["versions_split"], ro["versions_unsplit"]
   assert split["rows_decoded"] <= split["rows_unsplit"]

@@ -405,6 +405,8 @@ def _run_groups(engine, groups, group_size):
     done += engine.step(reqs, rng=jax.random.key(call), stop_free=group_size)
     call += 1
     assert call < 200
+  while engine.in_flight:  # with calls_in_flight=2 a call may still be running
+    done += engine.collect()
   return {f.tag: f for f in done}, call
 
 
@@ -510,3 +512,47 @@ def test_fused_prefill_gives_the_same_samples_without_a_pass_that_stalls_live_sl
 def test_fused_prefill_stays_apart_with_several_param_slots(model):
   engine = _greedy_engine(model, fuse_prefill=True, adoption="new_groups", param_slots=2)
   assert not engine.fuse_prefill
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_two_calls_in_flight_give_the_same_samples_without_host_waits(model, fuse):
+  """With ``calls_in_flight=2`` each call is launched behind the running one (new groups in slots
+  free before it): the same greedy samples and log-probs, every sample once, the log-probs still
+  the trainer's, and the device never waits for the host between the calls of a step."""
+  graphdef, params, _, _ = model
+  groups = _pairs(seed=12)
+  out, engines = {}, {}
+  for n in (1, 2):
+    engine = _greedy_engine(model, slots=16, decode_steps=4, fuse_prefill=fuse, calls_in_flight=n)
+    engine.load(params, 0)
+    out[n], _ = _run_groups(engine, groups, 2)
+    engines[n] = engine
+    assert engine.prefills == 16 and not engine._samples and not engine.in_flight
+  assert sorted(out[2]) == sorted(out[1]) == sorted(r.tag for g in groups for r in g)
+  for tag, f in out[1].items():
+    np.testing.assert_array_equal(out[2][tag].tokens, f.tokens)
+    np.testing.assert_allclose(out[2][tag].logprobs, f.logprobs, atol=1e-5)
+  reqs = {r.tag: r for g in groups for r in g}
+  got, want = _teacher_forced(graphdef, params, reqs, list(out[2].values()))
+  np.testing.assert_allclose(got, want, atol=1e-4)
+  # Each call after the first was launched before the one ahead of it was collected.
+  rows = np.asarray(engines[2].timeline)
+  assert np.all(rows[1:, 0] < rows[:-1, 2])
+  assert engines[2].calls <= 2 * engines[1].calls
+
+
+def test_a_third_call_and_a_device_queue_are_refused_with_two_in_flight(model):
+  _, params, _, _ = model
+  with pytest.raises(ValueError, match="queue_prompts=0"):
+    _greedy_engine(model, calls_in_flight=2, queue_prompts=1)
+  with pytest.raises(ValueError, match="calls_in_flight=3"):
+    _greedy_engine(model, calls_in_flight=3)
+  engine = _greedy_engine(model, calls_in_flight=2, decode_steps=2)
+  engine.load(params, 0)
+  reqs = _requests(0, 4, np.random.default_rng(5), budget=N)
+  engine.launch(reqs[:2], rng=jax.random.key(0), stop_free=0)
+  engine.launch(reqs[2:], rng=jax.random.key(1), stop_free=0)  # behind the first
+  with pytest.raises(RuntimeError, match="collect"):
+    engine.launch([], rng=jax.random.key(2), stop_free=0)
+  first = engine.collect()
+  assert engine.launched == 1 and engine.live_samples == 4 - len(first)

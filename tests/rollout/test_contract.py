@@ -63,7 +63,7 @@ def _batched(parts, max_groups=None):
   return BatchedRollout(worker, _unit(tok, prompt_len), max_groups=max_groups)
 
 
-def _streaming(parts, *, temperature=1.0, overlap_host=True, queue_prompts=0):
+def _streaming(parts, *, temperature=1.0, overlap_host=True, queue_prompts=0, calls_in_flight=1):
   _, tok, graphdef, _, mesh, prompt_len = parts
   engine = ContinuousEngine(
     graphdef,
@@ -78,6 +78,7 @@ def _streaming(parts, *, temperature=1.0, overlap_host=True, queue_prompts=0):
     adoption="new_groups",
     param_slots=2,
     queue_prompts=queue_prompts,
+    calls_in_flight=calls_in_flight,
   )
   return StreamingRollout(
     engine,

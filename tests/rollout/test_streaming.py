@@ -18,16 +18,19 @@ def test_greedy_groups_are_the_same_with_and_without_overlap_and_device_queue(pa
   source, _, _, params, mesh, _ = parts
   prompts = source.next(7)
   out = {}
-  for overlap, queue in ((False, 0), (True, 0), (True, 2)):
-    rollout = _streaming(parts, overlap_host=overlap, temperature=0.0, queue_prompts=queue)
+  variants = ((False, 0, 1), (True, 0, 1), (True, 2, 1), (True, 0, 2))
+  for overlap, queue, ahead in variants:
+    rollout = _streaming(
+      parts, overlap_host=overlap, temperature=0.0, queue_prompts=queue, calls_in_flight=ahead
+    )
     with jax.set_mesh(mesh):
       metas = contract.generate(
         rollout, params, prompts, version=0, rng=jax.random.key(0), first_group_id=0
       )
     assert [m.group_id for m in metas] == list(range(7)) and rollout.inflight == 0
     assert not rollout.engine.in_flight  # nothing left running once every group is back
-    out[overlap, queue] = (metas, _responses(rollout, metas))
-  for (m0, r0), (m1, r1) in [(out[False, 0], out[True, 0]), (out[False, 0], out[True, 2])]:
+    out[overlap, queue, ahead] = (metas, _responses(rollout, metas))
+  for (m0, r0), (m1, r1) in [(out[variants[0]], out[v]) for v in variants[1:]]:
     assert [m.response_tokens for m in m0] == [m.response_tokens for m in m1]
     assert [m.reward_mean for m in m0] == [m.reward_mean for m in m1]
     for a, b in zip(r0, r1, strict=True):
@@ -67,3 +70,20 @@ def test_overlap_host_must_be_a_bool():
 
   with pytest.raises(ValueError, match="config.rollout.overlap_host"):
     RolloutConfig(overlap_host="yes")
+
+
+@pytest.mark.parametrize(
+  "fields, match",
+  [
+    (dict(calls_in_flight=3), "calls_in_flight=3 is not accepted"),
+    (dict(calls_in_flight=True), "calls_in_flight=True is not accepted"),
+    (dict(calls_in_flight=2, queue_prompts=1), "needs queue_prompts=0 and overlap_host=True"),
+    (dict(calls_in_flight=2, overlap_host=False), "needs queue_prompts=0 and overlap_host=True"),
+  ],
+)
+def test_calls_in_flight_is_one_or_two_without_a_device_queue(fields, match):
+  from knitjax.config_sections import RolloutConfig
+
+  RolloutConfig(calls_in_flight=2)
+  with pytest.raises(ValueError, match=match):
+    RolloutConfig(**fields)

@@ -76,7 +76,9 @@ def test_too_few_calls_seen_running_give_no_fit():
 
 def test_call_times_that_do_not_grow_with_decode_passes_give_device_seconds_per_pass():
   rows = _timeline(0.0, overlap=False)
-  rows[:, 2] = rows[:, 0] + 0.01 - 0.0001 * rows[:, 5]  # longer calls with fewer passes
+  took = 0.01 - 0.0001 * rows[:, 5]  # longer calls with fewer passes, one after the other
+  rows[:, 0] = rows[:, 1] = np.concatenate([[0.0], np.cumsum(took)[:-1]])
+  rows[:, 2] = rows[:, 0] + took
   fit = engine_timeline_fit(rows, groups_started=40)
   assert fit["decode_split"] == "ratio"
   want = (rows[:, 2] - rows[:, 0]).sum() / rows[:, 5].sum()
@@ -156,3 +158,25 @@ def test_fused_passes_are_decode_time_and_their_extra_seconds_are_reported_apart
   old = engine_timeline_fit(_timeline(0.004, overlap=False), groups_started=40)
   assert old["fused_pass_s"] == 0.0 and old["fused_overhead_fraction"] == 0.0
   assert len(rollout_busy_intervals(rows)) == len(rows)
+
+
+def test_a_call_launched_behind_the_running_one_starts_when_it_ends():
+  """``calls_in_flight=2``: each call is launched while the one ahead still runs; the device goes
+  from one to the next without a gap, and each call's device time runs from the end of the one
+  ahead (its collect end) to its own collect end."""
+  rng = np.random.default_rng(1)
+  rows, device_free, t = [], 0.0, 0.0
+  for _ in range(40):
+    decode = int(rng.integers(1, 9))
+    launch = t
+    start = max(launch, device_free)
+    device_free = start + A + B * decode
+    rows.append((launch, device_free, device_free, 1.0, decode, decode, 0, 8, 1))
+    t = start + 0.0005  # the next call is launched soon after this one starts running
+  rows = np.asarray(rows)
+  assert np.all(rows[1:, 0] < rows[:-1, 2])  # overlapping launches
+  fit = engine_timeline_fit(rows, groups_started=40)
+  assert fit["decode_s_per_iteration"] == pytest.approx(B, rel=1e-6)
+  assert fit["host_gap_s"] == pytest.approx(0.0, abs=1e-9)
+  assert fit["device_s"] == pytest.approx(A * 40 + B * rows[:, 5].sum(), rel=1e-6)
+  assert fit["group_start_stall_fraction"] == pytest.approx(A * 40 / fit["device_s"], rel=1e-6)
