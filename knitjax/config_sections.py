@@ -87,8 +87,8 @@ class RolloutConfig:
   fuse_prefill: bool = False
   # Continuous engine: engine calls launched and not yet collected, 1 or 2. With 2 the next call
   # is launched before the running one is collected, so the device never waits for the host
-  # between calls (new groups go into slots known free before the running call; needs
-  # queue_prompts=0 and overlap_host).
+  # between calls; every group then starts from the device queue (needs queue_prompts >= 1,
+  # overlap_host and runtime.adoption="mid_generation").
   calls_in_flight: int = 1
   # What generates behind the rollout contract: "batched" (one sampler call per wave of
   # slots // group_size groups; colocated: the whole step), "continuous" (the engine),
@@ -118,11 +118,11 @@ class RolloutConfig:
       raise ValueError(
         f"config.rollout.calls_in_flight={self.calls_in_flight!r} is not accepted; use 1 or 2."
       )
-    if self.calls_in_flight == 2 and (self.queue_prompts or not self.overlap_host):
+    if self.calls_in_flight == 2 and (self.queue_prompts < 1 or not self.overlap_host):
       raise ValueError(
-        f"config.rollout.calls_in_flight=2 needs queue_prompts=0 and overlap_host=True (got "
+        f"config.rollout.calls_in_flight=2 needs queue_prompts >= 1 and overlap_host=True (got "
         f"queue_prompts={self.queue_prompts}, overlap_host={self.overlap_host}): the next call is "
-        "placed before the running one is collected, which a device-side queue would not allow."
+        "launched before the running one is collected, so its groups start from the device queue."
       )
     one_of("config.rollout.engine", self.engine, ENGINES)
     positive("config.rollout.max_new_tokens", self.max_new_tokens)

@@ -17,9 +17,9 @@ compile round:
 * ``fused``: ``queued`` with each iteration's prefill chunks inside its decode pass
   (``fuse_prefill``: one forward over the live slots' tokens and the lanes' chunks), so live
   samples advance in every iteration a group prefills;
-* ``ahead``: ``fused`` without the queue, with two engine calls in flight
-  (``calls_in_flight=2``): each call is launched behind the running one, so the device goes from
-  call to call without waiting for the host, which places new groups one call ahead;
+* ``ahead``: ``fused`` with two engine calls in flight (``calls_in_flight=2``): each call is
+  launched behind the running one, so the device goes from call to call without waiting for the
+  host, and every group starts from the device queue;
 * ``batched``: the batched sampler, in waves of ``slots // G`` groups, each wave running until
   its longest sample ends.
 
@@ -89,7 +89,7 @@ def _engine(config, graphdef, mesh, sampling, which: str) -> ContinuousEngine:
     decode_steps=config.decode_steps,
     adoption="new_groups" if versioned else "mid_generation",
     split_versions=which != "versions_unsplit",
-    queue_prompts=config.queue_prompts if which in ("queued", "fused") else 0,
+    queue_prompts=config.queue_prompts if which in ("queued", "fused", "ahead") else 0,
     fuse_prefill=which in ("fused", "ahead"),
     calls_in_flight=2 if which == "ahead" else 1,
   )

@@ -97,9 +97,11 @@ class ContinuousEngine:
       calls_in_flight: engine calls that may be launched and not yet collected (1 or 2). With 2
         the host launches the next call before it collects the running one, so the device never
         waits for the host between calls: the next call decodes on from the running call's
-        state, with new groups placed only in slots known to be free before the running call
-        (it can only free slots), and stops once it has freed ``stop_free`` slots itself. Needs
-        ``queue_prompts=0``: a queued prompt takes slots the host sees only at collect.
+        state. Every prompt then starts from the device queue (the device picks the slots and
+        the lane as they free up, which the host learns only at collect): the next call's queue
+        holds the waiting prompts the running call's queue does not, and a prompt the running
+        call did not start goes to the call after. Needs ``queue_prompts >= 1`` and
+        mid-generation adoption.
     """
     shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
     if adoption not in ADOPTION:
@@ -116,11 +118,12 @@ class ContinuousEngine:
       raise ValueError(f"queue_prompts={queue_prompts} must be >= 0 (0: no device-side queue).")
     if calls_in_flight not in (1, 2):
       raise ValueError(f"calls_in_flight={calls_in_flight} is not accepted; choose 1 or 2.")
-    if calls_in_flight == 2 and queue_prompts:
+    if calls_in_flight == 2 and (queue_prompts < 1 or adoption != "mid_generation"):
       raise ValueError(
-        f"calls_in_flight=2 needs queue_prompts=0 (got {queue_prompts}): a prompt queued on the "
-        "device takes slots the host learns of only when it collects the call, so the next call "
-        "could not be placed before then."
+        f"calls_in_flight=2 needs queue_prompts >= 1 and adoption='mid_generation' (got "
+        f"queue_prompts={queue_prompts}, adoption={adoption!r}): the next call is launched before "
+        "the host knows which slots the running one freed, so its prompts start from the device "
+        "queue."
       )
     if adoption == "new_groups" and param_slots < 2:
       raise ValueError(f"param_slots={param_slots} must be >= 2 with adoption='new_groups'.")
@@ -152,7 +155,7 @@ class ContinuousEngine:
     self._lanes = None
     # The calls in flight, oldest first: (stats, outbox, slots and lanes after it, version,
     # perf_counter and time.time at launch, samples held before it, prompts the host started,
-    # prompts queued on each shard, the (lane, [(slot, sample)]) it started).
+    # prompts queued on each shard).
     self.calls_in_flight = calls_in_flight
     self._launched: collections.deque[tuple] = collections.deque()
     # Per collected call: (launch, collect begin, collect end) as time.time(), whether the call
@@ -236,7 +239,9 @@ class ContinuousEngine:
 
   def _fit(self, sizes: Sequence[int]) -> tuple[int, list, list[list[int]], list[list[int]]]:
     """How many of the prompts of ``sizes`` (oldest first) start now, their placement, and the
-    free slots and lanes left after them."""
+    free slots and lanes left after them (with two calls in flight none: all go to the queue)."""
+    if self.calls_in_flight > 1:
+      return 0, [], *self._free()
     shares, slots, lanes = fit(*self._free(), sizes)
     return len(shares), shares, slots, lanes
 
@@ -248,7 +253,8 @@ class ContinuousEngine:
     (negative: they do not all fit)."""
     if not all(map(self._queueable, left)):
       return -1
-    return self.shards * self.queue_prompts - len(left)
+    # With two calls in flight the prompts wait in the running call's queue or the next one's.
+    return self.calls_in_flight * self.shards * self.queue_prompts - len(left)
 
   def capacity(self, group_size: int, queued: Sequence[int] = ()) -> int:
     """How many more prompts of ``group_size`` samples fit now (started at once or queued on the
@@ -263,7 +269,7 @@ class ContinuousEngine:
     if room < 0:
       return 0
     n = 0
-    while not left and place(slots, lanes, per_prompt) is not None:
+    while self.calls_in_flight == 1 and not left and place(slots, lanes, per_prompt) is not None:
       n += 1
     if all(self._queueable(z) for z in per_prompt):
       n += room // len(per_prompt)
@@ -285,7 +291,8 @@ class ContinuousEngine:
       raise ValueError(
         f"{len(requests)} requests ({len(groups)} prompts) do not fit: free slots="
         f"{self.free_slots}, free prefill lanes={self._lane_busy.count(False)}, {len(left)} "
-        f"prompts would wait but the device queue holds {self.shards * self.queue_prompts}"
+        f"prompts would wait but the device queue holds "
+        f"{self.calls_in_flight * self.shards * self.queue_prompts}"
         f" (prompts of at most {self._per_shard} samples)."
       )
     for g in groups:
@@ -303,7 +310,13 @@ class ContinuousEngine:
         plan.append(Placement(shard * self.lanes_per_shard + lane, taken, tagged))
         tags = tags[n:]
     del self._waiting[:n_fit]
-    return plan, assign(len(self._waiting), [len(s) for s in slots])
+    if self.calls_in_flight == 1:
+      return plan, assign(len(self._waiting), [len(s) for s in slots])
+    # The waiting prompts no call in flight holds in its queue, as many as one queue takes.
+    held = {id(g) for *_, queued in self._launched for gs in queued for g in gs}
+    free = [i for i, g in enumerate(self._waiting) if id(g) not in held]
+    free = free[: self.shards * self.queue_prompts]
+    return plan, [[free[j] for j in idx] for idx in assign(len(free), [0] * self.shards)]
 
   def _starts(self, plan: list[Placement]) -> Starts:
     n_lanes = self.shards * self.lanes_per_shard
@@ -405,7 +418,6 @@ class ContinuousEngine:
     for t in starting:  # queued prompts that start later in the call decode with it too
       self._samples[t][1:] = [version, version, self._newest]
     starts, queue = self._starts(plan), self._queue(per_shard)
-    placed = [(p.lane, list(zip(p.slots, [t for t, _ in p.requests], strict=True))) for p in plan]
     if self._state is None:
       spec = NamedSharding(self.mesh, PartitionSpec(sharding.BATCH_AXES))
       init = jax.jit(self._init_state, out_shardings=(spec, spec))
@@ -423,30 +435,23 @@ class ContinuousEngine:
         rng,
         np.int32(stop_free),
         np.int32(self.decode_steps),
-        np.bool_(bool(self._launched)),  # behind a running call: count only its own frees
       )
     queued = [[self._waiting[i] for i in idx] for idx in per_shard]
     started = int(np.sum(starts.new))
-    self._launched.append((stats, out, after, version, t0, t_launch, held, started, queued, placed))
+    self._launched.append((stats, out, after, version, t0, t_launch, held, started, queued))
 
   def collect(self) -> list[Finished]:
     """Waits for the oldest launched call (none: returns []) and returns the samples it
     finished."""
     if not self._launched:
       return []
-    stats, out, after, version, t0, t_launch, held, started, queued, _ = self._launched.popleft()
+    stats, out, after, version, t0, t_launch, held, started, queued = self._launched.popleft()
     t_begin, running = time.time(), not stats.iterations.is_ready()
     with jax.set_mesh(self.mesh):
       tag, active, stats, n_out = sharding.to_host((*after, stats, out.count))
-    # What the host knows now: the slots and lanes after this call, plus what the calls still in
-    # flight started (they can only free more).
+    # The slots and lanes after this call (a call still in flight starts prompts only from its
+    # queue: the host learns of them when it collects that call).
     self._slot_tag = np.asarray(tag, np.int32).copy()
-    active = [bool(a) for a in active]
-    for *_, placed in self._launched:
-      for lane, slots in placed:
-        active[lane] = True
-        for s, t in slots:
-          self._slot_tag[s] = t
     self.call_s += time.perf_counter() - t0
     self.calls += 1
     self.decode_iterations += int(np.max(stats.iterations))
@@ -455,7 +460,7 @@ class ContinuousEngine:
     self.fused_passes += int(np.max(stats.fused_passes))
     self.rows_decoded += int(np.sum(stats.rows))
     self.rows_unsplit += int(np.sum(stats.rows_unsplit))
-    self._lane_busy = active
+    self._lane_busy = [bool(a) for a in active]
     taken = [g[: int(k)] for g, k in zip(queued, stats.taken, strict=True)]
     started_now = {id(g) for gs in taken for g in gs}
     self._waiting = [g for g in self._waiting if id(g) not in started_now]
@@ -473,7 +478,8 @@ class ContinuousEngine:
     """The samples of outbox ``rows``, after a call that decoded with ``version`` (mid-generation
     adoption: the newest version every sample it decoded has used now); ``tag``: the slots'
     samples after it."""
-    tokens, logprobs, length, ids = ended_rows(out, rows) if rows else ([], [], [], [])
+    gather = self.calls_in_flight == 1
+    tokens, logprobs, length, ids = ended_rows(out, rows, gather=gather) if rows else ([],) * 4
     if self.adoption == "mid_generation":
       for t in [*tag[tag >= 0], *ids]:
         self._samples[int(t)][2] = version

@@ -66,7 +66,6 @@ def _engine_shard(
   rng,
   stop_free,
   decode_steps,
-  own_frees,
   *,
   graphdef,
   sampling,
@@ -81,9 +80,7 @@ def _engine_shard(
   ``split_versions=False`` decodes every slot once per param slot with live rows (the rule
   before version splitting; kept for the engine benchmark's A/B). ``fuse``: with one param slot,
   an iteration's prefill chunks ride in the decode pass (`Transformer.mixed_step`; see
-  `fused_body`) instead of running before it. ``own_frees``: only slots this call frees count
-  toward ``stop_free`` (a call launched behind another: the slots free when it starts are the
-  next call's to fill, which the host placed meanwhile).
+  `fused_body`) instead of running before it.
   """
   axes = sharding.BATCH_AXES
   rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
@@ -293,10 +290,6 @@ def _engine_shard(
   n_total = n_local * jax.lax.axis_size(axes)
   n_lanes_total = n_lanes * jax.lax.axis_size(axes)
 
-  zero = varying(jnp.zeros((), jnp.int32))
-  live0, waiting0, _, _ = busy(state, lanes, zero)
-  reserve = jnp.where(own_frees, n_total - live0 - waiting0, 0)
-
   def cond(carry):
     it, st, ln, head, _, _ = carry
     live, waiting, active, left = busy(st, ln, head)
@@ -304,7 +297,7 @@ def _engine_shard(
     # host holds: that many free slots and a free lane, nothing left in the device queue (after one
     # iteration, so a caller that cannot start one still moves; stopping while every lane is busy
     # would only return to the host for nothing).
-    room = (n_total - live - waiting - reserve >= stop_free) & (active < n_lanes_total)
+    room = (n_total - live - waiting >= stop_free) & (active < n_lanes_total)
     enough = (stop_free > 0) & room & (it > 0) & (left == 0)
     going = (live > 0) | (active > 0) | (left > 0)
     return (it < decode_steps) & going & ~enough
@@ -386,6 +379,7 @@ def _engine_shard(
     stats = dataclasses.replace(stats, fused_passes=stats.fused_passes + (any_lane & any_live))
     return it + 1, st, ln, head, out, stats
 
+  zero = varying(jnp.zeros((), jnp.int32))
   stats0 = CallStats(zero, zero, zero, zero, zero, zero, zero)
   out0 = Outbox(
     tokens=varying(jnp.full((n_out, n_new), pad_id, jnp.int32)),
@@ -434,7 +428,6 @@ def engine_call(
   rng,
   stop_free,
   decode_steps,
-  own_frees,
   *,
   graphdef,
   mesh,
@@ -462,6 +455,6 @@ def engine_call(
   return jax.shard_map(
     fn,
     mesh=mesh,
-    in_specs=(rep, batch, batch, starts_spec, batch, rep, rep, rep, rep),
+    in_specs=(rep, batch, batch, starts_spec, batch, rep, rep, rep),
     out_specs=(batch, batch, batch, batch, (batch, batch)),
-  )(params, state, lanes, starts, queue, rng, stop_free, decode_steps, own_frees)
+  )(params, state, lanes, starts, queue, rng, stop_free, decode_steps)

@@ -516,14 +516,16 @@ def test_fused_prefill_stays_apart_with_several_param_slots(model):
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_two_calls_in_flight_give_the_same_samples_without_host_waits(model, fuse):
-  """With ``calls_in_flight=2`` each call is launched behind the running one (new groups in slots
-  free before it): the same greedy samples and log-probs, every sample once, the log-probs still
-  the trainer's, and the device never waits for the host between the calls of a step."""
+  """With ``calls_in_flight=2`` each call is launched behind the running one and every prompt
+  starts from the device queue: the same greedy samples and log-probs, every sample once, the
+  log-probs still the trainer's, and each call launched before the one ahead was collected."""
   graphdef, params, _, _ = model
   groups = _pairs(seed=12)
   out, engines = {}, {}
   for n in (1, 2):
-    engine = _greedy_engine(model, slots=16, decode_steps=4, fuse_prefill=fuse, calls_in_flight=n)
+    engine = _greedy_engine(
+      model, slots=16, decode_steps=4, queue_prompts=2, fuse_prefill=fuse, calls_in_flight=n
+    )
     engine.load(params, 0)
     out[n], _ = _run_groups(engine, groups, 2)
     engines[n] = engine
@@ -535,24 +537,38 @@ def test_two_calls_in_flight_give_the_same_samples_without_host_waits(model, fus
   reqs = {r.tag: r for g in groups for r in g}
   got, want = _teacher_forced(graphdef, params, reqs, list(out[2].values()))
   np.testing.assert_allclose(got, want, atol=1e-4)
-  # Each call after the first was launched before the one ahead of it was collected.
   rows = np.asarray(engines[2].timeline)
-  assert np.all(rows[1:, 0] < rows[:-1, 2])
+  assert np.all(rows[1:, 0] < rows[:-1, 2])  # launched before the call ahead was collected
   assert engines[2].calls <= 2 * engines[1].calls
 
 
-def test_a_third_call_and_a_device_queue_are_refused_with_two_in_flight(model):
+def test_with_two_calls_in_flight_a_prompt_is_in_one_queue_at_a_time(model):
+  """The next call's queue takes the waiting prompts the running call's queue does not hold; one
+  the running call leaves goes to the call after, and starts exactly once."""
   _, params, _, _ = model
-  with pytest.raises(ValueError, match="queue_prompts=0"):
-    _greedy_engine(model, calls_in_flight=2, queue_prompts=1)
+  with pytest.raises(ValueError, match="queue_prompts >= 1"):
+    _greedy_engine(model, calls_in_flight=2)
   with pytest.raises(ValueError, match="calls_in_flight=3"):
-    _greedy_engine(model, calls_in_flight=3)
-  engine = _greedy_engine(model, calls_in_flight=2, decode_steps=2)
+    _greedy_engine(model, calls_in_flight=3, queue_prompts=1)
+  # 4 shards x 1 slot, 1 queued prompt per shard per call: 8 prompts wait in two calls' queues.
+  engine = _greedy_engine(model, slots=4, decode_steps=1, queue_prompts=1, calls_in_flight=2)
   engine.load(params, 0)
-  reqs = _requests(0, 4, np.random.default_rng(5), budget=N)
-  engine.launch(reqs[:2], rng=jax.random.key(0), stop_free=0)
-  engine.launch(reqs[2:], rng=jax.random.key(1), stop_free=0)  # behind the first
+  prompt = np.asarray([1, 3, 4], np.int32)
+  reqs = [Request(tag=k, tokens=prompt + k, max_new_tokens=N) for k in range(12)]
+  assert engine.capacity(1) == 8
+  engine.launch(reqs[:8], rng=jax.random.key(0), stop_free=0)  # queues 4, 4 wait on the host
+  first = [id(g) for gs in engine._launched[0][-1] for g in gs]
+  engine.launch([], rng=jax.random.key(1), stop_free=0)  # behind it: the other 4
+  second = [id(g) for gs in engine._launched[1][-1] for g in gs]
+  assert len(first) == len(second) == 4 and not set(first) & set(second)
   with pytest.raises(RuntimeError, match="collect"):
     engine.launch([], rng=jax.random.key(2), stop_free=0)
-  first = engine.collect()
-  assert engine.launched == 1 and engine.live_samples == 4 - len(first)
+  done, call = engine.collect(), 3
+  while engine.live_samples or engine.queued_samples:
+    engine.launch([], rng=jax.random.key(call), stop_free=0)
+    done += engine.collect()
+    call += 1
+    assert call < 100
+  while engine.in_flight:
+    done += engine.collect()
+  assert sorted(f.tag for f in done) == list(range(8)) and engine.prefills == 8

@@ -75,8 +75,8 @@ def _streaming(parts, *, temperature=1.0, overlap_host=True, queue_prompts=0, ca
     pad_id=tok.pad_id,
     prefill_lanes=1,
     decode_steps=2,
-    adoption="new_groups",
-    param_slots=2,
+    adoption="new_groups" if calls_in_flight == 1 else "mid_generation",
+    param_slots=2 if calls_in_flight == 1 else 1,
     queue_prompts=queue_prompts,
     calls_in_flight=calls_in_flight,
   )

@@ -18,7 +18,7 @@ def test_greedy_groups_are_the_same_with_and_without_overlap_and_device_queue(pa
   source, _, _, params, mesh, _ = parts
   prompts = source.next(7)
   out = {}
-  variants = ((False, 0, 1), (True, 0, 1), (True, 2, 1), (True, 0, 2))
+  variants = ((False, 0, 1), (True, 0, 1), (True, 2, 1), (True, 2, 2))
   for overlap, queue, ahead in variants:
     rollout = _streaming(
       parts, overlap_host=overlap, temperature=0.0, queue_prompts=queue, calls_in_flight=ahead
@@ -77,13 +77,26 @@ def test_overlap_host_must_be_a_bool():
   [
     (dict(calls_in_flight=3), "calls_in_flight=3 is not accepted"),
     (dict(calls_in_flight=True), "calls_in_flight=True is not accepted"),
-    (dict(calls_in_flight=2, queue_prompts=1), "needs queue_prompts=0 and overlap_host=True"),
-    (dict(calls_in_flight=2, overlap_host=False), "needs queue_prompts=0 and overlap_host=True"),
+    (dict(calls_in_flight=2), "needs queue_prompts >= 1 and overlap_host=True"),
+    (dict(calls_in_flight=2, queue_prompts=1, overlap_host=False), "overlap_host=True"),
   ],
 )
-def test_calls_in_flight_is_one_or_two_without_a_device_queue(fields, match):
+def test_calls_in_flight_is_one_or_two_with_a_device_queue(fields, match):
   from knitjax.config_sections import RolloutConfig
 
-  RolloutConfig(calls_in_flight=2)
+  RolloutConfig(calls_in_flight=2, queue_prompts=1)
   with pytest.raises(ValueError, match=match):
     RolloutConfig(**fields)
+
+
+def test_two_calls_in_flight_need_mid_generation_adoption():
+  from configs import arith_disagg
+  from knitjax.config import from_config_dict
+
+  config = arith_disagg.get_config("quick")
+  config.rollout.update(calls_in_flight=2, queue_prompts=1)
+  config.runtime.adoption = "new_groups"
+  with pytest.raises(ValueError, match="needs config.runtime.adoption='mid_generation'"):
+    from_config_dict(config)
+  config.runtime.adoption = "mid_generation"
+  assert from_config_dict(config).rollout.calls_in_flight == 2
