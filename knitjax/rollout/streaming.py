@@ -20,8 +20,9 @@ the version they start decoding with.
 
 With ``calls_in_flight=2`` on the engine, a `step` launches the next call first, behind the one
 running, and then collects the running one: the device goes from one call to the next without
-waiting for the host, which places new groups one call ahead (in slots free before the running
-call) and works on the finished groups while the next call runs.
+waiting for the host, which works on the finished groups while the next call runs. New groups
+then start from the device queue (the next call's queue holds those the running call's does
+not).
 """
 
 from __future__ import annotations
