@@ -6,10 +6,11 @@ sequences at different positions decode together and finish out of order, as in 
 engines. A new prompt is prefilled in chunks by a prefill lane, interleaved with the decode
 iterations of the live slots, and once for all the samples that share it (a group's ``G``
 samples): the jitted loop is `knitjax.rollout.continuous_step`. This module keeps the host side:
-which sample holds which slot (the device tags slots with the engine's sample ids), which lane
-prefills which prompt on which shard, the prompts waiting in the device-side queue
-(``queue_prompts``: started inside a call as slots free up, without a return to the host), the
-policy versions, and the finished samples (read back from the call's outbox).
+the policy versions, the calls (launched and collected; with ``calls_in_flight=2`` the next one
+is launched behind the running one) and the finished samples (read back from a call's outbox).
+Which sample holds which slot, which lane prefills which prompt and the prompts waiting in the
+device-side queue (``queue_prompts``: started inside a call as slots free up, without a return
+to the host) are the engine's `knitjax.rollout.slot_book.SlotBook`.
 
 Weights: `load` installs a new policy version. With ``adoption="mid_generation"`` (partial
 rollout) live samples switch to it at once; the sample's gen version stays the oldest version it
@@ -32,10 +33,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from knitjax import sharding
 from knitjax.rollout.continuous_step import make_engine_call
-from knitjax.rollout.engine_requests import Finished, Request, group_requests
-from knitjax.rollout.engine_state import Queue, Starts, ended_rows, init_state, make_queue
-from knitjax.rollout.placement import Placement, assign, fit, place
+from knitjax.rollout.engine_requests import Finished, Request
+from knitjax.rollout.engine_state import ended_rows, init_state
 from knitjax.rollout.sampler import SamplingConfig, eos_tuple
+from knitjax.rollout.slot_book import SlotBook
 
 ADOPTION = ("new_groups", "mid_generation")
 TIMELINE_ROWS = 200_000  # calls the timeline keeps (the newest): bounded memory in long runs
@@ -136,27 +137,29 @@ class ContinuousEngine:
     self.eos_ids, self.pad_id = eos_tuple(eos_id), pad_id
     self.eos_id = self.eos_ids[0]
     self.shards = shards
-    self._per_shard = slots // shards
     n_params = 1 if adoption == "mid_generation" else param_slots
     self._params: list[tuple[int, object] | None] = [None] * n_params
     self._newest = 0  # param slot new samples start with
     self._pending: tuple[int, object] | None = None  # a version waiting for a free param slot
     self.queue_prompts = queue_prompts
-    # Every sample the engine was given and has not returned, by the engine's own id (the tag the
-    # device sees): [request, gen version, newest version, param slot] (versions and param slot
-    # set when the call that may start it is launched).
-    self._samples: dict[int, list] = {}
-    self._next_tag = 0
-    self._slot_tag = np.full(slots, -1, np.int32)  # the sample each slot holds (-1: free)
-    # Prompts not started yet, oldest first, each a list of sample ids sharing one prompt.
-    self._waiting: list[list[int]] = []
-    self._lane_busy = [False] * (shards * prefill_lanes)
+    self.calls_in_flight = calls_in_flight
+    self.book = SlotBook(
+      slots=slots,
+      shards=shards,
+      lanes_per_shard=prefill_lanes,
+      prompt_len=prompt_len,
+      width=self.width,
+      pad_id=pad_id,
+      max_new_tokens=sampling.max_new_tokens,
+      share_prefix=share_prefix,
+      queue_prompts=queue_prompts,
+      calls_in_flight=calls_in_flight,
+    )
     self._state = None
     self._lanes = None
     # The calls in flight, oldest first: (stats, outbox, slots and lanes after it, version,
     # perf_counter and time.time at launch, samples held before it, prompts the host started,
     # prompts queued on each shard).
-    self.calls_in_flight = calls_in_flight
     self._launched: collections.deque[tuple] = collections.deque()
     # Per collected call: (launch, collect begin, collect end) as time.time(), whether the call
     # was still running when collect began (1.0: the device was busy until collect end), loop
@@ -204,153 +207,33 @@ class ContinuousEngine:
     if len(self._params) == 1:
       self._params[0], self._pending = self._pending, None
       return
-    busy = {self._samples[t][3] for t in self._slot_tag if t >= 0}
+    busy = self.book.param_slots_in_use()
     free = [i for i in range(len(self._params)) if i not in busy]
     if free:
       self._params[free[0]], self._pending = self._pending, None
       self._newest = free[0]
 
-  # ---- slots and lanes ----------------------------------------------------------------------
+  # ---- slots and lanes (`SlotBook`) ----------------------------------------------------------
 
   @property
   def free_slots(self) -> int:
-    return int(np.sum(self._slot_tag < 0))
+    return self.book.free_slots
 
   @property
   def live_samples(self) -> int:
     """Samples started and not yet finished (prefilling or decoding)."""
-    return self.slots - self.free_slots
+    return self.book.live_samples
 
   @property
   def queued_samples(self) -> int:
     """Samples given to the engine whose prompt has not started yet (device-side queue)."""
-    return sum(len(g) for g in self._waiting)
-
-  def _free(self) -> tuple[list[list[int]], list[list[int]]]:
-    per, lanes = self._per_shard, self.lanes_per_shard
-    slots = [
-      [s for s in range(k * per, (k + 1) * per) if self._slot_tag[s] < 0]
-      for k in range(self.shards)
-    ]
-    free_lanes = [
-      [j for j in range(lanes) if not self._lane_busy[k * lanes + j]] for k in range(self.shards)
-    ]
-    return slots, free_lanes
-
-  def _fit(self, sizes: Sequence[int]) -> tuple[int, list, list[list[int]], list[list[int]]]:
-    """How many of the prompts of ``sizes`` (oldest first) start now, their placement, and the
-    free slots and lanes left after them (with two calls in flight none: all go to the queue)."""
-    if self.calls_in_flight > 1:
-      return 0, [], *self._free()
-    shares, slots, lanes = fit(*self._free(), sizes)
-    return len(shares), shares, slots, lanes
-
-  def _queueable(self, size: int) -> bool:
-    return self.queue_prompts > 0 and size <= self._per_shard
-
-  def _queue_room(self, left: Sequence[int]) -> int:
-    """Prompts the device queue can still take once prompts of ``left`` sizes wait in it
-    (negative: they do not all fit)."""
-    if not all(map(self._queueable, left)):
-      return -1
-    # With two calls in flight the prompts wait in the running call's queue or the next one's.
-    return self.calls_in_flight * self.shards * self.queue_prompts - len(left)
+    return self.book.queued_samples
 
   def capacity(self, group_size: int, queued: Sequence[int] = ()) -> int:
     """How many more prompts of ``group_size`` samples fit now (started at once or queued on the
     device), after the engine's waiting prompts and prompts of ``queued`` sizes (each a prompt
     shared by that many samples)."""
-    per_prompt = [group_size] if self.share_prefix else [1] * group_size
-    sizes = [len(g) for g in self._waiting]
-    sizes += list(queued) if self.share_prefix else [1] * sum(queued)
-    n_fit, _, slots, lanes = self._fit(sizes)
-    left = sizes[n_fit:]
-    room = self._queue_room(left)
-    if room < 0:
-      return 0
-    n = 0
-    while self.calls_in_flight == 1 and not left and place(slots, lanes, per_prompt) is not None:
-      n += 1
-    if all(self._queueable(z) for z in per_prompt):
-      n += room // len(per_prompt)
-    return n
-
-  def _take(self, requests: Sequence[Request]) -> tuple[list[Placement], list[list[int]]]:
-    """Adds ``requests`` to the waiting prompts; returns where the prompts that fit now start and,
-    per shard, the waiting prompts queued on the device (all or nothing: ValueError)."""
-    groups = group_requests(
-      requests,
-      prompt_len=self.prompt_len,
-      max_new_tokens=self.sampling.max_new_tokens,
-      share_prefix=self.share_prefix,
-    )
-    sizes = [len(g) for g in self._waiting] + [len(g) for g in groups]
-    n_fit, shares, _, _ = self._fit(sizes)
-    left = sizes[n_fit:]
-    if self._queue_room(left) < 0:
-      raise ValueError(
-        f"{len(requests)} requests ({len(groups)} prompts) do not fit: free slots="
-        f"{self.free_slots}, free prefill lanes={self._lane_busy.count(False)}, {len(left)} "
-        f"prompts would wait but the device queue holds "
-        f"{self.calls_in_flight * self.shards * self.queue_prompts}"
-        f" (prompts of at most {self._per_shard} samples)."
-      )
-    for g in groups:
-      tags = list(range(self._next_tag, self._next_tag + len(g)))
-      self._next_tag += len(g)
-      for t, req in zip(tags, g, strict=True):
-        self._samples[t] = [req, None, None, None]
-      self._waiting.append(tags)
-    plan = []
-    slots, _ = self._free()
-    for tags, group_shares in zip(self._waiting[:n_fit], shares, strict=True):
-      for shard, lane, n in group_shares:
-        taken, slots[shard] = slots[shard][:n], slots[shard][n:]
-        tagged = [(t, self._samples[t][0]) for t in tags[:n]]
-        plan.append(Placement(shard * self.lanes_per_shard + lane, taken, tagged))
-        tags = tags[n:]
-    del self._waiting[:n_fit]
-    if self.calls_in_flight == 1:
-      return plan, assign(len(self._waiting), [len(s) for s in slots])
-    # The waiting prompts no call in flight holds in its queue, as many as one queue takes.
-    held = {id(g) for *_, queued in self._launched for gs in queued for g in gs}
-    free = [i for i, g in enumerate(self._waiting) if id(g) not in held]
-    free = free[: self.shards * self.queue_prompts]
-    return plan, [[free[j] for j in idx] for idx in assign(len(free), [0] * self.shards)]
-
-  def _starts(self, plan: list[Placement]) -> Starts:
-    n_lanes = self.shards * self.lanes_per_shard
-    prompt = np.full((n_lanes, self.width), self.pad_id, np.int32)
-    plen = np.ones(n_lanes, np.int32)
-    new = np.zeros(n_lanes, bool)
-    wait = np.full(self.slots, -1, np.int32)
-    budget = np.ones(self.slots, np.int32)
-    tag = np.full(self.slots, -1, np.int32)
-    for lane, slots, tagged in plan:
-      toks = np.asarray(tagged[0][1].tokens, np.int32)
-      prompt[lane, self.width - len(toks) :] = toks
-      plen[lane], new[lane] = len(toks), True
-      self._lane_busy[lane] = True
-      for s, (t, req) in zip(slots, tagged, strict=True):
-        wait[s], budget[s], tag[s] = lane % self.lanes_per_shard, req.max_new_tokens, t
-        self._slot_tag[s] = t
-    self.prefills += len(plan)
-    return Starts(
-      prompt=prompt,
-      plen=plen,
-      new=new,
-      pslot=np.int32(self._newest),
-      wait=wait,
-      budget=budget,
-      tag=tag,
-    )
-
-  def _queue(self, per_shard: list[list[int]]) -> Queue:
-    entries = []
-    for idx in per_shard:
-      reqs = [(self._samples[self._waiting[i][0]][0], self._waiting[i]) for i in idx]
-      entries.append([(r.tokens, len(tags), r.max_new_tokens, tags[0]) for r, tags in reqs])
-    return make_queue(entries, depth=self.queue_prompts, width=self.width, pad_id=self.pad_id)
+    return self.book.capacity(group_size, queued)
 
   def _init_state(self, params):
     model = nnx.merge(self.graphdef, params)
@@ -411,13 +294,15 @@ class ContinuousEngine:
     if self.version is None:
       raise RuntimeError("the engine has no weights; call load(params, version) first.")
     held = self.live_samples
-    plan, per_shard = self._take(requests)
+    book = self.book
+    plan, per_shard = book.take(requests, [g for *_, q in self._launched for gs in q for g in gs])
     version = self.version
     starting = [t for p in plan for t, _ in p.requests]
-    starting += [t for idx in per_shard for i in idx for t in self._waiting[i]]
+    starting += [t for idx in per_shard for i in idx for t in book.waiting[i]]
     for t in starting:  # queued prompts that start later in the call decode with it too
-      self._samples[t][1:] = [version, version, self._newest]
-    starts, queue = self._starts(plan), self._queue(per_shard)
+      book.samples[t][1:] = [version, version, self._newest]
+    starts, queue = book.starts(plan, self._newest), book.queue(per_shard)
+    self.prefills += len(plan)
     if self._state is None:
       spec = NamedSharding(self.mesh, PartitionSpec(sharding.BATCH_AXES))
       init = jax.jit(self._init_state, out_shardings=(spec, spec))
@@ -436,7 +321,7 @@ class ContinuousEngine:
         np.int32(stop_free),
         np.int32(self.decode_steps),
       )
-    queued = [[self._waiting[i] for i in idx] for idx in per_shard]
+    queued = [[book.waiting[i] for i in idx] for idx in per_shard]
     started = int(np.sum(starts.new))
     self._launched.append((stats, out, after, version, t0, t_launch, held, started, queued))
 
@@ -449,9 +334,6 @@ class ContinuousEngine:
     t_begin, running = time.time(), not stats.iterations.is_ready()
     with jax.set_mesh(self.mesh):
       tag, active, stats, n_out = sharding.to_host((*after, stats, out.count))
-    # The slots and lanes after this call (a call still in flight starts prompts only from its
-    # queue: the host learns of them when it collects that call).
-    self._slot_tag = np.asarray(tag, np.int32).copy()
     self.call_s += time.perf_counter() - t0
     self.calls += 1
     self.decode_iterations += int(np.max(stats.iterations))
@@ -460,12 +342,11 @@ class ContinuousEngine:
     self.fused_passes += int(np.max(stats.fused_passes))
     self.rows_decoded += int(np.sum(stats.rows))
     self.rows_unsplit += int(np.sum(stats.rows_unsplit))
-    self._lane_busy = [bool(a) for a in active]
-    taken = [g[: int(k)] for g, k in zip(queued, stats.taken, strict=True)]
-    started_now = {id(g) for gs in taken for g in gs}
-    self._waiting = [g for g in self._waiting if id(g) not in started_now]
-    self.prefills += sum(map(len, taken))
-    started += sum(map(len, taken))
+    # A call still in flight starts prompts only from its queue: the book learns of them when it
+    # is collected.
+    from_queue = self.book.collected(tag, active, queued, stats.taken)
+    self.prefills += from_queue
+    started += from_queue
     counts = (np.max(stats.iterations), np.max(stats.decode_passes), np.max(stats.chunk_passes))
     fused = float(np.max(stats.fused_passes))
     row = (t_launch, t_begin, time.time(), float(running), *map(float, counts), held, started)
@@ -482,10 +363,10 @@ class ContinuousEngine:
     tokens, logprobs, length, ids = ended_rows(out, rows, gather=gather) if rows else ([],) * 4
     if self.adoption == "mid_generation":
       for t in [*tag[tag >= 0], *ids]:
-        self._samples[int(t)][2] = version
+        self.book.samples[int(t)][2] = version
     finished = []
     for i, t in enumerate(ids):
-      req, first, newest, _ = self._samples.pop(int(t))
+      req, first, newest, _ = self.book.samples.pop(int(t))
       n = int(length[i])
       finished.append(
         Finished(

@@ -421,7 +421,7 @@ def test_the_device_queue_starts_groups_inside_the_call_with_the_same_samples(mo
     engine.load(params, 0)
     assert engine.capacity(2) == 4 + 4 * q
     out[q], calls[q] = _run_groups(engine, groups, 2)
-    assert engine.prefills == 16 and not engine._samples
+    assert engine.prefills == 16 and not engine.book.samples
   assert sorted(out[2]) == sorted(out[0]) == sorted(r.tag for g in groups for r in g)
   for tag, f in out[0].items():
     np.testing.assert_array_equal(out[2][tag].tokens, f.tokens)
@@ -495,7 +495,7 @@ def test_fused_prefill_gives_the_same_samples_without_a_pass_that_stalls_live_sl
     engine.load(params, 0)
     out[fuse], _ = _run_groups(engine, groups, 2)
     engines[fuse] = engine
-    assert engine.prefills == 16 and not engine._samples
+    assert engine.prefills == 16 and not engine.book.samples
   assert sorted(out[True]) == sorted(out[False]) == sorted(r.tag for g in groups for r in g)
   for tag, f in out[False].items():
     np.testing.assert_array_equal(out[True][tag].tokens, f.tokens)
@@ -529,7 +529,7 @@ def test_two_calls_in_flight_give_the_same_samples_without_host_waits(model, fus
     engine.load(params, 0)
     out[n], _ = _run_groups(engine, groups, 2)
     engines[n] = engine
-    assert engine.prefills == 16 and not engine._samples and not engine.in_flight
+    assert engine.prefills == 16 and not engine.book.samples and not engine.in_flight
   assert sorted(out[2]) == sorted(out[1]) == sorted(r.tag for g in groups for r in g)
   for tag, f in out[1].items():
     np.testing.assert_array_equal(out[2][tag].tokens, f.tokens)
