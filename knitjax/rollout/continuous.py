@@ -129,10 +129,10 @@ class ContinuousEngine:
     if adoption == "new_groups" and param_slots < 2:
       raise ValueError(f"param_slots={param_slots} must be >= 2 with adoption='new_groups'.")
     self.graphdef, self.mesh, self.sampling = graphdef, mesh, sampling
-    self.slots, self.prompt_len = slots, prompt_len
+    self.slots = slots
     self.chunk = min(prefill_chunk or prompt_len, prompt_len)
     self.width = -(-prompt_len // self.chunk) * self.chunk  # prompt width in whole chunks
-    self.lanes_per_shard, self.share_prefix = prefill_lanes, share_prefix
+    self.lanes_per_shard = prefill_lanes
     self.decode_steps, self.adoption = decode_steps, adoption
     self.eos_ids, self.pad_id = eos_tuple(eos_id), pad_id
     self.eos_id = self.eos_ids[0]
@@ -141,7 +141,6 @@ class ContinuousEngine:
     self._params: list[tuple[int, object] | None] = [None] * n_params
     self._newest = 0  # param slot new samples start with
     self._pending: tuple[int, object] | None = None  # a version waiting for a free param slot
-    self.queue_prompts = queue_prompts
     self.calls_in_flight = calls_in_flight
     self.book = SlotBook(
       slots=slots,
