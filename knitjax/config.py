@@ -27,7 +27,7 @@ from knitjax.config_sections import (
 from knitjax.models.dtypes import AUTO_DTYPE
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
-from knitjax.rollout.continuous import ADOPTION
+from knitjax.rollout.contract import ADOPTION
 from knitjax.rollout.scheduling import LAG_UNITS
 
 # Choices the runtime implements; runtime sits above config, so config owns their names.
@@ -326,12 +326,6 @@ def _resolve_engine(sections: dict, vision: VisionConfig | None) -> RolloutConfi
 
   rollout, runtime, task = sections["rollout"], sections["runtime"], sections["task"]
   engine = rollout.engine
-  if rollout.calls_in_flight > 1 and runtime.adoption != "mid_generation":
-    raise ValueError(
-      f"config.rollout.calls_in_flight={rollout.calls_in_flight} needs config.runtime.adoption="
-      f"'mid_generation' (got {runtime.adoption!r}): a group's slot and version are known only "
-      "when the call that starts it is collected."
-    )
   if engine == "auto" and task.name in ENVIRONMENTS:
     engine = "multiturn"
   elif engine == "auto":

@@ -327,46 +327,28 @@ class Attention(nnx.Module):
     Returns:
       The attention output [B, T, D] and the (updated) keys and values.
     """
-    q, k, v = self.qkv(x_btd, sin_cos)
-    if kv_cache is not None:
-      if segment_ids_bt is not None:
-        raise ValueError("segment_ids_bt applies to a full sequence, not to a KV cache.")
-      out, kv = self.attend_cached(q, k, v, kv_cache, cache_index, valid_bs)
-      return self.project_out(out), kv
-    out = attention_lib.attend(
-      q, k, v, kv_valid_bs=valid_bs, q_offset=0, q_segment_bt=segment_ids_bt,
-      kv_segment_bs=segment_ids_bt, impl=self.attention,
-    )  # fmt: skip
-    return self.project_out(out), (k, v)
-
-  def qkv(self, x_btd: jax.Array, sin_cos: tuple[jax.Array, jax.Array]):
-    """Queries [B, T, N, H] and keys and values [B, T, K, H] of the new positions, RoPE applied.
-    Row-wise: a token's result does not depend on the other tokens of the batch."""
     q = self._project(x_btd, self.q_kernel, self.q_bias, self.q_lora)
     k = self._project(x_btd, self.k_kernel, self.k_bias, self.k_lora)
     v = self._project(x_btd, self.v_kernel, self.v_bias, self.v_lora)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    return apply_rope(q, *sin_cos), apply_rope(k, *sin_cos), v
-
-  def attend_cached(self, q, k, v, kv_cache, cache_index, valid_bs):
-    """Writes the new keys and values at ``cache_index`` of ``kv_cache`` and attends the new
-    queries to every earlier-or-equal valid slot; returns the attention output [B, T, N, H]
-    (before the output projection) and the updated (k, v)."""
-    start = (0, cache_index, 0, 0)
-    k = jax.lax.dynamic_update_slice(kv_cache[0], k.astype(kv_cache[0].dtype), start)
-    v = jax.lax.dynamic_update_slice(kv_cache[1], v.astype(kv_cache[1].dtype), start)
+    q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
+    q_offset = 0
+    if kv_cache is not None:
+      if segment_ids_bt is not None:
+        raise ValueError("segment_ids_bt applies to a full sequence, not to a KV cache.")
+      start = (0, cache_index, 0, 0)
+      k = jax.lax.dynamic_update_slice(kv_cache[0], k.astype(kv_cache[0].dtype), start)
+      v = jax.lax.dynamic_update_slice(kv_cache[1], v.astype(kv_cache[1].dtype), start)
+      q_offset = cache_index
     out = attention_lib.attend(
-      q, k, v, kv_valid_bs=valid_bs, q_offset=cache_index, impl=self.attention
-    )
-    return out, (k, v)
-
-  def project_out(self, out_btnh: jax.Array) -> jax.Array:
-    """The output projection [B, T, D] of an attention output (row-wise)."""
-    proj = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_kernel[...].astype(self.dtype))
+      q, k, v, kv_valid_bs=valid_bs, q_offset=q_offset, q_segment_bt=segment_ids_bt,
+      kv_segment_bs=segment_ids_bt, impl=self.attention,
+    )  # fmt: skip
+    proj = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(self.dtype))
     if self.o_lora is not None:
-      proj = proj + self.o_lora(out_btnh)
-    return proj
+      proj = proj + self.o_lora(out)
+    return proj, (k, v)
 
 
 class MLP(nnx.Module):

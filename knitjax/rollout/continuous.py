@@ -6,8 +6,8 @@ sequences at different positions decode together and finish out of order, as in 
 engines. A new prompt is prefilled in chunks by a prefill lane, interleaved with the decode
 iterations of the live slots, and once for all the samples that share it (a group's ``G``
 samples): the jitted loop is `knitjax.rollout.continuous_step`. This module keeps the host side:
-the policy versions, the calls (launched and collected; with ``calls_in_flight=2`` the next one
-is launched behind the running one) and the finished samples (read back from a call's outbox).
+the policy versions, the calls (launched, then collected) and the finished samples (read back
+from a call's outbox).
 Which sample holds which slot, which lane prefills which prompt and the prompts waiting in the
 device-side queue (``queue_prompts``: started inside a call as slots free up, without a return
 to the host) are the engine's `knitjax.rollout.slot_book.SlotBook`.
@@ -33,12 +33,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from knitjax import sharding
 from knitjax.rollout.continuous_step import make_engine_call
+from knitjax.rollout.contract import ADOPTION
 from knitjax.rollout.engine_requests import Finished, Request
 from knitjax.rollout.engine_state import ended_rows, init_state
 from knitjax.rollout.sampler import SamplingConfig, eos_tuple
 from knitjax.rollout.slot_book import SlotBook
 
-ADOPTION = ("new_groups", "mid_generation")
 TIMELINE_ROWS = 200_000  # calls the timeline keeps (the newest): bounded memory in long runs
 
 
@@ -58,16 +58,14 @@ class ContinuousEngine:
     prompt_len: int,
     eos_id: int | Sequence[int],
     pad_id: int,
-    prefill_lanes: int = 1,
-    prefill_chunk: int = 0,
+    refill_groups: int,
+    prefill_chunk: int,
+    decode_steps: int,
+    adoption: str,
+    param_slots: int,
+    queue_prompts: int,
     share_prefix: bool = True,
-    decode_steps: int = 8,
-    adoption: str = "mid_generation",
-    param_slots: int = 2,
     split_versions: bool = True,
-    queue_prompts: int = 0,
-    fuse_prefill: bool = False,
-    calls_in_flight: int = 1,
   ):
     """Builds an idle engine; call `load` before the first `step`.
 
@@ -78,61 +76,46 @@ class ContinuousEngine:
       slots: concurrent samples (a multiple of the mesh's batch shards).
       prompt_len: prompt width (prompts are left-padded to it, rounded up to whole chunks).
       eos_id: end token, or several (a sample ends at the first of any); pad_id: padding.
-      prefill_lanes: prompts each shard prefills at once (a group split over ``k`` shards takes
-        one lane on each).
+      refill_groups: prompts each shard prefills at once, each in its own prefill lane (a group
+        split over ``k`` shards takes one lane on each).
       prefill_chunk: prompt tokens a lane prefills per iteration (0: the whole prompt at once).
-      share_prefix: requests with identical prompts started in one call share one prefill (a
-        group's ``G`` samples); False prefills each request on its own lane.
       decode_steps: iterations per call at most (bounds how late a new version or a new group is
         taken up).
       adoption: ``"mid_generation"`` (partial rollout) or ``"new_groups"``.
       param_slots: versions held at once with ``"new_groups"`` (1 with mid-generation).
-      split_versions: decode each version's live rows in their own bucket (default); False runs
-        one pass over every slot per version with live rows (the engine benchmark's baseline).
       queue_prompts: prompts each shard may hold in the device-side queue: requests beyond the
         free room wait there and start inside the call as slots and lanes free up, without a
-        return to the host (0: off; every start waits for the host's next call).
-      fuse_prefill: run an iteration's prefill chunks inside its decode pass, one forward over the
-        live slots' tokens and the lanes' chunks, so live samples never wait for a group's prefill
-        (with one param slot, i.e. mid-generation adoption; else the passes stay apart).
-      calls_in_flight: engine calls that may be launched and not yet collected (1 or 2). With 2
-        the host launches the next call before it collects the running one, so the device never
-        waits for the host between calls: the next call decodes on from the running call's
-        state. Every prompt then starts from the device queue (the device picks the slots and
-        the lane as they free up, which the host learns only at collect): the next call's queue
-        holds the waiting prompts the running call's queue does not, and a prompt the running
-        call did not start goes to the call after. Needs ``queue_prompts >= 1`` and
-        mid-generation adoption.
+        return to the host (0: none; every start waits for the host's next call).
+      share_prefix: requests with identical prompts started in one call share one prefill (a
+        group's ``G`` samples); False (the engine benchmark's baseline) prefills each request on
+        its own lane.
+      split_versions: decode each version's live rows in their own bucket; False (the engine
+        benchmark's baseline) runs one pass over every slot per version with live rows.
+
+    The settings without defaults are the config's (`knitjax.config_sections.RolloutConfig`,
+    `runtime.adoption`, `runtime.param_slots`): the run's builder passes them, so the config
+    holds the one set of defaults.
     """
     shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
     if adoption not in ADOPTION:
       raise ValueError(f"adoption={adoption!r} is not accepted; choose one of {ADOPTION}.")
     if slots < 1 or slots % shards:
       raise ValueError(f"slots={slots} must be a positive multiple of the {shards} batch shards.")
-    if prefill_lanes < 1:
-      raise ValueError(f"prefill_lanes={prefill_lanes} must be >= 1.")
+    if refill_groups < 1:
+      raise ValueError(f"refill_groups={refill_groups} must be >= 1.")
     if prefill_chunk < 0:
       raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: the whole prompt).")
     if decode_steps < 1:
       raise ValueError(f"decode_steps={decode_steps} must be >= 1.")
     if queue_prompts < 0:
       raise ValueError(f"queue_prompts={queue_prompts} must be >= 0 (0: no device-side queue).")
-    if calls_in_flight not in (1, 2):
-      raise ValueError(f"calls_in_flight={calls_in_flight} is not accepted; choose 1 or 2.")
-    if calls_in_flight == 2 and (queue_prompts < 1 or adoption != "mid_generation"):
-      raise ValueError(
-        f"calls_in_flight=2 needs queue_prompts >= 1 and adoption='mid_generation' (got "
-        f"queue_prompts={queue_prompts}, adoption={adoption!r}): the next call is launched before "
-        "the host knows which slots the running one freed, so its prompts start from the device "
-        "queue."
-      )
     if adoption == "new_groups" and param_slots < 2:
       raise ValueError(f"param_slots={param_slots} must be >= 2 with adoption='new_groups'.")
     self.graphdef, self.mesh, self.sampling = graphdef, mesh, sampling
     self.slots = slots
     self.chunk = min(prefill_chunk or prompt_len, prompt_len)
     self.width = -(-prompt_len // self.chunk) * self.chunk  # prompt width in whole chunks
-    self.lanes_per_shard = prefill_lanes
+    self.lanes_per_shard = refill_groups
     self.decode_steps, self.adoption = decode_steps, adoption
     self.eos_ids, self.pad_id = eos_tuple(eos_id), pad_id
     self.eos_id = self.eos_ids[0]
@@ -141,30 +124,27 @@ class ContinuousEngine:
     self._params: list[tuple[int, object] | None] = [None] * n_params
     self._newest = 0  # param slot new samples start with
     self._pending: tuple[int, object] | None = None  # a version waiting for a free param slot
-    self.calls_in_flight = calls_in_flight
     self.book = SlotBook(
       slots=slots,
       shards=shards,
-      lanes_per_shard=prefill_lanes,
+      lanes_per_shard=refill_groups,
       prompt_len=prompt_len,
       width=self.width,
       pad_id=pad_id,
       max_new_tokens=sampling.max_new_tokens,
       share_prefix=share_prefix,
       queue_prompts=queue_prompts,
-      calls_in_flight=calls_in_flight,
     )
     self._state = None
     self._lanes = None
-    # The calls in flight, oldest first: (stats, outbox, slots and lanes after it, version,
+    # The call launched and not yet collected: (stats, outbox, slots and lanes after it, version,
     # perf_counter and time.time at launch, samples held before it, prompts the host started,
     # prompts queued on each shard).
-    self._launched: collections.deque[tuple] = collections.deque()
+    self._launched: tuple | None = None
     # Per collected call: (launch, collect begin, collect end) as time.time(), whether the call
     # was still running when collect began (1.0: the device was busy until collect end), loop
     # iterations, decode passes, prefill chunk passes, samples held before the launch, prompts
-    # it started, decode passes that carried prefill chunks (``fuse_prefill``);
-    # `knitjax.sim.calibration.engine_timeline_fit` measures the stall from it.
+    # it started; `knitjax.sim.calibration.engine_timeline_fit` measures the stall from it.
     self.timeline: collections.deque[tuple[float, ...]] = collections.deque(maxlen=TIMELINE_ROWS)
     self._call = make_engine_call(
       graphdef=graphdef,
@@ -174,14 +154,11 @@ class ContinuousEngine:
       pad_id=pad_id,
       chunk=self.chunk,
       split_versions=split_versions,
-      fuse=fuse_prefill,
     )
-    self.fuse_prefill = fuse_prefill and n_params == 1
     self.calls = 0
     self.decode_iterations = 0  # loop iterations (max over shards per call), summed over calls
     self.decode_passes = 0  # iterations that decoded live slots (max over shards)
-    self.chunk_passes = 0  # iterations that ran a prefill chunk apart (max over shards)
-    self.fused_passes = 0  # decode passes that carried prefill chunks (``fuse_prefill``)
+    self.chunk_passes = 0  # iterations that ran a prefill chunk pass (max over shards)
     self.prefills = 0  # prompts prefilled (lanes started)
     self.rows_decoded = 0  # slot rows the decode passes computed, summed over shards and passes
     self.rows_unsplit = 0  # the same with one pass over every slot per live version (old rule)
@@ -246,10 +223,9 @@ class ContinuousEngine:
     )
 
   def step(self, requests: Sequence[Request], *, rng: jax.Array, stop_free: int) -> list[Finished]:
-    """Starts ``requests`` (their prompts in free lanes, their samples in free slots), then runs
-    prefill chunks and decode iterations; returns the samples that finished (`launch` then
-    `collect`). With ``calls_in_flight=2`` the call just launched keeps running: a step returns
-    the samples of the call before it (none at the first), and `collect` those of the last.
+    """Starts ``requests`` (their prompts in free lanes, their samples in free slots, the rest in
+    the device queue), then runs prefill chunks and decode iterations; returns the samples that
+    finished (`launch` then `collect`).
 
     Args:
       requests: new samples; they must fit (`capacity`), else ValueError and nothing starts.
@@ -258,43 +234,26 @@ class ContinuousEngine:
         nothing is live or prefilling).
     """
     self.launch(requests, rng=rng, stop_free=stop_free)
-    if self.calls_in_flight > 1 and self.launched < 2:
-      return []  # the call runs on; the next step (or `collect`) returns its samples
     return self.collect()
 
   @property
   def in_flight(self) -> bool:
     """A launched call has not been collected yet."""
-    return bool(self._launched)
-
-  @property
-  def launched(self) -> int:
-    """Calls launched and not yet collected."""
-    return len(self._launched)
-
-  @property
-  def can_launch(self) -> bool:
-    """Fewer than ``calls_in_flight`` calls are launched and not collected."""
-    return len(self._launched) < self.calls_in_flight
+    return self._launched is not None
 
   def launch(self, requests: Sequence[Request], *, rng: jax.Array, stop_free: int) -> None:
     """`step` without waiting: places ``requests`` and dispatches the call; the device runs it
     while the host goes on (JAX dispatches asynchronously). `collect` returns its finished
     samples. Slots and lanes the call may free count as busy until then (`capacity` is
-    conservative meanwhile); `load` may run in between (the call keeps the params it got). With
-    ``calls_in_flight=2`` a second call may be launched before the first is collected; it runs
-    after it on the device."""
-    if not self.can_launch:
-      raise RuntimeError(
-        f"{len(self._launched)} launched call(s) were not collected (calls_in_flight="
-        f"{self.calls_in_flight}); call collect() first."
-      )
+    conservative meanwhile); `load` may run in between (the call keeps the params it got)."""
+    if self._launched is not None:
+      raise RuntimeError("the launched call was not collected; call collect() first.")
     self._adopt_pending()
     if self.version is None:
       raise RuntimeError("the engine has no weights; call load(params, version) first.")
     held = self.live_samples
     book = self.book
-    plan, per_shard = book.take(requests, [g for *_, q in self._launched for gs in q for g in gs])
+    plan, per_shard = book.take(requests)
     version = self.version
     starting = [t for p in plan for t, _ in p.requests]
     starting += [t for idx in per_shard for i in idx for t in book.waiting[i]]
@@ -322,14 +281,14 @@ class ContinuousEngine:
       )
     queued = [[book.waiting[i] for i in idx] for idx in per_shard]
     started = int(np.sum(starts.new))
-    self._launched.append((stats, out, after, version, t0, t_launch, held, started, queued))
+    self._launched = (stats, out, after, version, t0, t_launch, held, started, queued)
 
   def collect(self) -> list[Finished]:
-    """Waits for the oldest launched call (none: returns []) and returns the samples it
-    finished."""
-    if not self._launched:
+    """Waits for the launched call (none: returns []) and returns the samples it finished."""
+    if self._launched is None:
       return []
-    stats, out, after, version, t0, t_launch, held, started, queued = self._launched.popleft()
+    stats, out, after, version, t0, t_launch, held, started, queued = self._launched
+    self._launched = None
     t_begin, running = time.time(), not stats.iterations.is_ready()
     with jax.set_mesh(self.mesh):
       tag, active, stats, n_out = sharding.to_host((*after, stats, out.count))
@@ -338,18 +297,14 @@ class ContinuousEngine:
     self.decode_iterations += int(np.max(stats.iterations))
     self.decode_passes += int(np.max(stats.decode_passes))
     self.chunk_passes += int(np.max(stats.chunk_passes))
-    self.fused_passes += int(np.max(stats.fused_passes))
     self.rows_decoded += int(np.sum(stats.rows))
     self.rows_unsplit += int(np.sum(stats.rows_unsplit))
-    # A call still in flight starts prompts only from its queue: the book learns of them when it
-    # is collected.
+    # Prompts the call started from its queue: the book learns of them now.
     from_queue = self.book.collected(tag, active, queued, stats.taken)
     self.prefills += from_queue
     started += from_queue
     counts = (np.max(stats.iterations), np.max(stats.decode_passes), np.max(stats.chunk_passes))
-    fused = float(np.max(stats.fused_passes))
     row = (t_launch, t_begin, time.time(), float(running), *map(float, counts), held, started)
-    row += (fused,)
     self.timeline.append(row)
     rows = [k * (len(out.tag) // self.shards) + i for k, n in enumerate(n_out) for i in range(n)]
     return self._harvest(out, rows, tag, version)
@@ -358,8 +313,7 @@ class ContinuousEngine:
     """The samples of outbox ``rows``, after a call that decoded with ``version`` (mid-generation
     adoption: the newest version every sample it decoded has used now); ``tag``: the slots'
     samples after it."""
-    gather = self.calls_in_flight == 1
-    tokens, logprobs, length, ids = ended_rows(out, rows, gather=gather) if rows else ([],) * 4
+    tokens, logprobs, length, ids = ended_rows(out, rows) if rows else ([],) * 4
     if self.adoption == "mid_generation":
       for t in [*tag[tag >= 0], *ids]:
         self.book.samples[int(t)][2] = version

@@ -73,14 +73,11 @@ def _engine_shard(
   pad_id,
   chunk,
   split_versions=True,
-  fuse=False,
 ):
   """One engine call on one batch shard (one scalar psum per iteration, nothing else).
 
   ``split_versions=False`` decodes every slot once per param slot with live rows (the rule
-  before version splitting; kept for the engine benchmark's A/B). ``fuse``: with one param slot,
-  an iteration's prefill chunks ride in the decode pass (`Transformer.mixed_step`; see
-  `fused_body`) instead of running before it.
+  before version splitting; kept for the engine benchmark's A/B).
   """
   axes = sharding.BATCH_AXES
   rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
@@ -303,7 +300,7 @@ def _engine_shard(
     return (it < decode_steps) & going & ~enough
 
   def tally(stats, decoded, *, chunked, counts):
-    """The call's counters after one more iteration (``chunked``: a chunk pass ran apart)."""
+    """The call's counters after one more iteration (``chunked``: a prefill chunk pass ran)."""
     return dataclasses.replace(
       stats,
       iterations=stats.iterations + 1,
@@ -336,51 +333,8 @@ def _engine_shard(
     out, st = emit(out, st, ended)
     return it + 1, st, ln, head, out, tally(stats, any_live, chunked=any_lane, counts=counts)
 
-  def fused_body(carry):
-    """One iteration with the prefill chunks in the decode pass: where lanes prefill and slots
-    are live, a single forward over the live slots' tokens and the lanes' chunks
-    (`Transformer.mixed_step`), so the live samples advance in every iteration a group prefills
-    (no stall); otherwise the lane pass or the decode pass alone. A lane's slots go live after
-    the pass and decode from the next iteration on. Each pass sits in a `lax.cond` over only
-    the state it changes where it can: one cond over slots and lanes in every iteration cost the
-    engine bench 20-28% of its tokens/s on the CPU (most likely a copy of the slot caches)."""
-    it, st, ln, head, out, stats = carry
-    st, ln, head = admit(st, ln, head)
-    any_lane, any_live = jnp.any(ln.active), jnp.any(st.live)
-    model = models[0]
-    n_rows = jnp.asarray(n_local, jnp.int32)
-
-    def mixed(args):
-      st, ln = args
-      slots = (st.last_token[:, None], st.position[:, None], jnp.ones((n_local, 1), jnp.bool_))
-      (ld, cd), (ll, cl) = model.mixed_step([(*slots, st.cache), (*chunk_inputs(ln), ln.cache)])
-      ln = dataclasses.replace(ln, cache=cl, chunk=ln.chunk + ln.active)
-      st, ended, counts = advance(it, st, ld, cd, jnp.stack([n_rows, n_rows]))
-      return st, ln, ll, ended, counts
-
-    zeros_l = varying(jnp.zeros((n_lanes, model.config.vocab_size), jnp.float32))
-    no_end = varying(jnp.zeros(n_local, jnp.bool_))
-    no_rows = varying(jnp.zeros(2, jnp.int32))
-    ln, logits_l = jax.lax.cond(any_lane & ~any_live, lane_pass, lambda ln: (ln, zeros_l), ln)
-    st, ended, counts = jax.lax.cond(
-      any_live & ~any_lane, lambda s: decode(it, s), lambda s: (s, no_end, no_rows), st
-    )
-    st, ln, logits_l, ended, counts = jax.lax.cond(
-      any_lane & any_live,
-      mixed,
-      lambda a: (a[0], a[1], logits_l, ended, counts),
-      (st, ln),
-    )
-    out, st = emit(out, st, ended)
-    done_l = ln.active & (ln.chunk >= n_chunks)
-    out, st = go_live(it, st, ln, logits_l, done_l, out)
-    ln = dataclasses.replace(ln, active=ln.active & ~done_l)
-    stats = tally(stats, any_live, chunked=any_lane & ~any_live, counts=counts)
-    stats = dataclasses.replace(stats, fused_passes=stats.fused_passes + (any_lane & any_live))
-    return it + 1, st, ln, head, out, stats
-
   zero = varying(jnp.zeros((), jnp.int32))
-  stats0 = CallStats(zero, zero, zero, zero, zero, zero, zero)
+  stats0 = CallStats(zero, zero, zero, zero, zero, zero)
   out0 = Outbox(
     tokens=varying(jnp.full((n_out, n_new), pad_id, jnp.int32)),
     logprobs=varying(jnp.zeros((n_out, n_new), jnp.float32)),
@@ -390,7 +344,7 @@ def _engine_shard(
   )
   _, state, lanes, head, out, stats = jax.lax.while_loop(
     cond,
-    fused_body if fuse and len(models) == 1 else body,
+    body,
     (jnp.zeros((), jnp.int32), state, lanes, zero, out0, stats0),
   )
   stats = dataclasses.replace(stats, taken=head)
@@ -400,9 +354,7 @@ def _engine_shard(
   return state, lanes, out, jax.tree.map(lambda x: x[None], stats), after
 
 
-def make_engine_call(
-  *, graphdef, mesh, sampling, eos_ids, pad_id, chunk, split_versions=True, fuse=False
-):
+def make_engine_call(*, graphdef, mesh, sampling, eos_ids, pad_id, chunk, split_versions=True):
   """The jitted engine call with its static settings bound once (hashing a `GraphDef` as a
   static argument on every call costs about a millisecond on the host)."""
   fn = functools.partial(
@@ -414,7 +366,6 @@ def make_engine_call(
     pad_id=pad_id,
     chunk=chunk,
     split_versions=split_versions,
-    fuse=fuse,
   )
   return jax.jit(fn, donate_argnums=(1, 2))
 
@@ -436,7 +387,6 @@ def engine_call(
   pad_id,
   chunk,
   split_versions=True,
-  fuse=False,
 ):
   batch, rep = PartitionSpec(sharding.BATCH_AXES), PartitionSpec()
   fn = functools.partial(
@@ -447,7 +397,6 @@ def engine_call(
     pad_id=pad_id,
     chunk=chunk,
     split_versions=split_versions,
-    fuse=fuse,
   )
   starts_spec = Starts(
     prompt=batch, plen=batch, new=batch, pslot=rep, wait=batch, budget=batch, tag=batch

@@ -30,6 +30,11 @@ from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.storage import StorageUnit
 
+# How a rollout takes up a newly adopted version: "new_groups" (a group keeps the version it
+# started with; samples decode with their own version) or "mid_generation" (partial rollout: live
+# samples switch at once; their gen version stays the oldest they used, the newest is recorded).
+ADOPTION = ("new_groups", "mid_generation")
+
 
 @dataclasses.dataclass
 class RolloutStats:

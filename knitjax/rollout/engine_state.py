@@ -89,8 +89,8 @@ class Outbox:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CallStats:
-  """Per shard: loop iterations, decode passes, prefill chunk passes run apart from a decode pass,
-  slot rows decoded, queued prompts started, decode passes that carried prefill chunks."""
+  """Per shard: loop iterations, decode passes, prefill chunk passes, slot rows decoded, queued
+  prompts started."""
 
   iterations: jax.Array
   decode_passes: jax.Array
@@ -98,7 +98,6 @@ class CallStats:
   rows: jax.Array  # slot rows the decode passes computed (live or not), summed over passes
   rows_unsplit: jax.Array  # what one pass over every slot per live version would have computed
   taken: jax.Array  # queued prompts the shard started
-  fused_passes: jax.Array  # decode passes that also prefilled lane chunks (``fuse``)
 
 
 def fresh_cache(model, rows: int, max_len: int):
@@ -110,20 +109,12 @@ def _take_rows(out, rows):
   return out.tokens[rows], out.logprobs[rows], out.length[rows], out.tag[rows]
 
 
-def ended_rows(
-  out, rows: list[int], *, gather: bool = True
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def ended_rows(out, rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """Tokens, log-probs, lengths and sample ids of the outbox ``rows``, as NumPy in that order.
 
   The rows are gathered on device first, so the host reads only them rather than the whole
   outbox; the row count is padded to a power of two (repeating a row) to bound recompiles.
-  ``gather=False`` reads the whole outbox instead, with no computation on the device: one would
-  run after every call launched before it (a device runs them in order), so with two calls in
-  flight it would wait for the next call to end.
   """
-  if not gather:
-    got = sharding.to_host((out.tokens, out.logprobs, out.length, out.tag))
-    return tuple(x[np.asarray(rows, np.int64)] for x in got)
   size = 1 << (len(rows) - 1).bit_length()
   idx = np.asarray(rows + rows[:1] * (size - len(rows)), np.int32)
   got = sharding.to_host(_take_rows(out, idx))

@@ -31,8 +31,7 @@ import time
 import jax
 import numpy as np
 
-from knitjax.rollout.continuous import ADOPTION
-from knitjax.rollout.contract import RolloutStats
+from knitjax.rollout.contract import ADOPTION, RolloutStats
 from knitjax.rollout.sampler import Sampler
 from knitjax.tasks.environment import Environment, EnvironmentSpec
 from knitjax.tasks.prompts import Prompt

@@ -5,13 +5,12 @@ which prompt on which shard, and the prompts waiting in the device-side queue; a
 placement and queue look like as device inputs (`Starts`, `Queue`). The book holds what the last
 collected call reported plus what the host placed since: a running call can only free slots and
 lanes (or fill them from its own queue, which the host learns at collect), so the book is
-conservative while calls run. With two calls in flight nothing is placed directly: every prompt
-starts from a call's queue, and a prompt is in one call's queue at a time.
+conservative while a call runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,9 +27,9 @@ class SlotBook:
     lanes_per_shard: prefill lanes of each shard.
     prompt_len: the widest prompt; width: prompt width on the device (whole chunks).
     pad_id: padding; max_new_tokens: the widest token budget.
-    share_prefix: samples with one prompt share one prefill (one lane).
+    share_prefix: samples with one prompt share one prefill (one lane); False only for the
+      engine benchmark's baseline.
     queue_prompts: prompts each shard's device queue holds per call.
-    calls_in_flight: 1, or 2 (every prompt then starts from a queue).
   """
 
   def __init__(
@@ -45,13 +44,12 @@ class SlotBook:
     max_new_tokens: int,
     share_prefix: bool,
     queue_prompts: int,
-    calls_in_flight: int,
   ):
     self.slots, self.shards, self.lanes_per_shard = slots, shards, lanes_per_shard
     self.per_shard = slots // shards
     self.prompt_len, self.width, self.pad_id = prompt_len, width, pad_id
     self.max_new_tokens, self.share_prefix = max_new_tokens, share_prefix
-    self.queue_prompts, self.calls_in_flight = queue_prompts, calls_in_flight
+    self.queue_prompts = queue_prompts
     # Every sample the engine was given and has not returned, by the engine's own id (the tag the
     # device sees): [request, gen version, newest version, param slot] (versions and param slot
     # set when the call that may start it is launched).
@@ -92,9 +90,7 @@ class SlotBook:
 
   def _fit(self, sizes: Sequence[int]) -> tuple[int, list, list[list[int]], list[list[int]]]:
     """How many of the prompts of ``sizes`` (oldest first) start now, their placement, and the
-    free slots and lanes left after them (with two calls in flight none: all go to the queue)."""
-    if self.calls_in_flight > 1:
-      return 0, [], *self._free()
+    free slots and lanes left after them."""
     shares, slots, lanes = fit(*self._free(), sizes)
     return len(shares), shares, slots, lanes
 
@@ -103,11 +99,10 @@ class SlotBook:
 
   def _queue_room(self, left: Sequence[int]) -> int:
     """Prompts the device queue can still take once prompts of ``left`` sizes wait in it
-    (negative: they do not all fit). With two calls in flight the prompts wait in the running
-    call's queue or the next one's."""
+    (negative: they do not all fit)."""
     if not all(map(self._queueable, left)):
       return -1
-    return self.calls_in_flight * self.shards * self.queue_prompts - len(left)
+    return self.shards * self.queue_prompts - len(left)
 
   def capacity(self, group_size: int, queued: Sequence[int] = ()) -> int:
     """How many more prompts of ``group_size`` samples fit now (started at once or queued on the
@@ -122,19 +117,16 @@ class SlotBook:
     if room < 0:
       return 0
     n = 0
-    while self.calls_in_flight == 1 and not left and place(slots, lanes, per_prompt) is not None:
+    while not left and place(slots, lanes, per_prompt) is not None:
       n += 1
     if all(self._queueable(z) for z in per_prompt):
       n += room // len(per_prompt)
     return n
 
-  def take(
-    self, requests: Sequence[Request], held: Iterable[list[int]] = ()
-  ) -> tuple[list[Placement], list[list[int]]]:
+  def take(self, requests: Sequence[Request]) -> tuple[list[Placement], list[list[int]]]:
     """Adds ``requests`` to the waiting prompts; returns where the prompts that fit now start and,
     per shard, the indices of the waiting prompts this call queues on the device (all or nothing:
-    ValueError). ``held``: prompts in the queues of calls in flight (two calls in flight: this
-    call queues the others)."""
+    ValueError)."""
     groups = group_requests(
       requests,
       prompt_len=self.prompt_len,
@@ -149,8 +141,7 @@ class SlotBook:
         f"{len(requests)} requests ({len(groups)} prompts) do not fit: free slots="
         f"{self.free_slots}, free prefill lanes={self.lane_busy.count(False)}, {len(left)} "
         f"prompts would wait but the device queue holds "
-        f"{self.calls_in_flight * self.shards * self.queue_prompts}"
-        f" (prompts of at most {self.per_shard} samples)."
+        f"{self.shards * self.queue_prompts} (prompts of at most {self.per_shard} samples)."
       )
     for g in groups:
       tags = list(range(self._next_tag, self._next_tag + len(g)))
@@ -167,13 +158,7 @@ class SlotBook:
         plan.append(Placement(shard * self.lanes_per_shard + lane, taken, tagged))
         tags = tags[n:]
     del self.waiting[:n_fit]
-    if self.calls_in_flight == 1:
-      return plan, assign(len(self.waiting), [len(s) for s in slots])
-    # The waiting prompts no call in flight holds in its queue, as many as one queue takes.
-    ids = {id(g) for g in held}
-    free = [i for i, g in enumerate(self.waiting) if id(g) not in ids]
-    free = free[: self.shards * self.queue_prompts]
-    return plan, [[free[j] for j in idx] for idx in assign(len(free), [0] * self.shards)]
+    return plan, assign(len(self.waiting), [len(s) for s in slots])
 
   def starts(self, plan: list[Placement], pslot: int) -> Starts:
     """The call's direct starts (device input); marks their lanes busy and slots taken."""

@@ -7,7 +7,7 @@ as slots free up), and when the last sample of a group finishes scores the group
 The gen version of a group is the oldest version any of its samples used (partial rollout
 records the newest too).
 
-Host work overlaps decoding (``overlap_host``, the default): a `step` collects the engine call
+Host work overlaps decoding: a `step` collects the engine call
 the previous step launched, launches the next one at once with the queued groups that fit, and
 only then scores, assembles and stores the groups the collected call finished, while the device
 runs the new call; the caller's own work on the returned groups (admission, weight adoption,
@@ -17,12 +17,6 @@ that call has ended and the next is placed (the host may come late for it, after
 Groups the caller starts while a call runs wait in a queue (up to one per prefill lane beyond the
 room known then) and go into the slots that call frees, at the next launch; their gen version is
 the version they start decoding with.
-
-With ``calls_in_flight=2`` on the engine, a `step` launches the next call first, behind the one
-running, and then collects the running one: the device goes from one call to the next without
-waiting for the host, which works on the finished groups while the next call runs. New groups
-then start from the device queue (the next call's queue holds those the running call's does
-not).
 """
 
 from __future__ import annotations
@@ -52,8 +46,6 @@ class StreamingRollout:
     tokenizer: the task's tokenizer (rewards decode with it).
     group_size: ``G``.
     budgets: max new tokens per class (classes not named: the engine's ``max_new_tokens``).
-    overlap_host: launch the next engine call before the host works on the finished groups
-      (module docstring); False: each step runs one call to its end, then the host work.
   """
 
   def __init__(
@@ -65,16 +57,10 @@ class StreamingRollout:
     tokenizer,
     group_size: int,
     budgets: Mapping[str, int] | None = None,
-    overlap_host: bool = True,
   ):
     self.engine, self._unit = engine, storage
     self._reward_fn, self._tokenizer = reward_fn, tokenizer
     self._g, self._budgets = group_size, dict(budgets or {})
-    if engine.calls_in_flight > 1 and not overlap_host:
-      raise ValueError(
-        f"calls_in_flight={engine.calls_in_flight} on the engine needs overlap_host=True."
-      )
-    self._overlap = overlap_host
     self._requests: list[Request] = []  # started, not yet handed to the engine (whole groups)
     self._groups: dict[int, tuple[Prompt, list[Finished | None]]] = {}
     self._tokens = 0
@@ -122,19 +108,12 @@ class StreamingRollout:
     return taken
 
   def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
-    ahead = self.engine.calls_in_flight > 1  # launch behind the running call, then collect it
-    finished = self.engine.collect() if self._overlap and not ahead else []
+    finished = self.engine.collect()
     requests = self._take_fitting()
-    launched = False
     if requests or self.engine.live_samples or self.engine.queued_samples:
       # Stop early once a group could start: the caller wants room, or a group is queued.
       room = want_room or bool(self._requests)
       self.engine.launch(requests, rng=rng, stop_free=self._g if room else 0)
-      launched = True
-      if not self._overlap:
-        finished = self.engine.collect()
-    if ahead and self.engine.launched > launched:
-      finished = self.engine.collect()
     done = []
     for f in finished:
       gid, k = f.tag
@@ -143,8 +122,6 @@ class StreamingRollout:
       self._tokens += len(f.tokens)
       if all(s is not None for s in samples):
         done.append(self._complete(gid))
-    if ahead and not self._groups and self.engine.in_flight:
-      self.engine.collect()  # the call behind holds no sample: leave none running
     return done
 
   def _complete(self, gid: int) -> GroupMeta:

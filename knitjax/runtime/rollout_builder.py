@@ -145,15 +145,12 @@ def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> Conti
     prompt_len=prompts.prompt_len,
     eos_id=prompts.tokenizer.eos_ids,
     pad_id=prompts.tokenizer.pad_id,
-    prefill_lanes=r.refill_groups,
+    refill_groups=r.refill_groups,
     prefill_chunk=r.prefill_chunk,
-    share_prefix=r.share_prefix,
     decode_steps=r.decode_steps,
     adoption=rt.adoption,
     param_slots=rt.param_slots,
     queue_prompts=r.queue_prompts,
-    fuse_prefill=r.fuse_prefill,
-    calls_in_flight=r.calls_in_flight,
   )
 
 
@@ -178,7 +175,6 @@ def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: 
       tokenizer=prompts.tokenizer,
       group_size=r.group_size,
       budgets=r.class_max_new_tokens,
-      overlap_host=r.overlap_host,
     )
   worker = build_worker(config, graphdef, mesh, prompts)
   return BatchedRollout(worker, unit, max_groups=_groups_per_call(config))

@@ -5,8 +5,8 @@ window (after the warmup steps):
 
 * Rollout engine calls, from the engine's own call timeline (``engine_calls`` in timings.json,
   `engine_timeline_fit`): ``b``, the device seconds per decode pass, is fitted on the calls the host
-  found still running when it came to collect them (their device time is seen, also when host work
-  overlaps the calls, ``rollout.overlap_host``); the rest of the rollout's busy time (loop seconds
+  found still running when it came to collect them (their device time is seen, also while host
+  work overlaps the calls); the rest of the rollout's busy time (loop seconds
   of `calls`, idle waits excluded) is charged to group starts, ``c_g = (busy - b * decode passes) /
   groups started``, so the simulated rollout does the measured work; ``group_start_stall_fraction``
   is the engine's stall measured on the timeline (host gaps while samples were held, per-call costs,
@@ -107,18 +107,18 @@ def engine_call_fit(calls: np.ndarray) -> dict:
   }
 
 
-TIMELINE_COLUMNS = 10  # `ContinuousEngine.timeline` rows; runs recorded before fusion have 9
+TIMELINE_COLUMNS = 9  # `ContinuousEngine.timeline` rows
 
 
 def timeline_rows(timeline) -> np.ndarray:
-  """An engine call timeline as a [calls, 10] float array (the last column, decode passes that
-  carried prefill chunks, is 0 in timelines recorded before the engine could fuse them)."""
+  """An engine call timeline as a [calls, 9] float array."""
   rows = np.asarray(timeline if len(timeline) else np.zeros((0, TIMELINE_COLUMNS)), np.float64)
   rows = rows.reshape(len(rows), -1)
-  if rows.shape[1] == TIMELINE_COLUMNS - 1:
-    rows = np.concatenate([rows, np.zeros((len(rows), 1))], 1)
   if rows.shape[1] != TIMELINE_COLUMNS:
-    raise ValueError(f"an engine call timeline has 9 or 10 columns, not {rows.shape[1]}.")
+    raise ValueError(
+      f"an engine call timeline has {TIMELINE_COLUMNS} columns, not {rows.shape[1]} (a 10th "
+      "column came from engines with fused prefill, which knitjax no longer has)."
+    )
   return rows
 
 
@@ -139,26 +139,23 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
   trainer a call's wall time is mostly contention), ``b`` is the seen calls' device seconds per
   decode pass instead, an upper bound (``decode_split="ratio"``).
   """
-  launch, begin, end, running, _, dpass, chunks, held, _, fused = timeline_rows(rows).T
+  launch, begin, end, running, _, dpass, chunks, held, _ = timeline_rows(rows).T
   known = running > 0
   if known.sum() < 3:
     return None
-  # A call launched behind the running one (``rollout.calls_in_flight=2``) starts on the device
-  # when that one ends, which its collect end bounds; one after the other, at its launch.
+  # A call starts on the device at its launch or when the call ahead of it ends, whichever is
+  # later (the call ahead's collect end bounds that).
   after = np.maximum(launch, np.concatenate([[-np.inf], end[:-1]]))
-  # A fused pass (decode with prefill chunks riding along) advances its live samples: its extra
-  # seconds ``f`` are decode time, not stall, reported apart as ``fused_overhead_fraction``.
-  x = np.stack([np.ones_like(launch), dpass, chunks, fused], 1)
+  x = np.stack([np.ones_like(launch), dpass, chunks], 1)
   coef, *_ = np.linalg.lstsq(x[known], (end - after)[known], rcond=None)
   b, split = float(coef[1]), "fit"
   if b <= 0:  # call time does not grow with passes (contention): device seconds per pass instead
     b, split = float((end - after)[known].sum() / max(dpass[known].sum(), 1.0)), "ratio"
-    coef = np.array([0.0, b, 0.0, 0.0])
-  f = max(float(coef[3]), 0.0) if fused.any() else 0.0
-  estimate = x @ np.array([coef[0], b, coef[2], f])
+    coef = np.array([0.0, b, 0.0])
+  estimate = x @ np.array([coef[0], b, coef[2]])
   device, gaps, start = _device_spans(launch, begin, end, known, estimate)
   gaps = gaps[1:] * (held[1:] > 0)
-  beyond = np.maximum(device - b * dpass - f * fused, 0.0)
+  beyond = np.maximum(device - b * dpass, 0.0)
   stall = float(gaps.sum() + beyond.sum())
   busy = float(device.sum() + gaps.sum())
   # A sample ends, on average, half-way through its call's device time and is handed back when
@@ -173,8 +170,6 @@ def engine_timeline_fit(rows: np.ndarray, *, groups_started: int) -> dict | None
     "calls_running_at_collect": float(known.mean()),
     "decode_split": split,
     "report_delay_s": report,
-    "fused_pass_s": f,  # a fused pass's seconds beyond a plain decode pass
-    "fused_overhead_fraction": float(f * fused.sum() / max(busy, 1e-12)),
   }
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import math
 
 from knitjax.config import MODES, WEIGHT_SYNC
-from knitjax.rollout.continuous import ADOPTION
+from knitjax.rollout.contract import ADOPTION
 from knitjax.rollout.scheduling import LAG_UNITS, SCHEDULING
 from knitjax.transfer.admission import POLICIES
 from knitjax.transfer.quota import QuotaSpec

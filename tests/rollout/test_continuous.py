@@ -31,20 +31,33 @@ def model():
   return graphdef, params, params2, mesh
 
 
-def _engine(model, adoption="mid_generation", **kw):
+# The engine's settings these tests start from (a run takes them from the config): whole-prompt
+# prefill, no device-side queue, unless a test says otherwise.
+SETTINGS = dict(
+  refill_groups=1,
+  prefill_chunk=0,
+  decode_steps=8,
+  adoption="mid_generation",
+  param_slots=2,
+  queue_prompts=0,
+)
+
+
+def _new_engine(model, temperature=1.0, **kw):
   graphdef, _, _, mesh = model
-  args = dict(slots=8, prefill_lanes=1, decode_steps=3)
-  args.update(kw)
   return ContinuousEngine(
     graphdef,
     mesh=mesh,
-    sampling=SamplingConfig(max_new_tokens=N),
+    sampling=SamplingConfig(max_new_tokens=N, temperature=temperature),
     prompt_len=P,
     eos_id=EOS,
     pad_id=PAD,
-    adoption=adoption,
-    **args,
+    **{**SETTINGS, "slots": 8, **kw},
   )
+
+
+def _engine(model, **kw):
+  return _new_engine(model, **{"decode_steps": 3, **kw})
 
 
 def _requests(start, n, rng, budget=None):
@@ -107,7 +120,7 @@ def test_logprobs_match_the_trainer_and_budgets_hold(model):
 
 def test_slots_are_refilled_while_long_samples_run(model):
   _, params, _, _ = model
-  engine = _engine(model, slots=8, prefill_lanes=1, decode_steps=2)
+  engine = _engine(model, slots=8, refill_groups=1, decode_steps=2)
   engine.load(params, 0)
   rng = np.random.default_rng(1)
   # Four long samples, then a stream of one-token samples that must overtake them.
@@ -227,17 +240,8 @@ def test_chunked_and_whole_prefill_give_the_same_greedy_samples(model):
   prompts = [r.tokens for r in _requests(0, 4, rng)]
   out = {}
   for chunk, share in ((0, False), (0, True), (2, True), (1, True)):
-    engine = ContinuousEngine(
-      graphdef,
-      mesh=mesh,
-      sampling=SamplingConfig(max_new_tokens=N, temperature=0.0),
-      slots=16,
-      prompt_len=P,
-      eos_id=EOS,
-      pad_id=PAD,
-      prefill_lanes=4,
-      prefill_chunk=chunk,
-      share_prefix=share,
+    engine = _new_engine(
+      model, temperature=0.0, slots=16, refill_groups=4, prefill_chunk=chunk, share_prefix=share
     )
     engine.load(params, 0)
     reqs = [r for g in range(4) for r in _group(10 * g, 4, prompts[g], N)]
@@ -314,7 +318,7 @@ def test_a_version_transition_decodes_each_versions_rows_once(model):
   second = _requests(100, 2, rng, budget=N)
   reqs = {r.tag: r for r in first + second}
   engine = _engine(
-    model, adoption="new_groups", param_slots=2, slots=16, prefill_lanes=4, decode_steps=2
+    model, adoption="new_groups", param_slots=2, slots=16, refill_groups=4, decode_steps=2
   )
   engine.load(params, 0)
   done = engine.step(first, rng=jax.random.key(0), stop_free=0)
@@ -372,18 +376,7 @@ def test_launch_runs_while_the_host_goes_on_and_collect_keeps_the_launch_version
 
 
 def _greedy_engine(model, **kw):
-  graphdef, _, _, mesh = model
-  args = dict(slots=8, prefill_lanes=1, prefill_chunk=2, decode_steps=64)
-  args.update(kw)
-  return ContinuousEngine(
-    graphdef,
-    mesh=mesh,
-    sampling=SamplingConfig(max_new_tokens=N, temperature=0.0),
-    prompt_len=P,
-    eos_id=EOS,
-    pad_id=PAD,
-    **args,
-  )
+  return _new_engine(model, temperature=0.0, **{"prefill_chunk": 2, "decode_steps": 64, **kw})
 
 
 def _pairs(*, seed: int) -> list:
@@ -405,8 +398,6 @@ def _run_groups(engine, groups, group_size):
     done += engine.step(reqs, rng=jax.random.key(call), stop_free=group_size)
     call += 1
     assert call < 200
-  while engine.in_flight:  # with calls_in_flight=2 a call may still be running
-    done += engine.collect()
   return {f.tag: f for f in done}, call
 
 
@@ -480,95 +471,3 @@ def test_the_call_timeline_keeps_the_newest_rows_only(model, monkeypatch):
   _drain(engine, {r.tag: r for r in reqs}, list(reqs))
   assert engine.calls > 2 and len(engine.timeline) == 2  # bounded memory in long runs
   assert engine.timeline[0][0] < engine.timeline[1][0]  # in launch order
-
-
-@pytest.mark.parametrize("queue", [0, 2])
-def test_fused_prefill_gives_the_same_samples_without_a_pass_that_stalls_live_slots(model, queue):
-  """With ``fuse_prefill`` a lane's chunk rides in the decode pass (`Transformer.mixed_step`):
-  the same greedy samples and log-probs as chunks run before the pass, the log-probs still the
-  trainer's, and no chunk pass while a sample is live (every chunk with live slots is fused)."""
-  graphdef, params, _, _ = model
-  groups = _pairs(seed=11)
-  out, engines = {}, {}
-  for fuse in (False, True):
-    engine = _greedy_engine(model, slots=16, queue_prompts=queue, fuse_prefill=fuse)
-    engine.load(params, 0)
-    out[fuse], _ = _run_groups(engine, groups, 2)
-    engines[fuse] = engine
-    assert engine.prefills == 16 and not engine.book.samples
-  assert sorted(out[True]) == sorted(out[False]) == sorted(r.tag for g in groups for r in g)
-  for tag, f in out[False].items():
-    np.testing.assert_array_equal(out[True][tag].tokens, f.tokens)
-    np.testing.assert_allclose(out[True][tag].logprobs, f.logprobs, atol=1e-5)
-  fused, apart = engines[True], engines[False]
-  assert apart.fused_passes == 0 and fused.fused_passes > 0
-  # The chunk passes left ran where no slot was live (e.g. a call's first groups).
-  assert fused.chunk_passes < apart.chunk_passes
-  reqs = {r.tag: r for g in groups for r in g}
-  got, want = _teacher_forced(graphdef, params, reqs, list(out[True].values()))
-  np.testing.assert_allclose(got, want, atol=1e-4)
-
-
-def test_fused_prefill_stays_apart_with_several_param_slots(model):
-  engine = _greedy_engine(model, fuse_prefill=True, adoption="new_groups", param_slots=2)
-  assert not engine.fuse_prefill
-
-
-@pytest.mark.parametrize("fuse", [False, True])
-def test_two_calls_in_flight_give_the_same_samples_without_host_waits(model, fuse):
-  """With ``calls_in_flight=2`` each call is launched behind the running one and every prompt
-  starts from the device queue: the same greedy samples and log-probs, every sample once, the
-  log-probs still the trainer's, and each call launched before the one ahead was collected."""
-  graphdef, params, _, _ = model
-  groups = _pairs(seed=12)
-  out, engines = {}, {}
-  for n in (1, 2):
-    engine = _greedy_engine(
-      model, slots=16, decode_steps=4, queue_prompts=2, fuse_prefill=fuse, calls_in_flight=n
-    )
-    engine.load(params, 0)
-    out[n], _ = _run_groups(engine, groups, 2)
-    engines[n] = engine
-    assert engine.prefills == 16 and not engine.book.samples and not engine.in_flight
-  assert sorted(out[2]) == sorted(out[1]) == sorted(r.tag for g in groups for r in g)
-  for tag, f in out[1].items():
-    np.testing.assert_array_equal(out[2][tag].tokens, f.tokens)
-    np.testing.assert_allclose(out[2][tag].logprobs, f.logprobs, atol=1e-5)
-  reqs = {r.tag: r for g in groups for r in g}
-  got, want = _teacher_forced(graphdef, params, reqs, list(out[2].values()))
-  np.testing.assert_allclose(got, want, atol=1e-4)
-  rows = np.asarray(engines[2].timeline)
-  assert np.all(rows[1:, 0] < rows[:-1, 2])  # launched before the call ahead was collected
-  assert engines[2].calls <= 2 * engines[1].calls
-
-
-def test_with_two_calls_in_flight_a_prompt_is_in_one_queue_at_a_time(model):
-  """The next call's queue takes the waiting prompts the running call's queue does not hold; one
-  the running call leaves goes to the call after, and starts exactly once."""
-  _, params, _, _ = model
-  with pytest.raises(ValueError, match="queue_prompts >= 1"):
-    _greedy_engine(model, calls_in_flight=2)
-  with pytest.raises(ValueError, match="calls_in_flight=3"):
-    _greedy_engine(model, calls_in_flight=3, queue_prompts=1)
-  # 4 shards x 1 slot, 1 queued prompt per shard per call: 8 prompts wait in two calls' queues.
-  engine = _greedy_engine(model, slots=4, decode_steps=1, queue_prompts=1, calls_in_flight=2)
-  engine.load(params, 0)
-  prompt = np.asarray([1, 3, 4], np.int32)
-  reqs = [Request(tag=k, tokens=prompt + k, max_new_tokens=N) for k in range(12)]
-  assert engine.capacity(1) == 8
-  engine.launch(reqs[:8], rng=jax.random.key(0), stop_free=0)  # queues 4, 4 wait on the host
-  first = [id(g) for gs in engine._launched[0][-1] for g in gs]
-  engine.launch([], rng=jax.random.key(1), stop_free=0)  # behind it: the other 4
-  second = [id(g) for gs in engine._launched[1][-1] for g in gs]
-  assert len(first) == len(second) == 4 and not set(first) & set(second)
-  with pytest.raises(RuntimeError, match="collect"):
-    engine.launch([], rng=jax.random.key(2), stop_free=0)
-  done, call = engine.collect(), 3
-  while engine.live_samples or engine.queued_samples:
-    engine.launch([], rng=jax.random.key(call), stop_free=0)
-    done += engine.collect()
-    call += 1
-    assert call < 100
-  while engine.in_flight:
-    done += engine.collect()
-  assert sorted(f.tag for f in done) == list(range(8)) and engine.prefills == 8

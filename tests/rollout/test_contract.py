@@ -63,7 +63,7 @@ def _batched(parts, max_groups=None):
   return BatchedRollout(worker, _unit(tok, prompt_len), max_groups=max_groups)
 
 
-def _streaming(parts, *, temperature=1.0, overlap_host=True, queue_prompts=0, calls_in_flight=1):
+def _streaming(parts, *, temperature=1.0, queue_prompts=0):
   _, tok, graphdef, _, mesh, prompt_len = parts
   engine = ContinuousEngine(
     graphdef,
@@ -73,12 +73,12 @@ def _streaming(parts, *, temperature=1.0, overlap_host=True, queue_prompts=0, ca
     prompt_len=prompt_len,
     eos_id=tok.eos_id,
     pad_id=tok.pad_id,
-    prefill_lanes=1,
+    refill_groups=1,
+    prefill_chunk=0,
     decode_steps=2,
-    adoption="new_groups" if calls_in_flight == 1 else "mid_generation",
-    param_slots=2 if calls_in_flight == 1 else 1,
+    adoption="new_groups",
+    param_slots=2,
     queue_prompts=queue_prompts,
-    calls_in_flight=calls_in_flight,
   )
   return StreamingRollout(
     engine,
@@ -86,7 +86,6 @@ def _streaming(parts, *, temperature=1.0, overlap_host=True, queue_prompts=0, ca
     reward_fn=get_reward_fn("arith_exact"),
     tokenizer=tok,
     group_size=G,
-    overlap_host=overlap_host,
   )
 
 

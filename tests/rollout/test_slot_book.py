@@ -9,7 +9,7 @@ from knitjax.rollout.slot_book import SlotBook
 
 def _book(**kw):
   args = dict(slots=8, shards=2, lanes_per_shard=1, prompt_len=4, width=4, pad_id=0)
-  args.update(max_new_tokens=4, share_prefix=True, queue_prompts=1, calls_in_flight=1)
+  args.update(max_new_tokens=4, share_prefix=True, queue_prompts=1)
   return SlotBook(**{**args, **kw})
 
 
@@ -37,13 +37,11 @@ def test_prompts_start_in_free_slots_then_wait_in_the_queue():
   assert book.live_samples == 6 and book.queued_samples == 2
 
 
-def test_with_two_calls_in_flight_every_prompt_goes_to_one_queue():
-  book = _book(calls_in_flight=2)
-  assert book.capacity(2) == 4  # two calls' queues of one prompt per shard, nothing direct
-  plan, first = book.take([r for k in range(3) for r in _group(k)])
-  assert plan == [] and sum(map(len, first)) == 2
-  held = [book.waiting[i] for idx in first for i in idx]
-  plan, second = book.take([], held)  # the call behind queues what the first does not hold
-  assert plan == [] and [book.waiting[i] for idx in second for i in idx] == [book.waiting[2]]
-  with pytest.raises(ValueError, match="device queue holds 4"):
-    book.take([r for k in range(3, 5) for r in _group(k)])
+def test_prompts_beyond_the_queue_are_refused_all_or_nothing():
+  book = _book()
+  plan, _ = book.take([r for k in range(4) for r in _group(k)])  # 2 start, 2 queue: it is full
+  book.starts(plan, pslot=0)
+  waiting = list(book.waiting)
+  with pytest.raises(ValueError, match="device queue holds 2"):
+    book.take(_group(4))
+  assert book.waiting == waiting and (4, 0) not in {s[0].tag for s in book.samples.values()}

@@ -74,7 +74,6 @@ def check_run(workdir, config):
 
 def test_quick_run_versions_quotas_and_conservation(tmp_path):
   config = quick_config()
-  config.rollout.queue_prompts = 2  # groups beyond the room wait on the device (queue off: others)
   train(from_config_dict(config), str(tmp_path))
   rows = check_run(str(tmp_path), config)
   summary = rollout_summary.summarize(str(tmp_path), warmup_steps=1)

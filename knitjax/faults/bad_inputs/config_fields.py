@@ -76,7 +76,7 @@ def wrong_type(annotation) -> st.SearchStrategy:
 def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
   from knitjax import config, config_sections
   from knitjax.models import dtypes, vision
-  from knitjax.rollout.continuous import ADOPTION
+  from knitjax.rollout.contract import ADOPTION
   from knitjax.tasks.registry import TASKS
   from knitjax.tasks.rewards import REWARDS
   from knitjax.train.kl import KL_ESTIMATORS
