@@ -22,13 +22,24 @@ def quiet_libraries() -> None:
 
 def one_line(e: Exception) -> str:
   """The informative line of a flag-parsing error (config files raise through a traceback)."""
+  if isinstance(e, AttributeError | KeyError):
+    return _unknown_field(e)
   text = str(e).replace("\\n", "\n").replace("\\'", "'")
   lines = [line.strip() for line in text.splitlines() if line.strip()]
-  if isinstance(e, AttributeError | KeyError):
-    return "unknown config field " + " ".join(lines).strip("'\"")
   if any("Traceback" in line or "Errno" in line for line in lines):
     return lines[-1]
   return " ".join(lines)
+
+
+def _unknown_field(e: AttributeError | KeyError) -> str:
+  """``unknown config field lrr. Did you mean "lr" instead of "lrr"?`` from what ml_collections
+  raises: a KeyError whose message is the quoted field and a hint, maybe inside an AttributeError.
+  """
+  while e.args and isinstance(e.args[0], AttributeError | KeyError):
+    e = e.args[0]
+  message = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+  first, *rest = [line.strip() for line in message.splitlines() if line.strip()] or [""]
+  return " ".join(["unknown config field", first.strip("'\"") + ("." if rest else ""), *rest])
 
 
 def _config_file_error(e: BaseException, argv: list[str]) -> str | None:

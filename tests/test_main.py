@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from configs import arith_tiny
+from knitjax import cli
 from knitjax.config import from_config_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,9 +55,25 @@ def test_unknown_field_is_named():
 
 
 @pytest.mark.parametrize(
+  "error, expected",
+  [
+    # what ml_collections raises for `--config.train.lrr=1` (a KeyError inside an AttributeError)
+    (
+      AttributeError(KeyError('\'lrr\'\nDid you mean "lr" instead of "lrr"?')),
+      'unknown config field lrr. Did you mean "lr" instead of "lrr"?',
+    ),
+    (AttributeError(KeyError("'nosuch'")), "unknown config field nosuch"),
+    (KeyError("'nosuch'"), "unknown config field nosuch"),
+  ],
+)
+def test_unknown_field_line_has_no_stray_quote(error, expected):
+  assert cli.one_line(error) == expected
+
+
+@pytest.mark.parametrize(
   "args, expected",
   [
-    (["--config.train.lrr=1"], "unknown config field"),
+    (["--config.train.lrr=1"], 'unknown config field lrr. Did you mean "lr" instead of "lrr"?'),
     (["--config.admission.minibatches=3"], "not divisible"),
     (["--config=configs/missing.py"], "No such file or directory"),
     (["--config.train.lr=abc"], "could not convert string to float"),
