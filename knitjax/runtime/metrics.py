@@ -170,8 +170,10 @@ def _read_rows(path: epath.Path) -> list[dict]:
   return rows
 
 
-def plot_reward(workdir: str, *, window: int = 10) -> str:
-  """Writes ``workdir/reward.png``: reward per step and its moving average."""
+def plot_reward(workdir: str, *, config_name: str | None = None, window: int = 10) -> str:
+  """Writes ``workdir/reward.png``: reward per step and its moving average, titled with the
+  config (``config_name``: its file and variant, ``configs/arith_tiny.py:quick``) and workdir.
+  """
   import matplotlib
 
   matplotlib.use("Agg")
@@ -185,6 +187,7 @@ def plot_reward(workdir: str, *, window: int = 10) -> str:
     for i in range(len(reward))
   ]
   fig, ax = plt.subplots(figsize=(6, 3.5))
+  ax.set_title(reward_title(workdir, config_name), fontsize=9)
   ax.plot(steps, reward, alpha=0.35, label="reward_mean")
   ax.plot(steps, avg, label=f"{window}-step moving average")
   ax.set_xlabel("train step")
@@ -198,6 +201,12 @@ def plot_reward(workdir: str, *, window: int = 10) -> str:
     fig.savefig(f, format="png", dpi=120)
   plt.close(fig)
   return str(path)
+
+
+def reward_title(workdir: str, config_name: str | None) -> str:
+  """The reward plot's title: the config that ran (when named; a notebook's is not) and where."""
+  what = f"reward: {config_name}" if config_name else "reward"
+  return f"{what}\nworkdir {workdir}"
 
 
 class _UploadedEventFile:

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from knitjax.runtime import metrics
-from knitjax.runtime.metrics import MetricsWriter, read_metrics
+from knitjax.runtime.metrics import MetricsWriter, plot_reward, read_metrics
 
 
 def test_resume_drops_rows_after_the_checkpoint(tmp_path):
@@ -67,6 +67,27 @@ def test_eta_after_a_resume_skips_the_first_step_of_this_process(tmp_path, caplo
   lines = _progress_lines(caplog)
   assert lines[0].startswith("step 6/12") and lines[0].endswith("ETA after step 7")
   assert lines[1].startswith("step 8/12") and lines[1].endswith("ETA 12s")  # 4 left at 3 s
+
+
+def test_reward_plot_is_titled_with_the_config_and_workdir(tmp_path, monkeypatch):
+  from matplotlib.figure import Figure
+
+  titles = []
+  save = Figure.savefig
+
+  def savefig(fig, *args, **kwargs):
+    titles.append(fig.axes[0].get_title())
+    return save(fig, *args, **kwargs)
+
+  monkeypatch.setattr(Figure, "savefig", savefig)
+  _write_rows(tmp_path / "metrics.jsonl", [{"step": 1, "reward_mean": 0.25}])
+  path = plot_reward(str(tmp_path), config_name="configs/arith_tiny.py:quick")
+  assert path == str(tmp_path / "reward.png") and os.path.getsize(path) > 0
+  plot_reward(str(tmp_path))  # a notebook's run: no config name
+  assert titles == [
+    f"reward: configs/arith_tiny.py:quick\nworkdir {tmp_path}",
+    f"reward\nworkdir {tmp_path}",
+  ]
 
 
 def _write_rows(path, rows, tail=""):
