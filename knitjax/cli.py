@@ -9,14 +9,24 @@ from absl import flags, logging
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Keeps orbax's per-save INFO chatter out of the progress output."""
+  """Keeps libraries' INFO chatter out of the progress output: orbax's lines on every save, and
+  JAX's note on each backend it tried and could not start (``Unable to initialize backend 'tpu':
+  ... Failed to open libtpu.so`` on every CPU machine).
+
+  Warnings and errors pass: JAX warns when a GPU or TPU is present but its backend failed, and a
+  backend named in ``JAX_PLATFORMS`` that fails raises.
+  """
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+    if record.levelno >= std_logging.WARNING:
+      return True
+    return "/orbax/" not in record.pathname and record.name != "jax._src.xla_bridge"
 
 
 def quiet_libraries() -> None:
-  """Drops libraries' INFO records (orbax) from absl's handler; warnings still show."""
+  """Drops libraries' INFO records (orbax, JAX's backend probing) from absl's handler; warnings
+  still show. Call it before JAX starts its backends.
+  """
   logging.get_absl_handler().addFilter(_QuietLibraries())
 
 
