@@ -8,34 +8,18 @@
   relative shortfall; when no class is short within the depth's horizon it starts nothing
   (throttle), so the rollout never makes groups the index cannot place soon.
 
-`start_limit` is the pipeline-depth bound both the runtime (`knitjax.runtime.versions`) and the
-simulator apply: how many accepted groups may have started by a trainer version.
+How many groups may have started by a trainer version is the version clock's
+(`knitjax.rollout.versions`), not the scheduler's.
 """
 
 import math
 
+# LAG_UNITS is the version clock's; re-exported only until knitjax/config.py imports it from
+# knitjax.rollout.versions (config.py is being rewritten elsewhere).
+from knitjax.rollout.versions import LAG_UNITS  # noqa: F401
 from knitjax.transfer.admission import AdmissionIndex
 
 SCHEDULING = ("plain", "admission_aware")
-LAG_UNITS = ("step", "minibatch")
-
-
-def start_limit(
-  version: int, *, groups_per_step: int, minibatches: int, lag_groups: int, lag_unit: str = "step"
-) -> int:
-  """Accepted groups (started minus rejected) that may have started by trainer ``version``.
-
-  ``lag_unit="step"``: ``B * (version // M + 1) + lag_groups``: capacity comes back a whole
-  step at a time, once the step's last mini-batch is consumed (AReaL's
-  ``max_head_offpolicyness``). ``"minibatch"``: ``B + (B / M) * version + lag_groups``: each
-  consumed mini-batch returns its ``B / M`` groups at once (version-granular), so rollout never
-  idles waiting for the rest of a step. At a step boundary both give the same limit.
-  """
-  if lag_unit == "step":
-    return groups_per_step * (version // minibatches + 1) + lag_groups
-  if lag_unit == "minibatch":
-    return groups_per_step + (groups_per_step // minibatches) * version + lag_groups
-  raise ValueError(f"lag_unit={lag_unit!r} is not accepted; choose one of {LAG_UNITS}.")
 
 
 class PlainScheduler:

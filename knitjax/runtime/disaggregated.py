@@ -7,7 +7,7 @@ admission index; the trainer (this thread) takes the released mini-batches in (s
 order through the on-demand feed, hands each to the Learner (one optimizer update), and
 publishes its weights after every mini-batch or every step (``runtime.weight_sync``) by
 resharding them onto the rollout mesh. ``runtime.max_lag_steps`` bounds how far rollout runs
-ahead (`knitjax.runtime.versions`). docs/disaggregated.md describes the design.
+ahead (`knitjax.rollout.versions`). docs/disaggregated.md describes the design.
 
 Checkpoints (every ``checkpoint.every_steps`` train steps) hold, besides the trainer state, a
 consistent snapshot taken under the rollout's lock (a `RunState`): the admission index (pending
