@@ -19,8 +19,6 @@ import math
 from knitjax.rollout.versions import LAG_UNITS  # noqa: F401
 from knitjax.transfer.admission import AdmissionIndex
 
-SCHEDULING = ("plain", "admission_aware")
-
 
 class PlainScheduler:
   """Classes in quota proportion, deterministic."""
@@ -93,12 +91,3 @@ class AdmissionAwareScheduler:
     self._inflight[c] -= 1
     self._completed[c] += 1
     self._accepted[c] += accepted
-
-
-def make_scheduler(kind: str, index: AdmissionIndex, quotas: list[int], horizon_steps: int):
-  """Builds the scheduler named by ``Pipeline.scheduling``."""
-  if kind == "plain":
-    return PlainScheduler(quotas)
-  if kind == "admission_aware":
-    return AdmissionAwareScheduler(index, quotas, horizon_steps)
-  raise ValueError(f"scheduling={kind!r} is not accepted; choose one of: {', '.join(SCHEDULING)}.")

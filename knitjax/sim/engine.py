@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
-from knitjax.rollout.scheduling import make_scheduler
 from knitjax.rollout.versions import start_limit
 from knitjax.sim.lengths import LengthSampler
 from knitjax.sim.rollout import SlotPool
+from knitjax.sim.scheduling import make_scheduler
 from knitjax.sim.trainer import Trainer
 from knitjax.sim.workload import Pipeline, Workload
 from knitjax.transfer.admission import AdmissionIndex, MiniBatch

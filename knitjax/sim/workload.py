@@ -10,8 +10,8 @@ import math
 
 from knitjax.config import MODES, WEIGHT_SYNC
 from knitjax.rollout.continuous import ADOPTION
-from knitjax.rollout.scheduling import SCHEDULING
 from knitjax.rollout.versions import LAG_UNITS
+from knitjax.sim.scheduling import SCHEDULING
 from knitjax.transfer.admission import POLICIES
 from knitjax.transfer.quota import QuotaSpec
 
