@@ -9,26 +9,47 @@ from absl import flags, logging
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Keeps orbax's per-save INFO chatter out of the progress output."""
+  """Keeps libraries' INFO chatter out of the progress output: orbax's lines on every save, and
+  JAX's note on each backend it tried and could not start (``Unable to initialize backend 'tpu':
+  ... Failed to open libtpu.so`` on every CPU machine).
+
+  Warnings and errors pass: JAX warns when a GPU or TPU is present but its backend failed, and a
+  backend named in ``JAX_PLATFORMS`` that fails raises.
+  """
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+    if record.levelno >= std_logging.WARNING:
+      return True
+    return "/orbax/" not in record.pathname and record.name != "jax._src.xla_bridge"
 
 
 def quiet_libraries() -> None:
-  """Drops libraries' INFO records (orbax) from absl's handler; warnings still show."""
+  """Drops libraries' INFO records (orbax, JAX's backend probing) from absl's handler; warnings
+  still show. Call it before JAX starts its backends.
+  """
   logging.get_absl_handler().addFilter(_QuietLibraries())
 
 
 def one_line(e: Exception) -> str:
   """The informative line of a flag-parsing error (config files raise through a traceback)."""
+  if isinstance(e, AttributeError | KeyError):
+    return _unknown_field(e)
   text = str(e).replace("\\n", "\n").replace("\\'", "'")
   lines = [line.strip() for line in text.splitlines() if line.strip()]
-  if isinstance(e, AttributeError | KeyError):
-    return "unknown config field " + " ".join(lines).strip("'\"")
   if any("Traceback" in line or "Errno" in line for line in lines):
     return lines[-1]
   return " ".join(lines)
+
+
+def _unknown_field(e: AttributeError | KeyError) -> str:
+  """``unknown config field lrr. Did you mean "lr" instead of "lrr"?`` from what ml_collections
+  raises: a KeyError whose message is the quoted field and a hint, maybe inside an AttributeError.
+  """
+  while e.args and isinstance(e.args[0], AttributeError | KeyError):
+    e = e.args[0]
+  message = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+  first, *rest = [line.strip() for line in message.splitlines() if line.strip()] or [""]
+  return " ".join(["unknown config field", first.strip("'\"") + ("." if rest else ""), *rest])
 
 
 def _config_file_error(e: BaseException, argv: list[str]) -> str | None:

@@ -28,7 +28,7 @@ from knitjax.models.dtypes import AUTO_DTYPE
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.rollout.contract import ADOPTION
-from knitjax.rollout.scheduling import LAG_UNITS
+from knitjax.rollout.versions import LAG_UNITS
 
 # Choices the runtime implements; runtime sits above config, so config owns their names.
 MODES = ("colocated", "disaggregated")

@@ -71,7 +71,8 @@ def main(argv):
 
   logging.info("devices: %s", jax.devices())
   try:
-    final = train(config, _WORKDIR.value)
+    config_name = config_flags.get_config_filename(flags.FLAGS["config"])
+    final = train(config, _WORKDIR.value, config_name=config_name)
   except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
   except RuntimeError as e:  # a rollout host gone (raised in the rollout thread or a fetch)

@@ -1,5 +1,6 @@
 """``python -m knitjax.main``: bad input ends in one clear line, never a traceback."""
 
+import logging
 import os
 import re
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import pytest
 
 from configs import arith_tiny
+from knitjax import cli
 from knitjax.config import from_config_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,9 +56,58 @@ def test_unknown_field_is_named():
 
 
 @pytest.mark.parametrize(
+  "error, expected",
+  [
+    # what ml_collections raises for `--config.train.lrr=1` (a KeyError inside an AttributeError)
+    (
+      AttributeError(KeyError('\'lrr\'\nDid you mean "lr" instead of "lrr"?')),
+      'unknown config field lrr. Did you mean "lr" instead of "lrr"?',
+    ),
+    (AttributeError(KeyError("'nosuch'")), "unknown config field nosuch"),
+    (KeyError("'nosuch'"), "unknown config field nosuch"),
+  ],
+)
+def test_unknown_field_line_has_no_stray_quote(error, expected):
+  assert cli.one_line(error) == expected
+
+
+def test_quiet_libraries_drops_the_backend_probe_lines_not_warnings():
+  def record(name, level, pathname="x.py"):
+    return logging.LogRecord(name, level, pathname, 1, "msg", None, None)
+
+  quiet = cli._QuietLibraries()
+  assert not quiet.filter(record("jax._src.xla_bridge", logging.INFO))
+  assert quiet.filter(record("jax._src.xla_bridge", logging.WARNING))
+  assert not quiet.filter(record("absl", logging.INFO, "/site-packages/orbax/checkpoint/x.py"))
+  assert quiet.filter(record("absl", logging.INFO, "/work/knitjax/runtime/metrics.py"))
+
+
+def test_no_libtpu_line_when_jax_starts_on_a_cpu_machine():
+  # JAX probes every backend it knows when JAX_PLATFORMS is unset; without libtpu it logs
+  # "Unable to initialize backend 'tpu': ... libtpu.so" at INFO, which an entry point drops.
+  script = (
+    "from absl import app, logging\n"
+    "from knitjax import cli\n"
+    "def main(argv):\n"
+    "  cli.quiet_libraries()\n"
+    "  import jax\n"
+    "  logging.info('devices: %s', jax.devices())\n"
+    "app.run(main)\n"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env["PYTHONPATH"] = REPO
+  proc = subprocess.run(
+    [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 0, proc.stderr[-1500:]
+  assert "devices: [" in proc.stderr
+  assert "Unable to initialize backend" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
   "args, expected",
   [
-    (["--config.train.lrr=1"], "unknown config field"),
+    (["--config.train.lrr=1"], 'unknown config field lrr. Did you mean "lr" instead of "lrr"?'),
     (["--config.admission.minibatches=3"], "not divisible"),
     (["--config=configs/missing.py"], "No such file or directory"),
     (["--config.train.lr=abc"], "could not convert string to float"),

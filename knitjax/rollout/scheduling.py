@@ -1,41 +1,13 @@
 """Rollout prompt scheduling: which class the next group's prompt comes from.
 
-* `PlainScheduler`: classes in quota proportion (smooth weighted round-robin, so every window of
-  `B` starts holds each class's quota exactly), blind to what admission still needs.
-* `AdmissionAwareScheduler`: asks the admission index what the earliest unfinished steps still
-  need (`AdmissionIndex.remaining`), subtracts the groups of each class already generating
-  (scaled by the acceptance rate observed so far), and starts the class with the largest
-  relative shortfall; when no class is short within the depth's horizon it starts nothing
-  (throttle), so the rollout never makes groups the index cannot place soon.
+`PlainScheduler` starts classes in quota proportion (smooth weighted round-robin, so every window
+of `B` starts holds each class's quota exactly), blind to what admission still needs; the
+runtime's rollout thread runs it. The simulator's admission-aware alternative is
+`knitjax.sim.scheduling.AdmissionAwareScheduler`.
 
-`start_limit` is the pipeline-depth bound both the runtime (`knitjax.runtime.versions`) and the
-simulator apply: how many accepted groups may have started by a trainer version.
+How many groups may have started by a trainer version is the version clock's
+(`knitjax.rollout.versions`), not the scheduler's.
 """
-
-import math
-
-from knitjax.transfer.admission import AdmissionIndex
-
-SCHEDULING = ("plain", "admission_aware")
-LAG_UNITS = ("step", "minibatch")
-
-
-def start_limit(
-  version: int, *, groups_per_step: int, minibatches: int, lag_groups: int, lag_unit: str = "step"
-) -> int:
-  """Accepted groups (started minus rejected) that may have started by trainer ``version``.
-
-  ``lag_unit="step"``: ``B * (version // M + 1) + lag_groups``: capacity comes back a whole
-  step at a time, once the step's last mini-batch is consumed (AReaL's
-  ``max_head_offpolicyness``). ``"minibatch"``: ``B + (B / M) * version + lag_groups``: each
-  consumed mini-batch returns its ``B / M`` groups at once (version-granular), so rollout never
-  idles waiting for the rest of a step. At a step boundary both give the same limit.
-  """
-  if lag_unit == "step":
-    return groups_per_step * (version // minibatches + 1) + lag_groups
-  if lag_unit == "minibatch":
-    return groups_per_step + (groups_per_step // minibatches) * version + lag_groups
-  raise ValueError(f"lag_unit={lag_unit!r} is not accepted; choose one of {LAG_UNITS}.")
 
 
 class PlainScheduler:
@@ -60,61 +32,3 @@ class PlainScheduler:
 
   def on_complete(self, c: int, accepted: bool) -> None:
     """Plain scheduling ignores outcomes."""
-
-
-class AdmissionAwareScheduler:
-  """Starts the class the open steps need most; throttles when none is needed.
-
-  Args:
-    index: the admission index whose ``remaining`` it reads.
-    quotas: per-class groups per step (class order).
-    horizon_steps: how many unfinished steps the rollout may work for (``1 + ceil(depth)``).
-  """
-
-  def __init__(self, index: AdmissionIndex, quotas: list[int], horizon_steps: int):
-    self._index = index
-    self._names = list(index.spec.classes)
-    self._quotas = list(quotas)
-    self._horizon = max(1, horizon_steps)
-    n = len(quotas)
-    self._inflight = [0] * n
-    self._completed = [0] * n
-    self._accepted = [0] * n
-
-  def _acceptance(self, c: int) -> float:
-    # Laplace-smoothed observed rate: the scheduler cannot know the rejection probability.
-    return (self._accepted[c] + 1) / (self._completed[c] + 1)
-
-  def next_class(self) -> int | None:
-    """Index of the class to start next, or None to start nothing now."""
-    for h in range(1, self._horizon + 1):
-      remaining = self._index.remaining(h)
-      best, best_gap = None, -math.inf
-      for c, name in enumerate(self._names):
-        # Expected groups still missing once the ones generating complete; a half group or more
-        # is worth a start (rounds expected counts, so no systematic over-generation).
-        short = remaining[name] - self._inflight[c] * self._acceptance(c)
-        if short >= 0.5 and short / self._quotas[c] > best_gap:
-          best, best_gap = c, short / self._quotas[c]
-      if best is not None:
-        return best
-    return None
-
-  def on_start(self, c: int) -> None:
-    """Counts a started group of class ``c``."""
-    self._inflight[c] += 1
-
-  def on_complete(self, c: int, accepted: bool) -> None:
-    """Counts a completed group and whether dynamic sampling accepted it."""
-    self._inflight[c] -= 1
-    self._completed[c] += 1
-    self._accepted[c] += accepted
-
-
-def make_scheduler(kind: str, index: AdmissionIndex, quotas: list[int], horizon_steps: int):
-  """Builds the scheduler named by ``Pipeline.scheduling``."""
-  if kind == "plain":
-    return PlainScheduler(quotas)
-  if kind == "admission_aware":
-    return AdmissionAwareScheduler(index, quotas, horizon_steps)
-  raise ValueError(f"scheduling={kind!r} is not accepted; choose one of: {', '.join(SCHEDULING)}.")

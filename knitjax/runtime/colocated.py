@@ -28,7 +28,11 @@ from knitjax.transfer.storage import release_groups
 
 
 def run(
-  config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None
+  config: Config,
+  workdir: str,
+  *,
+  on_step: Callable[[int, dict], None] | None = None,
+  config_name: str | None = None,
 ) -> dict:
   """Trains for ``config.runtime.steps`` train steps, resuming from ``workdir`` if possible.
 
@@ -36,6 +40,8 @@ def run(
     config: the validated run config.
     workdir: where checkpoints, ``metrics.jsonl``, TensorBoard files and plots go.
     on_step: called after each train step with ``(step, metrics)``.
+    config_name: the config's file and variant (``configs/arith_tiny.py:quick``), for the title
+      of ``reward.png``.
 
   Returns:
     The last step's metrics.
@@ -116,7 +122,7 @@ def run(
   writer.close()
   rollout.close()
   if writer.primary:
-    plot_reward(workdir)
+    plot_reward(workdir, config_name=config_name)
     plot_eval(workdir)
   return {"step": total, **metrics}
 

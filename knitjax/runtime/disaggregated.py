@@ -7,7 +7,7 @@ admission index; the trainer (this thread) takes the released mini-batches in (s
 order through the on-demand feed, hands each to the Learner (one optimizer update), and
 publishes its weights after every mini-batch or every step (``runtime.weight_sync``) by
 resharding them onto the rollout mesh. ``runtime.max_lag_steps`` bounds how far rollout runs
-ahead (`knitjax.runtime.versions`). docs/disaggregated.md describes the design.
+ahead (`knitjax.rollout.versions`). docs/disaggregated.md describes the design.
 
 Checkpoints (every ``checkpoint.every_steps`` train steps) hold, besides the trainer state, a
 consistent snapshot taken under the rollout's lock (a `RunState`): the admission index (pending
@@ -47,7 +47,11 @@ def split_devices(config: Config, devices=None) -> tuple[list, list]:
 
 
 def run(
-  config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None
+  config: Config,
+  workdir: str,
+  *,
+  on_step: Callable[[int, dict], None] | None = None,
+  config_name: str | None = None,
 ) -> dict:
   """Trains for ``config.runtime.steps`` train steps, resuming from ``workdir`` if possible.
 
@@ -55,6 +59,8 @@ def run(
     config: the validated run config (``runtime.mode == "disaggregated"``).
     workdir: checkpoints, ``metrics.jsonl``, ``consumed.jsonl``, ``timings.json``, TensorBoard.
     on_step: called after each train step with ``(step, metrics)``.
+    config_name: the config's file and variant (``configs/arith_tiny.py:quick``), for the title
+      of ``reward.png``.
 
   Returns:
     The last step's metrics.
@@ -148,6 +154,6 @@ def run(
     writer.close()
   pipe.write_timings(workdir)
   if writer.primary:
-    plot_reward(workdir)
+    plot_reward(workdir, config_name=config_name)
     plot_eval(workdir)
   return {"step": total, **metrics}

@@ -78,7 +78,9 @@ class MetricsWriter:
     self._total = total_steps
     self._start_step = start_step
     self._log_every = log_every
-    self._t0 = time.time()
+    # The ETA is timed from the end of the first step this process writes: that step includes
+    # XLA compilation, so extrapolating from it overstates the rest of the run many times over.
+    self._first: tuple[int, float] | None = None  # (step, time) when the first step ended
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     """Records the metrics of train step ``step`` (1-based: steps completed)."""
@@ -94,13 +96,13 @@ class MetricsWriter:
       for k, v in row.items():
         if isinstance(v, int | float) and k != "step":
           self._tb.add_scalar(k, v, step)
+    now = time.time()
+    if self._first is None:
+      self._first = (step, now)
     done = step - self._start_step
     if step % self._log_every == 0 or step == self._total or done == 1:
-      elapsed = time.time() - self._t0
-      eta = elapsed / max(done, 1) * (self._total - step)
       logging.info(
-        "step %d/%d  version %s  reward %.3f  loss %.4f  tokens/s %.0f  arch_staleness %.2f  "
-        "ETA %.0fs",
+        "step %d/%d  version %s  reward %.3f  loss %.4f  tokens/s %.0f  arch_staleness %.2f  %s",
         step,
         self._total,
         row.get("version"),
@@ -108,8 +110,18 @@ class MetricsWriter:
         row.get("loss") or 0.0,
         row.get("tokens_per_s") or 0.0,
         row.get("arch_staleness_mean") or 0.0,
-        eta,
+        self._eta(step, now),
       )
+
+  def _eta(self, step: int, now: float) -> str:
+    """``ETA <s>s`` from the steps after the first (compiled) one, or when it will be known."""
+    first_step, first_time = self._first
+    if step == self._total:
+      return "ETA 0s"
+    if step == first_step:
+      return f"ETA after step {step + 1}"
+    eta = (now - first_time) / (step - first_step) * (self._total - step)
+    return f"ETA {eta:.0f}s"
 
   def close(self) -> None:
     if self._file is not None:
@@ -158,8 +170,10 @@ def _read_rows(path: epath.Path) -> list[dict]:
   return rows
 
 
-def plot_reward(workdir: str, *, window: int = 10) -> str:
-  """Writes ``workdir/reward.png``: reward per step and its moving average."""
+def plot_reward(workdir: str, *, config_name: str | None = None, window: int = 10) -> str:
+  """Writes ``workdir/reward.png``: reward per step and its moving average, titled with the
+  config (``config_name``: its file and variant, ``configs/arith_tiny.py:quick``) and workdir.
+  """
   import matplotlib
 
   matplotlib.use("Agg")
@@ -173,6 +187,7 @@ def plot_reward(workdir: str, *, window: int = 10) -> str:
     for i in range(len(reward))
   ]
   fig, ax = plt.subplots(figsize=(6, 3.5))
+  ax.set_title(reward_title(workdir, config_name), fontsize=9)
   ax.plot(steps, reward, alpha=0.35, label="reward_mean")
   ax.plot(steps, avg, label=f"{window}-step moving average")
   ax.set_xlabel("train step")
@@ -186,6 +201,12 @@ def plot_reward(workdir: str, *, window: int = 10) -> str:
     fig.savefig(f, format="png", dpi=120)
   plt.close(fig)
   return str(path)
+
+
+def reward_title(workdir: str, config_name: str | None) -> str:
+  """The reward plot's title: the config that ran (when named; a notebook's is not) and where."""
+  what = f"reward: {config_name}" if config_name else "reward"
+  return f"{what}\nworkdir {workdir}"
 
 
 class _UploadedEventFile:

@@ -19,11 +19,11 @@ import numpy as np
 
 from knitjax import sharding
 from knitjax import workdir as wd
+from knitjax.rollout.versions import VersionClock
 from knitjax.runtime.learner import Learner, RunState
 from knitjax.runtime.metrics import fault_counters
 from knitjax.runtime.released import ReleasedQueue
 from knitjax.runtime.rollout_thread import RolloutThread
-from knitjax.runtime.versions import VersionClock
 from knitjax.runtime.weight_sync import WeightSync, resolve_sync_dtype
 from knitjax.transfer.feed import Prepared, exposed_transfer
 from knitjax.transfer.snapshot import snapshot_groups

@@ -24,8 +24,8 @@ import jax
 from knitjax import faultpoints
 from knitjax.rollout.contract import Rollout
 from knitjax.rollout.scheduling import PlainScheduler
+from knitjax.rollout.versions import VersionClock
 from knitjax.runtime.released import ReleasedQueue
-from knitjax.runtime.versions import VersionClock
 from knitjax.runtime.weight_sync import WeightSync
 from knitjax.tasks.prompts import Prompt
 from knitjax.tasks.streams import ClassStreams

@@ -8,9 +8,16 @@ from knitjax.config import Config
 
 
 def train(
-  config: Config, workdir: str, *, on_step: Callable[[int, dict], None] | None = None
+  config: Config,
+  workdir: str,
+  *,
+  on_step: Callable[[int, dict], None] | None = None,
+  config_name: str | None = None,
 ) -> dict:
   """Runs (or resumes) training as ``config.runtime.mode`` says; returns the last step's metrics.
+
+  ``config_name`` (the config's file and variant, ``configs/arith_tiny.py:quick``) titles the
+  reward plot.
 
   Raises:
     ValueError: the work directory cannot hold this run (see :mod:`knitjax.runtime.preflight`).
@@ -21,7 +28,7 @@ def train(
   if config.runtime.mode == "colocated":
     from knitjax.runtime import colocated
 
-    return colocated.run(config, workdir, on_step=on_step)
+    return colocated.run(config, workdir, on_step=on_step, config_name=config_name)
   from knitjax.runtime import disaggregated
 
-  return disaggregated.run(config, workdir, on_step=on_step)
+  return disaggregated.run(config, workdir, on_step=on_step, config_name=config_name)

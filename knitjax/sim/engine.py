@@ -10,7 +10,7 @@ Pipeline depth (`Pipeline.max_lag_steps` = D) bounds submission like AReaL's
 ``max_head_offpolicyness``, in train steps: a group may start only while the accepted groups
 started so far (started minus rejected) are fewer than ``B * (completed_steps + 1 + D)``; with
 ``Pipeline.lag_unit="minibatch"`` capacity comes back per consumed mini-batch
-(`knitjax.rollout.scheduling.start_limit`, the runtime's rule too).
+(`knitjax.rollout.versions.start_limit`, the runtime's rule too).
 """
 
 import dataclasses
@@ -20,9 +20,10 @@ import time
 
 import numpy as np
 
-from knitjax.rollout.scheduling import make_scheduler, start_limit
+from knitjax.rollout.versions import start_limit
 from knitjax.sim.lengths import LengthSampler
 from knitjax.sim.rollout import SlotPool
+from knitjax.sim.scheduling import make_scheduler
 from knitjax.sim.trainer import Trainer
 from knitjax.sim.workload import Pipeline, Workload
 from knitjax.transfer.admission import AdmissionIndex, MiniBatch

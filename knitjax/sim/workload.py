@@ -10,7 +10,8 @@ import math
 
 from knitjax.config import MODES, WEIGHT_SYNC
 from knitjax.rollout.contract import ADOPTION
-from knitjax.rollout.scheduling import LAG_UNITS, SCHEDULING
+from knitjax.rollout.versions import LAG_UNITS
+from knitjax.sim.scheduling import SCHEDULING
 from knitjax.transfer.admission import POLICIES
 from knitjax.transfer.quota import QuotaSpec
 
@@ -169,7 +170,7 @@ class Pipeline:
     max_lag_steps: pipeline depth: accepted groups started so far may not exceed
       ``B * (completed_steps + 1 + max_lag_steps)``; a multiple of 1/M.
     lag_unit: `step` (capacity comes back once a step's last mini-batch is consumed) or
-      `minibatch` (per consumed mini-batch; `knitjax.rollout.scheduling.start_limit`).
+      `minibatch` (per consumed mini-batch; `knitjax.rollout.versions.start_limit`).
     max_inflight_groups: at most this many groups generating at once (0: only slots bound it).
     weight_sync: publish weights after every `minibatch` or every `step`.
     adoption: `new_groups` (a group keeps the weights it started with) or `mid_generation`

@@ -9,7 +9,7 @@ import pytest
 from configs import arith_disagg
 from knitjax.bench import group_times, rollout_summary
 from knitjax.config import from_config_dict
-from knitjax.runtime import versions
+from knitjax.rollout import versions
 from knitjax.runtime.disaggregated import split_devices
 from knitjax.runtime.train import train
 
@@ -136,6 +136,12 @@ def test_depth_bound_and_device_split():
   assert clock.limit() == 16 + 4  # at a step boundary both units agree
   with pytest.raises(ValueError, match="lag_unit='version'"):
     versions.VersionClock(0, groups_per_step=8, minibatches=2, max_lag_steps=0, lag_unit="version")
+  # the clock's constants sit beside it: config and the simulator check lag units against them
+  from knitjax import config
+  from knitjax.sim import workload
+
+  assert versions.LAG_UNITS == ("step", "minibatch")
+  assert config.LAG_UNITS is versions.LAG_UNITS and workload.LAG_UNITS is versions.LAG_UNITS
   cfg = from_config_dict(quick_config(rollout_devices=3))
   rollout, trainer = split_devices(cfg, devices=list(range(8)))
   assert rollout == [0, 1, 2] and trainer == [3, 4, 5, 6, 7]

@@ -1,4 +1,5 @@
-"""The trainer's policy version as the rollout sees it, and the pipeline-depth bound.
+"""The version clock: the trainer's policy version as the rollout sees it, and the pipeline-depth
+bound on what the rollout may start by each version.
 
 Rollout may start a group only while the groups started so far, minus those dynamic sampling
 rejected, are fewer than ``B * (completed_steps + 1) + depth``, where ``completed_steps`` is the
@@ -6,14 +7,36 @@ trainer's version divided by ``M`` and ``depth = max_lag_steps * B`` (whole mini
 the simulator's rule (`knitjax.sim.engine`, like AReaL's ``max_head_offpolicyness``), so the
 simulated and the measured pipelines bound staleness the same way. With
 ``runtime.lag_unit="minibatch"`` capacity comes back per consumed mini-batch instead
-(`knitjax.rollout.scheduling.start_limit`).
+(`start_limit`).
+
+The runtime's rollout thread waits on `VersionClock`; the simulator applies `start_limit` to its
+own clock, and config validates ``runtime.lag_unit`` against `LAG_UNITS`. The module sits in the
+rollout layer so that all three import it (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import threading
 
-from knitjax.rollout.scheduling import LAG_UNITS, start_limit
+LAG_UNITS = ("step", "minibatch")
+
+
+def start_limit(
+  version: int, *, groups_per_step: int, minibatches: int, lag_groups: int, lag_unit: str = "step"
+) -> int:
+  """Accepted groups (started minus rejected) that may have started by trainer ``version``.
+
+  ``lag_unit="step"``: ``B * (version // M + 1) + lag_groups``: capacity comes back a whole
+  step at a time, once the step's last mini-batch is consumed (AReaL's
+  ``max_head_offpolicyness``). ``"minibatch"``: ``B + (B / M) * version + lag_groups``: each
+  consumed mini-batch returns its ``B / M`` groups at once (version-granular), so rollout never
+  idles waiting for the rest of a step. At a step boundary both give the same limit.
+  """
+  if lag_unit == "step":
+    return groups_per_step * (version // minibatches + 1) + lag_groups
+  if lag_unit == "minibatch":
+    return groups_per_step + (groups_per_step // minibatches) * version + lag_groups
+  raise ValueError(f"lag_unit={lag_unit!r} is not accepted; choose one of {LAG_UNITS}.")
 
 
 def lag_groups(max_lag_steps: float, *, groups_per_step: int, minibatches: int) -> int:
