@@ -115,7 +115,7 @@ class ContinuousEngine:
     self.slots = slots
     self.chunk = min(prefill_chunk or prompt_len, prompt_len)
     self.width = -(-prompt_len // self.chunk) * self.chunk  # prompt width in whole chunks
-    self.lanes_per_shard = refill_groups
+    self.refill_groups = refill_groups
     self.decode_steps, self.adoption = decode_steps, adoption
     self.eos_ids, self.pad_id = eos_tuple(eos_id), pad_id
     self.eos_id = self.eos_ids[0]
@@ -127,7 +127,7 @@ class ContinuousEngine:
     self.book = SlotBook(
       slots=slots,
       shards=shards,
-      lanes_per_shard=refill_groups,
+      refill_groups=refill_groups,
       prompt_len=prompt_len,
       width=self.width,
       pad_id=pad_id,
@@ -216,7 +216,7 @@ class ContinuousEngine:
     return init_state(
       model,
       slots=self.slots,
-      lanes=self.shards * self.lanes_per_shard,
+      lanes=self.shards * self.refill_groups,
       width=self.width,
       max_new_tokens=self.sampling.max_new_tokens,
       pad_id=self.pad_id,

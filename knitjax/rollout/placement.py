@@ -15,7 +15,7 @@ from typing import NamedTuple
 class Placement(NamedTuple):
   """One prompt's share on one shard: a lane prefills it once for these slots."""
 
-  lane: int  # global lane index (shard * lanes_per_shard + local)
+  lane: int  # global lane index (shard * refill_groups + local)
   slots: list[int]  # global slot indices
   requests: list  # (sample id, the engine's `Request`) for these slots, in slot order
 

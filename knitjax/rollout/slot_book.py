@@ -24,7 +24,7 @@ class SlotBook:
 
   Args:
     slots: sample slots (a multiple of ``shards``); shards: batch shards of the rollout mesh.
-    lanes_per_shard: prefill lanes of each shard.
+    refill_groups: prefill lanes of each shard (prompts it prefills at once).
     prompt_len: the widest prompt; width: prompt width on the device (whole chunks).
     pad_id: padding; max_new_tokens: the widest token budget.
     share_prefix: samples with one prompt share one prefill (one lane); False only for the
@@ -37,7 +37,7 @@ class SlotBook:
     *,
     slots: int,
     shards: int,
-    lanes_per_shard: int,
+    refill_groups: int,
     prompt_len: int,
     width: int,
     pad_id: int,
@@ -45,7 +45,7 @@ class SlotBook:
     share_prefix: bool,
     queue_prompts: int,
   ):
-    self.slots, self.shards, self.lanes_per_shard = slots, shards, lanes_per_shard
+    self.slots, self.shards, self.refill_groups = slots, shards, refill_groups
     self.per_shard = slots // shards
     self.prompt_len, self.width, self.pad_id = prompt_len, width, pad_id
     self.max_new_tokens, self.share_prefix = max_new_tokens, share_prefix
@@ -58,7 +58,7 @@ class SlotBook:
     self.slot_tag = np.full(slots, -1, np.int32)  # the sample each slot holds (-1: free)
     # Prompts not started yet, oldest first, each a list of sample ids sharing one prompt.
     self.waiting: list[list[int]] = []
-    self.lane_busy = [False] * (shards * lanes_per_shard)
+    self.lane_busy = [False] * (shards * refill_groups)
 
   @property
   def free_slots(self) -> int:
@@ -79,7 +79,7 @@ class SlotBook:
     return {self.samples[t][3] for t in self.slot_tag if t >= 0}
 
   def _free(self) -> tuple[list[list[int]], list[list[int]]]:
-    per, lanes = self.per_shard, self.lanes_per_shard
+    per, lanes = self.per_shard, self.refill_groups
     slots = [
       [s for s in range(k * per, (k + 1) * per) if self.slot_tag[s] < 0] for k in range(self.shards)
     ]
@@ -155,14 +155,14 @@ class SlotBook:
       for shard, lane, n in group_shares:
         taken, slots[shard] = slots[shard][:n], slots[shard][n:]
         tagged = [(t, self.samples[t][0]) for t in tags[:n]]
-        plan.append(Placement(shard * self.lanes_per_shard + lane, taken, tagged))
+        plan.append(Placement(shard * self.refill_groups + lane, taken, tagged))
         tags = tags[n:]
     del self.waiting[:n_fit]
     return plan, assign(len(self.waiting), [len(s) for s in slots])
 
   def starts(self, plan: list[Placement], pslot: int) -> Starts:
     """The call's direct starts (device input); marks their lanes busy and slots taken."""
-    n_lanes = self.shards * self.lanes_per_shard
+    n_lanes = self.shards * self.refill_groups
     prompt = np.full((n_lanes, self.width), self.pad_id, np.int32)
     plen = np.ones(n_lanes, np.int32)
     new = np.zeros(n_lanes, bool)
@@ -175,7 +175,7 @@ class SlotBook:
       plen[lane], new[lane] = len(toks), True
       self.lane_busy[lane] = True
       for s, (t, req) in zip(slots, tagged, strict=True):
-        wait[s], budget[s], tag[s] = lane % self.lanes_per_shard, req.max_new_tokens, t
+        wait[s], budget[s], tag[s] = lane % self.refill_groups, req.max_new_tokens, t
         self.slot_tag[s] = t
     return Starts(
       prompt=prompt,

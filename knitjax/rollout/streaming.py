@@ -86,7 +86,7 @@ class StreamingRollout:
       return self.engine.capacity(self._g, [self._g] * queued)
     # A call is running: the room it frees is known only when it is collected, so up to one
     # group per prefill lane may wait beyond the room known now.
-    ahead = self.engine.shards * self.engine.lanes_per_shard
+    ahead = self.engine.shards * self.engine.refill_groups
     return max(0, self.engine.capacity(self._g) + ahead - queued)
 
   def start(self, prompt: Prompt, group_id: int) -> None:

@@ -9,14 +9,14 @@ Each level returns a ``[B, T]`` log-ratio; the loss takes ``r = exp(log-ratio)``
 
 ``sg`` is stop-gradient. GSPO's ``s_i`` is the length-normalised sequence ratio; its gradient
 reaches every token of the row as ``s_i / L_i``. GSPO-token has the value ``s_i`` on every token
-and the gradient ``s_i`` per token; with one advantage per sequence (all this package has) and
-an aggregation that weighs a row's tokens equally (all of them), the two give the same loss, and
-the same gradients wherever the +-20 clamp below does not bind (the paper's remark, checked by a
+and the gradient ``s_i`` per token; with one advantage per sequence (all this package has) and an
+aggregation that weighs a row's tokens equally (all of them), the two give the same loss, and the
+same gradients wherever the +-20 clamp below does not bind (the paper's remark, checked by a
 test). Where it binds they differ: ``sequence`` clamps ``log s_i`` itself, so no gradient passes
-through a clamped row, while ``sequence_token`` adds its per-token term outside the clamp. ``L_i`` is a row's own length, so the ratio is
-the same in every micro-batch split. The log-ratio is clamped to +-20 so ``exp`` stays finite.
-With packed rows (``segment_ids_bt``) ``s_i`` is a segment's, broadcast to its tokens.
-"""
+through a clamped row, while ``sequence_token`` adds its per-token term outside the clamp. ``L_i``
+is a row's own length, so the ratio is the same in every micro-batch split. The log-ratio is
+clamped to +-20 so ``exp`` stays finite. With packed rows (``segment_ids_bt``) ``s_i`` is a
+segment's, broadcast to its tokens."""
 
 import jax
 import jax.numpy as jnp

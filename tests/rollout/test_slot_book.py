@@ -8,7 +8,7 @@ from knitjax.rollout.slot_book import SlotBook
 
 
 def _book(**kw):
-  args = dict(slots=8, shards=2, lanes_per_shard=1, prompt_len=4, width=4, pad_id=0)
+  args = dict(slots=8, shards=2, refill_groups=1, prompt_len=4, width=4, pad_id=0)
   args.update(max_new_tokens=4, share_prefix=True, queue_prompts=1)
   return SlotBook(**{**args, **kw})
 
