@@ -70,3 +70,41 @@ def test_the_glossary_defines_the_words_the_readme_names():
     "consumer",
   ):
     assert f"| {word}" in glossary, word
+
+
+def _readme_commands() -> list[list[str]]:
+  """Every ``python -m knitjax...`` command in README.md, split into words."""
+  import shlex
+
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  found = re.findall(r"python -m (knitjax[\w.]*)([^`\n&]*)", text)
+  return [["python", "-m", module, *shlex.split(rest)] for module, rest in found]
+
+
+def test_the_readme_commands_name_real_modules_configs_and_fields():
+  """Each README command's module exists, its --config file loads with its variant, and each
+  --config.x=y override names a field of that config: a newcomer's copy-paste gets past flag
+  parsing (running them all is the benchmarks' and CI's job)."""
+  import importlib.util
+
+  commands = _readme_commands()
+  assert len(commands) >= 10, commands
+  for words in commands:
+    assert importlib.util.find_spec(words[2]) is not None, words
+    if "--config" not in words:
+      continue
+    path, _, arg = words[words.index("--config") + 1].partition(":")
+    if path.startswith("<"):
+      continue  # a placeholder the text explains
+    assert os.path.exists(os.path.join(REPO, path)), words
+    spec = importlib.util.spec_from_file_location("readme_config", os.path.join(REPO, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg or None)
+    for w in words:
+      if w.startswith("--config.") and "=" in w:
+        node = config
+        for key in w[len("--config.") : w.index("=")].split("."):
+          assert key in node, f"{' '.join(words)}: {w} names no field"
+          node = node[key]

@@ -30,8 +30,8 @@ import numpy as np
 from knitjax.rollout.continuous import ContinuousEngine
 from knitjax.rollout.contract import RolloutStats
 from knitjax.rollout.engine_requests import Finished, Request
-from knitjax.rollout.worker import assemble_group
 from knitjax.tasks.prompts import Prompt
+from knitjax.transfer.assembly import assemble_group
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.storage import StorageUnit
 

@@ -237,11 +237,11 @@ def test_dedup_on_sharded_mesh_equals_naive_single_device(naive):
 
 def test_fetch_minibatch_gives_each_unique_image_once():
   """Storage -> trainer layout: an image shared by groups on two storage units arrives once."""
-  from knitjax.rollout.worker import assemble_group
   from knitjax.tasks import count_images
   from knitjax.tasks.prompts import Prompt
   from knitjax.transfer.access import BatchLayout, fetch_minibatch
   from knitjax.transfer.admission import MiniBatch
+  from knitjax.transfer.assembly import assemble_group
   from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
 
   tok = count_images.make_tokenizer()
