@@ -261,7 +261,6 @@ def test_notebook_is_clean_nbformat4(path):
   assert [c["cell_type"] for c in nb["cells"]].count("code") >= 3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, tmp_path, repo_url):
   proc, venv = _execute(path, tmp_path, repo_url, KNITJAX_COLAB_STEPS=str(QUICKSTART_STEPS))

@@ -29,7 +29,6 @@ def test_workload_spreads_every_group_over_every_micro_batch():
   assert (batch["tokens"] == dedup.IMAGE_TOKEN).sum(axis=1).tolist() == [64] * 64
 
 
-@pytest.mark.slow
 def test_quick_run_writes_json_and_plot(tmp_path):
   result = dedup.run(dedup_config.get_config("quick"), str(tmp_path))
   with open(tmp_path / "dedup.json") as f:

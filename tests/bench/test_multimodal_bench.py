@@ -19,7 +19,6 @@ def own_ray():
   ray.shutdown()
 
 
-@pytest.mark.slow
 def test_quick_run_moves_fewer_image_bytes_and_loses_nothing(tmp_path, own_ray):
   c = mm_config.get_config("quick")
   c.sweep = {}

@@ -1,13 +1,12 @@
 """The packing benchmark's quick variant: same rows, fewer token slots, the same first loss."""
 
 import numpy as np
-import pytest
 
 from configs.bench import packing as bench_config
 from knitjax.bench import packing as bench
 
 
-@pytest.mark.slow  # two train-step compiles: ~60 s on two busy cores
+# Two train-step compiles: ~60 s on two busy cores.
 def test_quick_packing_bench_fills_more_and_keeps_the_loss(tmp_path):
   result = bench.run(bench_config.get_config("quick"), str(tmp_path))
   padded, packed = result["layouts"]

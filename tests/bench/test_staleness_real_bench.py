@@ -92,7 +92,6 @@ def check_saved(saved, tolerance):
   assert saved["checks"]["quota_violations_all_runs"] == 0
 
 
-@pytest.mark.slow
 def test_quick_variant_measures_predicts_and_writes_learning(tmp_path):
   config = staleness_real_config.get_config("quick")
   staleness_real.run(config, str(tmp_path))

@@ -18,7 +18,6 @@ with open(p.parse_args().out, "w") as f:
 """
 
 
-@pytest.mark.slow
 def test_quick_side_by_side_rounds_report_ratios(tmp_path):
   script = tmp_path / "fake_baseline.py"
   script.write_text(_FAKE_BASELINE)

@@ -104,7 +104,6 @@ def test_config_matches_transformers(folder, hf_config, tf):
   assert hf.config_from_hf(folder).tie_embeddings
 
 
-@pytest.mark.slow
 def test_weights_and_logits_match_transformers(folder, hf_model, hf_tokenizer, knitjax_model, tf):
   torch = tf[0]
   # Same dequantization and q/k un-permutation as transformers: the tensors are bitwise equal.
@@ -150,7 +149,6 @@ def test_weights_and_logits_match_transformers(folder, hf_model, hf_tokenizer, k
     np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
-@pytest.mark.slow
 def test_greedy_chat_matches_transformers(folder, hf_model, hf_tokenizer, knitjax_model, tf):
   torch = tf[0]
   mesh, _, graphdef, params = knitjax_model

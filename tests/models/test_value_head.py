@@ -9,12 +9,11 @@ import pytest
 from flax import nnx
 
 from knitjax.models import hf
-from knitjax.models.transformer import Transformer, TransformerConfig
+from knitjax.models.transformer import Transformer
 from knitjax.train.checkpoint import Checkpointer
+from tests.tiny import TINY
 
-CFG = TransformerConfig(
-  vocab_size=32, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=32
-)
+CFG = TINY  # tests/tiny.py
 
 
 def _inputs():
@@ -41,7 +40,7 @@ def test_the_value_head_leaves_the_policy_unchanged_and_starts_at_zero():
 def test_the_value_head_round_trips_through_a_checkpoint(tmp_path):
   model = Transformer(dataclasses.replace(CFG, value_head=True), rngs=nnx.Rngs(0))
   _, params = nnx.split(model)
-  params["value_head"]["kernel"][...] = jnp.arange(16.0) / 16
+  params["value_head"]["kernel"][...] = jnp.arange(float(CFG.d_model)) / CFG.d_model
   params["value_head"]["bias"][...] = jnp.float32(0.25)
   ckpt = Checkpointer(str(tmp_path))
   ckpt.save(3, {"params": params}, {"version": 3})

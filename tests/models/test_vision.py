@@ -9,24 +9,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from knitjax import sharding
-from knitjax.models.transformer import TransformerConfig
-from knitjax.models.vision import VisionConfig, VisionEncoder, patchify
+from knitjax.models.vision import VisionEncoder, patchify
 from knitjax.models.vlm import VLM, make_prompt_embedder, splice_image_rows
 from knitjax.rollout.sampler import Sampler, SamplingConfig
+from tests.tiny import TINY, TINY_VISION
 
-LM = TransformerConfig(
-  vocab_size=32, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
-)
-VC = VisionConfig(
-  image_size=8,
-  patch_size=4,
-  d_model=32,
-  num_layers=1,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=64,
-  projector_dim=64,
-)
+LM, VC = TINY, TINY_VISION
 IMG = 3
 
 

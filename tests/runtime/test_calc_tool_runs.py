@@ -50,7 +50,6 @@ def _rows(workdir):
     return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.slow
 def test_colocated_quick_run(tmp_path):
   cfg = from_config_dict(calc_tool_tiny.get_config("quick"))
   train(cfg, str(tmp_path))
@@ -62,7 +61,6 @@ def test_colocated_quick_run(tmp_path):
   assert any(r["env_token_rows"] > 0 for r in rows)
 
 
-@pytest.mark.slow
 def test_disaggregated_quick_run(tmp_path):
   c = calc_tool_tiny.get_config("disagg_quick")
   c.runtime.rollout_devices = 4  # the test session has 8 devices: 4 sample, 4 train
@@ -89,7 +87,6 @@ def local_ray():
   ray.shutdown()
 
 
-@pytest.mark.slow
 def test_colocated_quick_run_with_a_ray_rollout_worker(local_ray, tmp_path):
   """The multi-turn rollout inside a Ray actor (HostedRollout drives it turn by turn)."""
   c = calc_tool_tiny.get_config("quick")

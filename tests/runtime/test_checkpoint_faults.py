@@ -154,7 +154,6 @@ def _config(steps):
   return from_config_dict(c)
 
 
-@pytest.mark.slow
 def test_resume_falls_back_past_a_damaged_checkpoint_and_a_torn_metrics_line(tmp_path, caplog):
   workdir = str(tmp_path)
   train(_config(2), workdir)

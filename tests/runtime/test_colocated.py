@@ -8,7 +8,6 @@ import textwrap
 
 import jax
 import numpy as np
-import pytest
 
 from configs import arith_tiny
 from knitjax.config import from_config_dict
@@ -63,7 +62,6 @@ def _params(workdir, config):
   return jax.device_get(restored.params), meta
 
 
-@pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
   """A run killed after its step-2 checkpoint resumes and ends like an uninterrupted run."""
   config = tiny_config(steps=4, every=2)

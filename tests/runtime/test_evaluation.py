@@ -85,7 +85,6 @@ def _eval_config(**eval_fields):
   return from_config_dict(c)
 
 
-@pytest.mark.slow
 def test_a_run_evaluates_before_during_and_after_and_the_cli_agrees(tmp_path):
   from knitjax.eval import evaluate
   from knitjax.runtime.train import train

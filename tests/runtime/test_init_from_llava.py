@@ -117,7 +117,6 @@ def test_llava_init_from_needs_the_image_task(llava):
     from_config_dict(c)
 
 
-@pytest.mark.slow
 def test_llava_init_from_trains_on_count_images(llava, tmp_path):
   path, _ = llava
   train(from_config_dict(_config(path)), str(tmp_path))

@@ -6,7 +6,6 @@ import os
 
 import jax
 import numpy as np
-import pytest
 from flax import nnx
 
 from configs import arith_disagg, arith_tiny
@@ -90,7 +89,7 @@ def test_checkpoint_round_trip_of_adapters_and_optimizer_state(tmp_path):
     assert a.sharding == b.sharding
 
 
-@pytest.mark.slow  # two short training runs (about 30 s on an idle machine)
+# Two short training runs (about 30 s on an idle machine).
 def test_lora_run_checkpoints_adapters_and_resumes(tmp_path):
   workdir = str(tmp_path)
   config = lora_config(steps=2)
@@ -114,7 +113,6 @@ def test_lora_run_checkpoints_adapters_and_resumes(tmp_path):
     assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
 
 
-@pytest.mark.slow
 def test_lora_runs_disaggregated_publishing_adapters(tmp_path):
   c = arith_disagg.get_config("quick")
   c.model.update(lora_rank=4, lora_alpha=8.0)

@@ -103,7 +103,6 @@ def test_two_process_main_agrees_on_step_version_and_params(tmp_path):
   np.testing.assert_allclose(norm, ends[1]["param_norm"], rtol=1e-5)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 def test_two_process_packed_gae_with_kl_reward(tmp_path):
   """Two consumers pack their own rows into the same number of sequences (from the consumer plan

@@ -22,7 +22,6 @@ def _rows(workdir):
     return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow
 def test_colocated_two_steps_with_packing(tmp_path):
   c = arith_tiny.get_config()
   c.admission.quotas = {"arith": 8}
@@ -40,7 +39,6 @@ def test_colocated_two_steps_with_packing(tmp_path):
     assert r["loss"] is not None and r["grad_norm"] > 0
 
 
-@pytest.mark.slow
 def test_colocated_packed_gae_with_kl_reward_and_packing_metrics(tmp_path):
   """PPO with a critic and the KL as a reward, packed; one mini-batch per step, so each step's
   packing metrics are one packing plan's and must agree with each other."""
@@ -68,7 +66,6 @@ def test_colocated_packed_gae_with_kl_reward_and_packing_metrics(tmp_path):
     assert r["pack_segments_max"] >= 2 and r["pack_rows"] % c.train.micro_batches == 0
 
 
-@pytest.mark.slow
 def test_disaggregated_centralized_run_with_packing(tmp_path):
   c = arith_disagg.get_config("quick")
   c.transfer.mode = "centralized"

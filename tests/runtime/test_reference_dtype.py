@@ -5,24 +5,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from knitjax import config as config_lib
-from knitjax import sharding
-from knitjax.models.transformer import Transformer
 from knitjax.runtime.builder import reference_params
 from knitjax.train import losses
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import StepHParams, batch_shardings, compile_train_step, init_train_state
-from tests.train.test_step import CFG, N_NEW, random_minibatch
+from tests import tiny
+from tests.tiny import N_NEW, TINY, random_minibatch
 
 
 def _params(mesh):
-  return sharding.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), mesh)
+  return tiny.init(TINY, mesh)
 
 
 def test_reference_params_are_new_buffers_in_the_chosen_dtype():
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  mesh = tiny.one_device_mesh()
   _, params = _params(mesh)
   for dtype in ("float32", "bfloat16"):
     ref = reference_params(params, dtype)
@@ -34,7 +32,7 @@ def test_reference_params_are_new_buffers_in_the_chosen_dtype():
 
 
 def test_a_bfloat16_reference_gives_nearly_the_float32_kl():
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  mesh = tiny.one_device_mesh()
   batch = split_micro_batches(random_minibatch(), 2)
   kls = {}
   for dtype in ("float32", "bfloat16"):

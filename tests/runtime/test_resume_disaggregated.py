@@ -12,8 +12,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from configs import arith_disagg
 from knitjax.config import from_config_dict
 from knitjax.runtime.train import train
@@ -33,7 +31,6 @@ def ckpt_meta(workdir, step):
     return json.load(f)
 
 
-@pytest.mark.slow
 def test_sigkill_resume_loses_nothing_and_consumes_nothing_twice(tmp_path):
   workdir = str(tmp_path / "run")
   script = textwrap.dedent(f"""

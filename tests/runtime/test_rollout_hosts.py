@@ -54,7 +54,6 @@ def test_rollout_hosts_config_errors(runtime, match):
     _config(rollout_hosts=1, **runtime)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _transfer_available(), reason="this jax has no jax.experimental.transfer")
 def test_trainer_and_one_rollout_host_run_three_steps(tmp_path):
   workdir = tmp_path / "run"

@@ -48,7 +48,6 @@ def test_the_recipe_reads_the_checkpoints_tokenizer_and_chat_template(folder):
   assert heldout and not {p.text for p in heldout} & train_questions
 
 
-@pytest.mark.slow
 def test_two_steps_of_the_recipe(folder, tmp_path):
   # As a user runs it: its own process on one CPU device (the suite's 8 fake devices would hold
   # eight copies of a 135M model's activations; about 3 GB here instead of 14 GB).

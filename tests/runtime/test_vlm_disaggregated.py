@@ -69,7 +69,6 @@ def local_ray():
   ray.shutdown()
 
 
-@pytest.mark.slow
 def test_vlm_with_ray_rollout_workers_stores_each_image_once(local_ray, tmp_path, monkeypatch):
   """Two Ray rollout actors, each writing to its own Ray storage unit: quotas, conservation and
   encoder dedup as in process; each unit holds one image per group, not one per sample."""
@@ -126,7 +125,6 @@ def test_vlm_with_ray_rollout_workers_stores_each_image_once(local_ray, tmp_path
   assert all(s["puts"] > 0 for s in seen[2][0].values())
 
 
-@pytest.mark.slow
 def test_vlm_sigkill_resume_keeps_the_images_of_pending_groups(tmp_path):
   """Killed after a checkpoint that holds pending or queued image groups, resumed to the end:
   nothing lost or consumed twice, the snapshot's images are the prompts' own, and every resumed

@@ -92,7 +92,6 @@ def _transfer_available() -> bool:
   return hasattr(transfer, "start_transfer_server")
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _transfer_available(), reason="this JAX has no jax.experimental.transfer")
 def test_rollout_process_pulls_bf16_versions_from_the_trainer_process(tmp_path):
   env = {**os.environ, "PYTHONPATH": REPO}

@@ -92,7 +92,6 @@ def test_registered_as_a_task():
     make_prompt_source("count_images", seed=0, cls="sum")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dedup", [True, False])
 def test_count_vlm_tiny_trains_through_the_runtime(tmp_path, dedup):
   """configs/count_vlm_tiny.py:quick end to end; metrics count the images each path encodes."""

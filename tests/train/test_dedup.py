@@ -14,27 +14,14 @@ import pytest
 from flax import nnx
 
 from knitjax import sharding
-from knitjax.models.transformer import TransformerConfig
-from knitjax.models.vision import VisionConfig
 from knitjax.models.vlm import VLM
 from knitjax.train import losses, mm_step
 from knitjax.train.batch import make_batch, pack_rows
 from knitjax.train.dedup import dedup_gather
 from knitjax.train.step import StepHParams
+from tests.tiny import TINY, TINY_VISION
 
-LM = TransformerConfig(
-  vocab_size=32, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
-)
-VC = VisionConfig(
-  image_size=8,
-  patch_size=4,
-  d_model=32,
-  num_layers=1,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=64,
-  projector_dim=64,
-)
+LM, VC = TINY, TINY_VISION
 IMG, P_LEN, N_NEW = 3, 8, 4
 G = 4
 # Five groups over three unique images: groups 0 and 3 share image 0, groups 1 and 4 image 1;
@@ -139,7 +126,7 @@ def test_naive_path_encodes_every_row_in_every_micro_batch(naive):
 
 @pytest.mark.parametrize(
   ("micro_batches", "remat"),
-  [pytest.param(1, False, marks=pytest.mark.slow), (3, False), (8, True)],
+  [(1, False), (3, False), (8, True)],
 )
 def test_dedup_gradients_equal_naive(mesh1, naive, micro_batches, remat):
   """Across micro-batch counts (and with the encoder rematerialised): group members split over
@@ -190,7 +177,7 @@ def _log_encoder_calls(monkeypatch):
 
 @pytest.mark.parametrize(
   ("dedup", "micro_batches", "remat"),
-  [(False, 2, False), (True, 3, True), pytest.param(True, 3, False, marks=pytest.mark.slow)],
+  [(False, 2, False), (True, 3, True), (True, 3, False)],
 )
 def test_counts_are_the_encoder_calls_that_ran(mesh1, monkeypatch, dedup, micro_batches, remat):
   """The step's counts against an independent log of the encoder calls executed, with a frozen
@@ -220,7 +207,6 @@ def test_padded_images_are_encoded_and_counted(mesh1):
   assert host["image_index"].shape == (2, 12)
 
 
-@pytest.mark.slow
 def test_dedup_on_sharded_mesh_equals_naive_single_device(naive):
   """(2, 2, 2) mesh of 8 fake devices: params FSDP + tensor sharded, rows and images split."""
   mesh8 = sharding.make_mesh((2, 2, 2))

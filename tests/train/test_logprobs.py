@@ -5,18 +5,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from knitjax import sharding
 from knitjax.config import TrainConfig
-from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import losses
-from knitjax.train.batch import split_micro_batches
 from knitjax.train.logprobs import token_logprobs_and_entropy
-from knitjax.train.step import StepHParams, batch_shardings, compile_train_step, init_train_state
-from tests.train.test_step import N_NEW, random_minibatch
+from knitjax.train.step import StepHParams
+from tests import tiny
+from tests.tiny import N_NEW, TINY, random_minibatch
 
 B, T, D, V = 2, 7, 16, 40
 # float32 on the CPU; log-probs, entropies and gradients are of order 1 here. A chunk's matmul
@@ -116,12 +114,9 @@ def test_bfloat16_hidden_states_keep_their_dtype_and_match():
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_model_hidden_states_and_unembedding_give_its_logits(tie):
-  cfg = TransformerConfig(
-    vocab_size=V, num_layers=1, d_model=D, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=32,
-    tie_embeddings=tie, value_head=True,
-  )  # fmt: skip
-  model = Transformer(cfg, rngs=nnx.Rngs(0))
-  tokens = jax.random.randint(jax.random.key(0), (B, T), 0, V)
+  cfg = dataclasses.replace(TINY, tie_embeddings=tie, value_head=True)
+  model = nnx.merge(*tiny.init(cfg))  # a jitted init; the calls below run eagerly
+  tokens = jax.random.randint(jax.random.key(0), (B, T), 0, cfg.vocab_size)
   positions = jnp.broadcast_to(jnp.arange(T), (B, T))
   valid = jnp.ones((B, T), bool)
   table, layout = model.unembedding()
@@ -135,38 +130,25 @@ def test_model_hidden_states_and_unembedding_give_its_logits(tie):
 
 
 def _step(mesh, batch, model_cfg, hp):
-  graphdef, params = sharding.init_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh)
-  tx = optax.sgd(1.0)
-  state, shardings = init_train_state(params, tx, mesh)
   kl = hp.loss.kl_coef > 0
-  step = compile_train_step(
-    graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
-    with_ref=kl,
-  )  # fmt: skip
-  before = jax.device_get(params)
-  ref = jax.tree.map(lambda x: x * 0.9, params) if kl else None
-  dev_batch = jax.device_put(split_micro_batches(batch, 2), batch_shardings(mesh))
-  with jax.set_mesh(mesh):
-    state, metrics = step(*((state, dev_batch, ref) if kl else (state, dev_batch)))
-  return before, jax.device_get(state.params), jax.device_get(metrics)
+  return tiny.train_step(
+    mesh, batch, hp, micro_batches=2, config=model_cfg, ref_scale=0.9 if kl else None
+  )
 
 
 @pytest.mark.parametrize(
   "tie,entropy_coef,kl_coef,temperature",
   [
     (True, 0.01, 0.04, 0.7),
-    pytest.param(False, 0.0, 0.0, 1.0, marks=pytest.mark.slow),  # untied: 2 more compiles
+    (False, 0.0, 0.0, 1.0),  # untied: 2 more compiles
   ],
 )
 def test_train_step_params_match_whole_logits(tie, entropy_coef, kl_coef, temperature):
   """One SGD(1.0) step, 2 micro-batches: the update (the gradient) and every metric of the
   chunked step (3 positions per chunk: T = 11 is not a multiple) equal the whole-logits step's
   within float32 tolerances; tied head with entropy and KL terms, and untied without."""
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  cfg = TransformerConfig(
-    vocab_size=32, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64,
-    tie_embeddings=tie,
-  )  # fmt: skip
+  mesh = tiny.one_device_mesh()
+  cfg = dataclasses.replace(TINY, tie_embeddings=tie)
   loss = losses.LossConfig(eps_high=0.28, kl_coef=kl_coef, entropy_coef=entropy_coef)
   hp = StepHParams(loss=loss, max_new_tokens=N_NEW, temperature=temperature, logprob_chunk=0)
   batch = random_minibatch()
@@ -174,28 +156,23 @@ def test_train_step_params_match_whole_logits(tie, entropy_coef, kl_coef, temper
   _, p1, m1 = _step(mesh, batch, cfg, dataclasses.replace(hp, logprob_chunk=3))
   for k in m0:
     np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
-  g0 = jax.tree.map(lambda a, b: a - b, before, p0)  # sgd(1.0): update = -grad
-  g1 = jax.tree.map(lambda a, b: a - b, before, p1)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g0)
+  g0, g1 = tiny.gradient(before, p0), tiny.gradient(before, p1)
+  tiny.assert_trees_close(g1, g0, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_sharded_chunked_step_matches_whole_logits():
   """(2, 2, 2) mesh on 8 fake devices (rows on the batch axes, the vocab on "tensor"): the
   chunked step's update equals the whole-logits step's on the same mesh."""
   mesh = sharding.make_mesh((2, 2, 2))
-  cfg = TransformerConfig(
-    vocab_size=32, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
-  )
+  cfg = TINY
   loss = losses.LossConfig(kl_coef=0.04, entropy_coef=0.01)
   hp = StepHParams(loss=loss, max_new_tokens=N_NEW, temperature=0.7, logprob_chunk=0)
   batch = random_minibatch(seed=4, rows=16)
   before, p0, m0 = _step(mesh, batch, cfg, hp)
   _, p1, m1 = _step(mesh, batch, cfg, dataclasses.replace(hp, logprob_chunk=4))
   np.testing.assert_allclose(m1["loss"], m0["loss"], rtol=1e-5, atol=1e-6)
-  g0 = jax.tree.map(lambda a, b: a - b, before, p0)
-  g1 = jax.tree.map(lambda a, b: a - b, before, p1)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g0)
+  g0, g1 = tiny.gradient(before, p0), tiny.gradient(before, p1)
+  tiny.assert_trees_close(g1, g0, rtol=1e-4, atol=1e-6)
 
 
 def test_config_refuses_a_negative_chunk():

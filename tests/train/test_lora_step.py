@@ -23,15 +23,16 @@ from knitjax.train.step import (
 )
 
 # The loss-menu step tests' tiny decoder and random mini-batch (same shapes).
-from tests.train.test_losses_menu_step import CFG, N_NEW, _minibatch
+from tests import tiny
+from tests.tiny import N_NEW, TINY, random_minibatch
 
-LORA = dataclasses.replace(CFG, lora_rank=4, lora_alpha=8.0)
+LORA = dataclasses.replace(TINY, lora_rank=4, lora_alpha=8.0)
 LOSS = losses.LossConfig(entropy_coef=0.01, kl_coef=0.05, kl_estimator="k3")
 
 
 @pytest.fixture(scope="module")
 def mesh():
-  return sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  return tiny.one_device_mesh()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,9 @@ def _lora_step(mesh, model, micro_batches, tx, loss=LOSS):
     graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
     frozen_shardings=sharding.state_shardings(base, mesh),
   )  # fmt: skip
-  batch = jax.device_put(split_micro_batches(_minibatch(), micro_batches), batch_shardings(mesh))
+  batch = jax.device_put(
+    split_micro_batches(random_minibatch(), micro_batches), batch_shardings(mesh)
+  )
   with jax.set_mesh(mesh):
     new_state, metrics = step(state, batch, base)
   return state, new_state, host_metrics(metrics)
@@ -83,13 +86,13 @@ def test_reference_policy_is_the_base(mesh, model):
   _, _, got = _lora_step(mesh, model, 1, tx)
   # A copy: merged shares the unadapted arrays (norms, embedding) with the base, and is donated.
   merged = jax.tree.map(lambda x: x.copy(), lora.merged(lora.combine(base, adapters)))
-  plain_graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))[0]
+  plain_graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0))))[0]
   state, shardings = init_train_state(merged, tx, mesh)
   step = compile_train_step(
     graphdef=plain_graphdef, optimizer=tx, hparams=StepHParams(loss=LOSS, max_new_tokens=N_NEW),
     state_shardings=shardings, mesh=mesh, with_ref=True,
   )  # fmt: skip
-  batch = jax.device_put(split_micro_batches(_minibatch(), 1), batch_shardings(mesh))
+  batch = jax.device_put(split_micro_batches(random_minibatch(), 1), batch_shardings(mesh))
   with jax.set_mesh(mesh):
     _, want = step(state, batch, base)
   want = host_metrics(want)

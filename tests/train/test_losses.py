@@ -9,6 +9,7 @@ import pytest
 
 from knitjax.train import losses
 from knitjax.train.losses import LossConfig, Normalizer
+from tests import tiny
 
 # Two sequences of 3 tokens. Ratios r = exp(logp - behavior) are chosen by hand:
 #   seq 0, A = +1: r = 1.5 (clipped at 1.2), 0.5, 1.1          -> pg = -1.2, -0.5, -1.1
@@ -130,26 +131,9 @@ def test_token_logprobs_and_entropy():
   np.testing.assert_allclose(losses.token_entropy(jnp.zeros((1, 1, 8))), [[math.log(8)]], 1e-6)
 
 
-def _random_batch(seed, b=8, t=6):
-  rng = np.random.default_rng(seed)
-  lengths = rng.integers(1, t + 1, size=b)
-  lengths[3] = 0  # a row with no response tokens (padding)
-  mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
-  behavior = -rng.uniform(0.1, 3.0, size=(b, t)).astype(np.float32)
-  logp = behavior + rng.normal(0, 0.5, size=(b, t)).astype(np.float32)
-  return dict(
-    logp=logp,
-    behavior=behavior,
-    adv=rng.normal(size=b).astype(np.float32),
-    mask=mask,
-    ref=behavior + rng.normal(0, 0.3, size=(b, t)).astype(np.float32),
-    ent=rng.uniform(0, 2, size=(b, t)).astype(np.float32),
-  )
-
-
 @pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
 def test_micro_batches_sum_to_mini_batch_loss_and_gradient(aggregation):
-  data = _random_batch(seed=1)
+  data = tiny.loss_inputs(seed=1)
   cfg = LossConfig(
     aggregation=aggregation, eps_high=0.28, tis_cap=1.5, kl_coef=0.05, entropy_coef=0.01
   )
@@ -182,7 +166,7 @@ def test_micro_batches_sum_to_mini_batch_loss_and_gradient(aggregation):
 
 def test_per_micro_batch_token_mean_is_a_different_objective():
   # The test above has teeth: averaging per-micro-batch token means changes the loss.
-  data = _random_batch(seed=2)
+  data = tiny.loss_inputs(seed=2)
   cfg = LossConfig()
 
   def loss(sl):
@@ -196,7 +180,7 @@ def test_per_micro_batch_token_mean_is_a_different_objective():
 
 
 def test_jit_with_traced_normalizer():
-  data = _random_batch(seed=3)
+  data = tiny.loss_inputs(seed=3)
   cfg = LossConfig(aggregation="seq_mean_token_mean")
 
   @jax.jit

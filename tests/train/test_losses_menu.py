@@ -15,6 +15,7 @@ from knitjax.train import kl as kl_lib
 from knitjax.train import losses, ratios
 from knitjax.train.losses import LossConfig, Normalizer
 from knitjax.train.reward_shaping import overlong_penalty
+from tests import tiny
 
 # Two sequences of 3 tokens, A = (+1, -2), ratios r = exp(logp - behavior) chosen by hand.
 RATIOS = np.array([[1.5, 0.5, 1.1], [1.5, 0.5, 3.0]], np.float32)
@@ -191,7 +192,7 @@ def test_gspo_token_level_would_differ():
 
 @pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
 def test_gspo_and_gspo_token_agree_with_one_advantage_per_sequence(aggregation):
-  data = _random_batch(seed=4)
+  data = tiny.loss_inputs(seed=4, ref_noise=0.8)
   out = []
   for level in ("sequence", "sequence_token"):
     cfg = LossConfig(ratio_level=level, aggregation=aggregation, eps_low=0.05, eps_high=0.05)
@@ -236,23 +237,6 @@ def test_cispo_hand_values():
 # --- exact micro-batch split, every mode --------------------------------------------------------
 
 
-def _random_batch(seed, b=8, t=6):
-  rng = np.random.default_rng(seed)
-  lengths = rng.integers(1, t + 1, size=b)
-  lengths[3] = 0  # a row with no response tokens (padding)
-  mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
-  behavior = -rng.uniform(0.1, 3.0, size=(b, t)).astype(np.float32)
-  logp = behavior + rng.normal(0, 0.5, size=(b, t)).astype(np.float32)
-  return dict(
-    logp=logp,
-    behavior=behavior,
-    adv=rng.normal(size=b).astype(np.float32),
-    mask=mask,
-    ref=behavior + rng.normal(0, 0.8, size=(b, t)).astype(np.float32),
-    ent=rng.uniform(0, 2, size=(b, t)).astype(np.float32),
-  )
-
-
 MODES = {
   "unscaled": dict(aggregation="seq_mean_token_sum_unscaled"),
   "dr_grpo": dict(aggregation="dr_grpo"),
@@ -270,7 +254,7 @@ MODES = {
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_micro_batches_sum_to_mini_batch_loss_and_gradient(mode):
-  data = _random_batch(seed=1)
+  data = tiny.loss_inputs(seed=1, ref_noise=0.8)
   cfg = LossConfig(**{"kl_coef": 0.05, "entropy_coef": 0.01, **MODES[mode]})
   norm = Normalizer.from_mask(data["mask"], max_len=6)
 
@@ -298,7 +282,7 @@ def test_micro_batches_sum_to_mini_batch_loss_and_gradient(mode):
 
 def test_modes_change_the_loss():
   # Each mode above computes something other than the default loss on the same batch.
-  data = _random_batch(seed=1)
+  data = tiny.loss_inputs(seed=1, ref_noise=0.8)
   norm = Normalizer.from_mask(data["mask"], max_len=6)
   args = [jnp.asarray(data[k]) for k in ("logp", "behavior", "adv", "mask")]
 

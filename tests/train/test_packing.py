@@ -25,7 +25,8 @@ from knitjax.train.step import (
   host_metrics,
   init_train_state,
 )
-from tests.train.test_losses_menu_step import CFG, N_NEW, P_LEN, ROWS
+from tests import tiny
+from tests.tiny import N_NEW, P_LEN, ROWS, TINY
 
 
 def _minibatch(seed=0, rows=ROWS, p_len=P_LEN, n_new=N_NEW):
@@ -160,7 +161,7 @@ def _source_index(batch, **kw):
 def test_packed_forward_gives_the_padded_rows_logits():
   batch = _minibatch(1)
   packed, src = _source_index(batch, pack_len=P_LEN + N_NEW + 3)
-  graphdef, params = nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(Transformer(TINY, rngs=nnx.Rngs(0)))
 
   @jax.jit
   def logits(tokens, positions, valid, segment_ids):
@@ -169,7 +170,7 @@ def test_packed_forward_gives_the_padded_rows_logits():
   padded = np.asarray(logits(batch["tokens"], batch["positions"], batch["valid"], None))
   got = np.asarray(logits(*(packed[k] for k in ("tokens", "positions", "valid", "segment_ids"))))
   v = packed["valid"]
-  want = padded.reshape(-1, CFG.vocab_size)[src[v]]
+  want = padded.reshape(-1, TINY.vocab_size)[src[v]]
   np.testing.assert_allclose(got[v], want, rtol=1e-5, atol=1e-5)
 
 
@@ -229,45 +230,22 @@ def test_packed_policy_loss_equals_padded(mode):
   )
 
 
-def sgd_step(mesh, batch, hparams, *, packed, micro_batches=2, config=CFG, adjust=None):
-  """One real train step (SGD, lr 1) on ``batch``: the parameter change and the host metrics.
-
-  ``adjust(params)``, if given, edits the fresh params in place before the state is built.
-  """
-  graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
-  if adjust is not None:
-    adjust(params)
-  tx = optax.sgd(1.0)
-  state, shardings = init_train_state(params, tx, mesh)
-  step = compile_train_step(
-    graphdef=graphdef, optimizer=tx, hparams=hparams, state_shardings=shardings, mesh=mesh,
-    with_ref=True, packed=packed,
+def sgd_step(mesh, batch, hparams, *, packed, micro_batches=2, config=TINY, adjust=None):
+  """One real train step (SGD, lr 1, a reference of 0.9 x the params) on ``batch``: the
+  parameter change and the host metrics. ``adjust(params)`` edits the fresh params in place."""
+  before, after, metrics = tiny.train_step(
+    mesh, batch, hparams, micro_batches=micro_batches, config=config, ref_scale=0.9,
+    packed=packed, edit_params=adjust,
   )  # fmt: skip
-  before = jax.device_get(params)
-  ref = jax.tree.map(lambda x: x * 0.9, params)
-  dev_batch = jax.device_put(
-    split_micro_batches(batch, micro_batches), batch_shardings(mesh, packed=packed)
-  )
-  with jax.set_mesh(mesh):
-    state, metrics = step(state, dev_batch, ref)
-  grads = jax.tree.map(lambda a, b: a - b, before, jax.device_get(state.params))  # sgd(1.0)
-  return grads, host_metrics(metrics)
+  return tiny.gradient(before, after), metrics
 
 
 def _run(mesh, batch, loss_config, *, packed):
   return sgd_step(mesh, batch, StepHParams(loss=loss_config, max_new_tokens=N_NEW), packed=packed)
 
 
-# The step test compiles two steps per mode (~10 s or more on two busy cores): one mode in the
-# quick suite (GSPO, the per-row ratio and mean), the rest marked slow; the loss test above runs
-# all of them.
-STEP_MODES = [
-  pytest.param(m, marks=() if m == "seq_mean_token_mean" else pytest.mark.slow)
-  for m in sorted(MODES)
-]
-
-
-@pytest.mark.parametrize("mode", STEP_MODES)
+# The step test compiles two steps per mode (~10 s or more on two busy cores).
+@pytest.mark.parametrize("mode", sorted(MODES))
 def test_packed_step_equals_padded_step(mode):
   """Loss, metrics and the SGD update agree to float32 summation-order tolerance (rtol 1e-5 on
   the loss and metrics, 1e-4 / atol 1e-6 on each gradient entry)."""
@@ -282,15 +260,13 @@ def test_packed_step_equals_padded_step(mode):
   assert m1["num_seqs"] == m0["num_seqs"] and m1["num_tokens"] == m0["num_tokens"]
   for key in sorted(m0):
     np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, atol=1e-6, err_msg=key)
-  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+  tiny.assert_trees_close(g1, g0, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_packed_lora_step_equals_padded_step():
   """With LoRA (adapters trained, the base frozen and the reference) the packed update too."""
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  config = dataclasses.replace(CFG, lora_rank=4, lora_alpha=8.0)
+  config = dataclasses.replace(TINY, lora_rank=4, lora_alpha=8.0)
   graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
   adapters, base = lora.split(params)
   adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # B != 0: the adapters matter

@@ -6,27 +6,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
-from knitjax import sharding
-from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import advantages, losses, step_advantages
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
-from knitjax.train.step import (
-  StepHParams,
-  batch_shardings,
-  compile_train_step,
-  host_metrics,
-  init_train_state,
-)
+from knitjax.train.batch import make_batch, split_micro_batches
+from knitjax.train.step import StepHParams
 from knitjax.train.step_advantages import AdvantageConfig
+from tests import tiny
+from tests.tiny import N_NEW, P_LEN, ROWS, TINY
 
-CFG = TransformerConfig(
-  vocab_size=32, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
-)
-P_LEN, N_NEW, ROWS, G = 4, 6, 8, 4
+G = 4
+
+# Compiled once per split (op-by-op dispatch of the eager function is the slow part on the CPU).
+_compute = jax.jit(step_advantages.compute, static_argnames=("config", "kl_coef"))
 
 MODES = {
   # gamma, lambda < 1 and a value clip; the KL a loss term.
@@ -39,40 +31,29 @@ MODES = {
 
 def _minibatch(seed=0):
   rng = np.random.default_rng(seed)
-  prompts = [rng.integers(3, 32, rng.integers(2, P_LEN + 1)).astype(np.int32) for _ in range(ROWS)]
-  lens = rng.integers(1, N_NEW + 1, ROWS)
-  responses = [rng.integers(3, 32, n).astype(np.int32) for n in lens]
-  logps = [rng.normal(-3.0, 0.5, n).astype(np.float32) for n in lens]
+  rows = tiny.random_rows(rng)
   rewards = rng.integers(0, 2, ROWS).astype(np.float32)
   group_ids = np.repeat([11, 5], G)  # two groups of G; K=4 splits each across micro-batches
   adv = advantages.compute_advantages(rewards.reshape(-1, G), "grpo").reshape(-1)
   return make_batch(
-    pack_rows(prompts, responses, logps), adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0,
-    rewards=rewards, group_ids=group_ids,
+    rows, adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0, rewards=rewards,
+    group_ids=group_ids,
   )  # fmt: skip
 
 
 def _run(mesh, batch, micro_batches, advantage, kl_penalty, *, ref_scale=0.9):
-  config = dataclasses.replace(CFG, value_head=advantage.critic)
-  graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
-  if advantage.critic:  # a critic that predicts something, so GAE bootstraps from real values
+  def critic_predicts(params):  # a critic that predicts something: GAE bootstraps real values
     bias = params["value_head"]["bias"]
     bias[...] = bias[...] + 0.3
-  tx = optax.sgd(1.0)
-  state, shardings = init_train_state(params, tx, mesh)
+
   loss_config = losses.LossConfig(kl_coef=0.05, kl_penalty=kl_penalty, entropy_coef=0.01)
   hp = StepHParams(loss=loss_config, advantage=advantage, max_new_tokens=N_NEW)
-  step = compile_train_step(
-    graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
-    with_ref=True,
+  before, after, metrics = tiny.train_step(
+    mesh, batch, hp, micro_batches=micro_batches, ref_scale=ref_scale,
+    config=dataclasses.replace(TINY, value_head=advantage.critic),
+    edit_params=critic_predicts if advantage.critic else None,
   )  # fmt: skip
-  before = jax.device_get(params)
-  ref = jax.tree.map(lambda x: x * ref_scale, params)
-  dev_batch = jax.device_put(split_micro_batches(batch, micro_batches), batch_shardings(mesh))
-  with jax.set_mesh(mesh):
-    state, metrics = step(state, dev_batch, ref)
-  grads = jax.tree.map(lambda a, b: a - b, before, jax.device_get(state.params))  # sgd(1.0)
-  return grads, host_metrics(metrics)
+  return tiny.gradient(before, after), metrics
 
 
 @pytest.mark.parametrize("mode", ["gae", "grpo_kl_reward"])
@@ -86,7 +67,7 @@ def test_step_advantages_do_not_depend_on_the_split(mode):
   out = {}
   for k in (1, 2, 4):
     split = split_micro_batches({**batch, "values": values, "kl": kl}, k)
-    new, metrics = step_advantages.compute(
+    new, metrics = _compute(
       {f: jnp.asarray(split[f]) for f in ("loss_mask", "rewards", "group_id")},
       config=advantage,
       old_values=jnp.asarray(split["values"], jnp.float32) if advantage.critic else None,
@@ -103,17 +84,15 @@ def test_step_advantages_do_not_depend_on_the_split(mode):
 
 
 # Each mode compiles the step twice (about 40 s on a loaded 2-core machine).
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_micro_batch_split_is_exact(mode):
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  mesh = tiny.one_device_mesh()
   batch = _minibatch()
   g1, m1 = _run(mesh, batch, 1, *MODES[mode])
   for k in (4,):
     gk, mk = _run(mesh, batch, k, *MODES[mode])
     np.testing.assert_allclose(mk["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(gk), strict=True):
-      np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    tiny.assert_trees_close(gk, g1, rtol=1e-4, atol=1e-6)
     for key in ("pg_loss", "kl", "value_loss", "explained_variance", "kl_reward_penalty"):
       if key in m1:
         np.testing.assert_allclose(mk[key], m1[key], rtol=1e-5, atol=1e-6)
@@ -126,15 +105,13 @@ def test_micro_batch_split_is_exact(mode):
     assert m1["kl_reward_penalty"] > 0
 
 
-@pytest.mark.slow
 def test_kl_reward_with_the_reference_equal_to_the_policy_gives_the_host_advantages():
   """KL = 0: the in-step group advantages (segment ops, over both groups) are the host's."""
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  mesh = tiny.one_device_mesh()
   batch = _minibatch()
   adv = AdvantageConfig(estimator="grpo")
   g_reward, m_reward = _run(mesh, batch, 4, adv, "reward", ref_scale=1.0)
   g_loss, m_loss = _run(mesh, batch, 4, adv, "loss", ref_scale=1.0)
   assert m_reward["kl_reward_penalty"] == pytest.approx(0.0, abs=1e-6)
   np.testing.assert_allclose(m_reward["loss"], m_loss["loss"], rtol=1e-5, atol=1e-7)
-  for a, b in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_reward), strict=True):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+  tiny.assert_trees_close(g_reward, g_loss, rtol=1e-4, atol=1e-6)

@@ -9,59 +9,20 @@ import pytest
 from flax import nnx
 
 from knitjax import sharding
-from knitjax.models.transformer import Transformer, TransformerConfig
+from knitjax.models.transformer import Transformer
 from knitjax.train import losses
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
-from knitjax.train.step import (
-  StepHParams,
-  batch_shardings,
-  compile_train_step,
-  host_metrics,
-  init_train_state,
-)
-
-CFG = TransformerConfig(
-  vocab_size=32, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=64
-)
-P_LEN, N_NEW, ROWS = 5, 6, 8
-
-
-def random_minibatch(seed=0, rows=ROWS):
-  rng = np.random.default_rng(seed)
-  prompts = [rng.integers(3, 32, rng.integers(2, P_LEN + 1)).astype(np.int32) for _ in range(rows)]
-  lens = rng.integers(1, N_NEW + 1, rows)
-  responses = [rng.integers(3, 32, n).astype(np.int32) for n in lens]
-  # Behavior log-probs off the current policy so ratios differ from 1 and clipping is active.
-  logps = [rng.normal(-3.0, 0.5, n).astype(np.float32) for n in lens]
-  adv = rng.normal(size=rows).astype(np.float32)
-  return make_batch(
-    pack_rows(prompts, responses, logps), adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0
-  )
+from knitjax.train.step import StepHParams, batch_shardings, init_train_state
+from tests import tiny
+from tests.tiny import N_NEW, ROWS, TINY, random_minibatch
 
 
 def run_step(mesh, batch, micro_batches, *, aggregation="token_mean", tx=None, kl=0.0):
-  graphdef, params = sharding.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), mesh)
-  tx = tx or optax.sgd(1.0)
-  state, shardings = init_train_state(params, tx, mesh)
   hp = StepHParams(
     loss=losses.LossConfig(aggregation=aggregation, eps_high=0.28, kl_coef=kl, entropy_coef=0.01),
     max_new_tokens=N_NEW,
   )
-  step = compile_train_step(
-    graphdef=graphdef,
-    optimizer=tx,
-    hparams=hp,
-    state_shardings=shardings,
-    mesh=mesh,
-    with_ref=kl > 0,
-  )
-  before = jax.device_get(params)
-  ref = jax.tree.map(lambda x: x * 0.9, params) if kl > 0 else None
-  dev_batch = jax.device_put(split_micro_batches(batch, micro_batches), batch_shardings(mesh))
-  with jax.set_mesh(mesh):
-    args = (state, dev_batch, ref) if kl > 0 else (state, dev_batch)
-    state, metrics = step(*args)
-  return before, jax.device_get(state.params), host_metrics(metrics)
+  ref_scale = 0.9 if kl > 0 else None
+  return tiny.train_step(mesh, batch, hp, micro_batches=micro_batches, tx=tx, ref_scale=ref_scale)
 
 
 # seq_mean_token_sum is dr_grpo under its older name (the same function): not compiled twice.
@@ -70,16 +31,14 @@ def run_step(mesh, batch, micro_batches, *, aggregation="token_mean", tx=None, k
 )
 def test_micro_batch_split_is_exact(aggregation):
   """Loss and gradient of a mini-batch do not depend on its split into micro-batches."""
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  mesh = tiny.one_device_mesh()
   batch = random_minibatch()
   before, p1, m1 = run_step(mesh, batch, 1, aggregation=aggregation)
-  grads1 = jax.tree.map(lambda a, b: a - b, before, p1)  # sgd(1.0): update = -grad
+  grads1 = tiny.gradient(before, p1)
   for k in (4,):  # uneven token counts per micro-batch; 1 vs 4 keeps compiles few
     _, pk, mk = run_step(mesh, batch, k, aggregation=aggregation)
     np.testing.assert_allclose(mk["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
-    gk = jax.tree.map(lambda a, b: a - b, before, pk)
-    for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(gk), strict=True):
-      np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    tiny.assert_trees_close(tiny.gradient(before, pk), grads1, rtol=1e-4, atol=1e-6)
     assert mk["num_tokens"] == m1["num_tokens"] == batch["loss_mask"].sum()
     np.testing.assert_allclose(mk["clip_frac"], m1["clip_frac"], atol=1e-6)
 
@@ -104,7 +63,6 @@ def test_per_micro_batch_token_mean_would_differ():
   np.testing.assert_allclose(float(sum(parts)), whole, rtol=1e-6)
 
 
-@pytest.mark.slow
 def test_sharded_step_matches_single_device():
   """(2,2,2) mesh on 8 fake devices == 1 device: loss and updated params.
 
@@ -114,7 +72,7 @@ def test_sharded_step_matches_single_device():
   params are compared at atol 1e-4 (updates are ~1e-2).
   """
   batch = random_minibatch(seed=2, rows=16)
-  mesh1 = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  mesh1 = tiny.one_device_mesh()
   mesh8 = sharding.make_mesh((2, 2, 2))
   for tx, atol in (
     (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), 1e-6),
@@ -124,13 +82,12 @@ def test_sharded_step_matches_single_device():
     _, p8, m8 = run_step(mesh8, batch, 2, tx=tx, kl=0.05)
     np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m8["kl"], m1["kl"], rtol=1e-4, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8), strict=True):
-      np.testing.assert_allclose(b, a, rtol=1e-5, atol=atol)
+    tiny.assert_trees_close(p8, p1, rtol=1e-5, atol=atol)
 
 
 def test_state_is_sharded_on_fsdp_tensor_mesh():
   mesh = sharding.make_mesh((2, 2, 2))
-  cfg = dataclasses.replace(CFG, d_model=128, ffn_dim=256, vocab_size=256)
+  cfg = dataclasses.replace(TINY, num_layers=2, d_model=128, ffn_dim=256, vocab_size=256)
   _, params = sharding.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
   state, _ = init_train_state(params, optax.adamw(1e-3), mesh)
   sharding.assert_params_sharded(state.params, mesh, min_size=4096)

@@ -22,8 +22,8 @@ from knitjax.train.step import (
   StepHParams,
 )
 from knitjax.train.step_advantages import AdvantageConfig
+from tests.tiny import N_NEW, P_LEN, TINY
 from tests.train.test_packing import _source_index, sgd_step
-from tests.train.test_ppo_step import CFG, N_NEW, P_LEN
 
 ROWS, G, K = 12, 4, 2
 PACK_LEN = P_LEN + N_NEW + 3
@@ -156,16 +156,12 @@ def _run(mesh, batch, mode, *, packed):
 
   loss_config = losses.LossConfig(kl_coef=KL_COEF, kl_penalty=kl_penalty, entropy_coef=0.01)
   hp = StepHParams(loss=loss_config, advantage=advantage, max_new_tokens=N_NEW)
-  config = dataclasses.replace(CFG, value_head=advantage.critic)
+  config = dataclasses.replace(TINY, value_head=advantage.critic)
   return sgd_step(mesh, batch, hp, packed=packed, micro_batches=K, config=config, adjust=adjust)
 
 
-# Each mode compiles two steps (~10-20 s on two busy cores): GAE with the KL as a reward in the
-# quick suite (the critic, the restart and the token KL at once), the others marked slow.
-STEP_MODES = [
-  pytest.param(m, marks=() if m == "gae_kl_reward" else pytest.mark.slow)
-  for m in ("gae", "gae_kl_reward", "grpo_kl_reward")
-]
+# Each mode compiles two steps (~10-20 s on two busy cores).
+STEP_MODES = ["gae", "gae_kl_reward", "grpo_kl_reward"]
 
 
 @pytest.mark.parametrize("mode", STEP_MODES)

@@ -23,7 +23,8 @@ from knitjax.transfer.feed import exposed_transfer
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.prepare import MiniBatchPreparer
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits, image_hash
-from tests.train.test_dedup import LM, VC  # the tiny VLM the dedup tests use
+from tests.tiny import TINY as LM  # the tiny VLM (tests/tiny.py)
+from tests.tiny import TINY_VISION as VC
 
 IMG, N_NEW, G = 3, 4, 4
 P_LEN = 1 + VC.num_patches + 2

@@ -6,12 +6,9 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitjax import sharding
-from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import losses
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import (
@@ -27,6 +24,8 @@ from knitjax.transfer.consumer import plan_consumers
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.payload import synthetic_payload
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
+from tests import tiny
+from tests.tiny import TINY
 
 
 def _group(gid, tokens, unit, g=2):
@@ -94,9 +93,7 @@ def test_plan_rejects_uneven_split():
     plan_consumers(MiniBatch(0, 0, groups), 2, locality_slack=-1)
 
 
-CFG = TransformerConfig(
-  vocab_size=32, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=32
-)
+CFG = TINY  # tests/tiny.py
 P_LEN, N_NEW, G = 4, 5, 2
 LAYOUT = BatchLayout(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
 
@@ -146,10 +143,10 @@ def test_consumers_fetch_only_their_groups_and_the_update_is_unchanged():
   key = lambda b, i: b["tokens"][i].tobytes() + b["advantages"][i].tobytes()  # noqa: E731
   assert sorted(key(flat, i) for i in range(16)) == sorted(key(whole, i) for i in range(16))
 
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  mesh = tiny.one_device_mesh()
   results = []
   for batch in (split_micro_batches(whole, k), assembled):
-    graphdef, params = sharding.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), mesh)
+    graphdef, params = tiny.init(CFG, mesh)
     state, shardings = init_train_state(params, optax.sgd(1.0), mesh)
     step = compile_train_step(
       graphdef=graphdef,

@@ -12,7 +12,6 @@ import textwrap
 
 import jax
 import numpy as np
-import pytest
 
 # The shared part: the model, the groups and the step, identical in every process.
 COMMON = textwrap.dedent(
@@ -119,7 +118,6 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_process_consumers_match_the_single_process_update(tmp_path):
   common = tmp_path / "common.py"
   common.write_text(COMMON)

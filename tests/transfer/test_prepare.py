@@ -5,7 +5,6 @@ import dataclasses
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from knitjax import sharding
@@ -124,22 +123,13 @@ def test_metadata_that_disagrees_with_the_payloads_is_an_error():
     prepare(minibatch)
 
 
-@pytest.mark.slow
 def test_two_packing_consumers_give_the_padded_update():
   """Two consumers' packed parts, assembled as to_global would, give the update of the whole
   mini-batch padded on one consumer: GRPO with the KL as a reward, computed in the step over
   both consumers' segments (float32: metrics rtol 1e-5, update rtol 1e-4 / atol 1e-6)."""
-  from flax import nnx
-
-  from knitjax.models.transformer import Transformer, TransformerConfig
   from knitjax.train import losses
-  from knitjax.train.step import (
-    StepHParams,
-    batch_shardings,
-    compile_train_step,
-    host_metrics,
-    init_train_state,
-  )
+  from knitjax.train.step import StepHParams
+  from tests import tiny
 
   minibatch, units = _two_units(1)
   mesh = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])
@@ -149,34 +139,16 @@ def test_two_packing_consumers_give_the_padded_update():
   host = [jax.device_get(b) for b, _ in _consumer_parts(minibatch, units, one, LAYOUT, spec)]
   packed = {k: np.concatenate([h[k] for h in host], axis=1) for k in host[0]}
   padded, _ = MiniBatchPreparer(units, layout=LAYOUT, mesh=mesh, micro_batches=2)(minibatch)
-  cfg = TransformerConfig(
-    vocab_size=VOCAB, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
-    ffn_dim=64,
-  )  # fmt: skip
+  cfg = dataclasses.replace(tiny.TINY, vocab_size=VOCAB)  # the stored groups' vocab
   hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05, kl_penalty="reward"), max_new_tokens=N_NEW)
   out = []
   for batch, is_packed in ((padded, False), (packed, True)):
-    graphdef, params = sharding.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    tx = optax.sgd(1.0)
-    state, shardings = init_train_state(params, tx, mesh)
-    step = compile_train_step(
-      graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
-      with_ref=True, packed=is_packed,
-    )  # fmt: skip
-    ref = jax.tree.map(lambda x: x * 0.9, params)
-    before = jax.device_get(params)
-    batch = jax.device_put(dict(batch), batch_shardings(mesh, packed=is_packed))
-    with jax.set_mesh(mesh):
-      state, metrics = step(state, batch, ref)
-    out.append(
-      (
-        jax.tree.map(lambda a, b: a - b, before, jax.device_get(state.params)),
-        host_metrics(metrics),
-      )
+    before, after, metrics = tiny.train_step(
+      mesh, batch, hp, config=cfg, ref_scale=0.9, packed=is_packed
     )
+    out.append((tiny.gradient(before, after), metrics))
   (g0, m0), (g1, m1) = out
   assert m0["kl_reward_penalty"] > 0 and m1["num_seqs"] == m0["num_seqs"] == 4 * G
   for key in sorted(m0):
     np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, atol=1e-6, err_msg=key)
-  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+  tiny.assert_trees_close(g1, g0, rtol=1e-4, atol=1e-6)

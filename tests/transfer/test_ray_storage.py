@@ -120,7 +120,6 @@ def test_consumer_fetches_a_minibatch_from_two_ray_units(ray_local):
     np.testing.assert_array_equal(batch[k], expected[k])
 
 
-@pytest.mark.slow
 def test_colocated_run_with_ray_storage_units(ray_local, tmp_path):
   """The real loop, with its storage unit in a Ray actor, trains and releases every group."""
   from configs import arith_tiny
@@ -133,7 +132,6 @@ def test_colocated_run_with_ray_storage_units(ray_local, tmp_path):
   assert out["step"] == c.runtime.steps and out["version"] == 2 * c.admission.minibatches
 
 
-@pytest.mark.slow
 def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
   """Rollout in a Ray actor writing to a storage unit on its node; the trainer fetches from it."""
   from configs import arith_tiny
@@ -165,7 +163,6 @@ def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
   pool.close()
 
 
-@pytest.mark.slow
 def test_disaggregated_run_with_ray_rollout_workers(ray_local, tmp_path):
   """Disaggregated mode drives Ray rollout actors through the same contract as in process:
   quotas per step, versions, conservation; payloads fetched from the actors' node-local units."""
