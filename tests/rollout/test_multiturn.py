@@ -329,7 +329,6 @@ def _env_positions(payload):
   return env
 
 
-@pytest.mark.slow
 def test_behaviour_logprobs_equal_the_trainers_on_the_multi_turn_sequence(sampled):
   graphdef, params, payload, batch, info = sampled
   env = _env_positions(payload)
@@ -350,7 +349,6 @@ def test_behaviour_logprobs_equal_the_trainers_on_the_multi_turn_sequence(sample
   ).all()
 
 
-@pytest.mark.slow
 def test_environment_tokens_never_get_a_gradient(sampled):
   graphdef, params, payload, batch, _ = sampled
   env = _env_positions(payload)

@@ -107,7 +107,6 @@ def test_quick_run_versions_quotas_and_conservation(tmp_path):
   assert timings["weight_publish_bytes_mean"] == max(r["weight_publish_bytes"] for r in rows) > 0
 
 
-@pytest.mark.slow
 def test_train_batch_step_sync_and_partial_rollout(tmp_path):
   config = quick_config(weight_sync="step", adoption="mid_generation", max_lag_steps=0.5)
   config.admission.policy = "train_batch"
