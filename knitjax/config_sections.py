@@ -76,10 +76,6 @@ class RolloutConfig:
   # Prompt tokens a lane prefills per decode iteration (0: the whole prompt at once, stalling the
   # live slots for it).
   prefill_chunk: int = 64
-  # Prompts each shard may hold in the device-side queue, started inside an engine call as its
-  # slots and lanes free up, without a return to the host (0: none). Measured: engine calls per
-  # group start 0.88 -> 0.44, real runs +1% to +40% steps/h (docs/disaggregated.md).
-  queue_prompts: int = 2
   # What generates behind the rollout contract: "batched" (one sampler call per wave of
   # slots // group_size groups; colocated: the whole step), "continuous" (the engine),
   # "multiturn" (model and environment turns, tasks with an environment), "auto".
@@ -98,7 +94,6 @@ class RolloutConfig:
     positive("config.rollout.decode_steps", self.decode_steps)
     positive("config.rollout.refill_groups", self.refill_groups)
     positive("config.rollout.prefill_chunk", self.prefill_chunk, allow_zero=True)
-    positive("config.rollout.queue_prompts", self.queue_prompts, allow_zero=True)
     one_of("config.rollout.engine", self.engine, ENGINES)
     positive("config.rollout.max_new_tokens", self.max_new_tokens)
     positive("config.rollout.max_turns", self.max_turns)

@@ -1,6 +1,5 @@
 """Rollout engine benchmark: group-start stalls and tokens/s of the run's engine against the engine
-before chunked prefill and prefix sharing, without its device-side queue, and the batched sampler
-(`knitjax/bench/engine.py`).
+before chunked prefill and prefix sharing, and the batched sampler (`knitjax/bench/engine.py`).
 
 Usage:
   python -m knitjax.bench --config configs/bench/engine.py --workdir /tmp/engine
@@ -10,8 +9,7 @@ Shape: a Qwen3-style decoder (2 layers, d_model 128, ffn 256, 4 heads x 32, 2 KV
 512) on one CPU device (the real staleness runs' rollout side); 64 groups x G=8; prompts of 64-128
 tokens (GSM8K-like chat prompts are ~100-200); budgets cycling 8, 16, 64 tokens (a long tail, as
 the longtail task's classes); 64 slots (8 groups at once), 8 iterations per call, chunks of 64
-prompt tokens and 2 prompts per shard in the device-side queue (the config defaults), one prefill
-lane.
+prompt tokens (the config default), one prefill lane.
 """
 
 import ml_collections
@@ -36,7 +34,6 @@ def get_config(arg=None):
   c.decode_steps = 8
   c.prefill_chunk = 64
   c.lanes = 1
-  c.queue_prompts = 2  # the "engine" rollout: prompts waiting on the device, per shard
   c.rounds = 3
   c.version_every = 4  # new_groups engines get a new version every 4 calls (0: skip them)
   if arg in (None, ""):

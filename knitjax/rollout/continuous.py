@@ -8,9 +8,8 @@ iterations of the live slots, and once for all the samples that share it (a grou
 samples): the jitted loop is `knitjax.rollout.continuous_step`. This module keeps the host side:
 the policy versions, the calls (launched, then collected) and the finished samples (read back
 from a call's outbox).
-Which sample holds which slot, which lane prefills which prompt and the prompts waiting in the
-device-side queue (``queue_prompts``: started inside a call as slots free up, without a return
-to the host) are the engine's `knitjax.rollout.slot_book.SlotBook`.
+Which sample holds which slot and which lane prefills which prompt are the engine's
+`knitjax.rollout.slot_book.SlotBook`.
 
 Weights: `load` installs a new policy version. With ``adoption="mid_generation"`` (partial
 rollout) live samples switch to it at once; the sample's gen version stays the oldest version it
@@ -63,7 +62,6 @@ class ContinuousEngine:
     decode_steps: int,
     adoption: str,
     param_slots: int,
-    queue_prompts: int,
     share_prefix: bool = True,
     split_versions: bool = True,
   ):
@@ -83,9 +81,6 @@ class ContinuousEngine:
         taken up).
       adoption: ``"mid_generation"`` (partial rollout) or ``"new_groups"``.
       param_slots: versions held at once with ``"new_groups"`` (1 with mid-generation).
-      queue_prompts: prompts each shard may hold in the device-side queue: requests beyond the
-        free room wait there and start inside the call as slots and lanes free up, without a
-        return to the host (0: none; every start waits for the host's next call).
       share_prefix: requests with identical prompts started in one call share one prefill (a
         group's ``G`` samples); False (the engine benchmark's baseline) prefills each request on
         its own lane.
@@ -107,8 +102,6 @@ class ContinuousEngine:
       raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: the whole prompt).")
     if decode_steps < 1:
       raise ValueError(f"decode_steps={decode_steps} must be >= 1.")
-    if queue_prompts < 0:
-      raise ValueError(f"queue_prompts={queue_prompts} must be >= 0 (0: no device-side queue).")
     if adoption == "new_groups" and param_slots < 2:
       raise ValueError(f"param_slots={param_slots} must be >= 2 with adoption='new_groups'.")
     self.graphdef, self.mesh, self.sampling = graphdef, mesh, sampling
@@ -133,13 +126,11 @@ class ContinuousEngine:
       pad_id=pad_id,
       max_new_tokens=sampling.max_new_tokens,
       share_prefix=share_prefix,
-      queue_prompts=queue_prompts,
     )
     self._state = None
     self._lanes = None
     # The call launched and not yet collected: (stats, outbox, slots and lanes after it, version,
-    # perf_counter and time.time at launch, samples held before it, prompts the host started,
-    # prompts queued on each shard).
+    # perf_counter and time.time at launch, samples held before it, prompts it started).
     self._launched: tuple | None = None
     # Per collected call: (launch, collect begin, collect end) as time.time(), whether the call
     # was still running when collect began (1.0: the device was busy until collect end), loop
@@ -200,15 +191,9 @@ class ContinuousEngine:
     """Samples started and not yet finished (prefilling or decoding)."""
     return self.book.live_samples
 
-  @property
-  def queued_samples(self) -> int:
-    """Samples given to the engine whose prompt has not started yet (device-side queue)."""
-    return self.book.queued_samples
-
   def capacity(self, group_size: int, queued: Sequence[int] = ()) -> int:
-    """How many more prompts of ``group_size`` samples fit now (started at once or queued on the
-    device), after the engine's waiting prompts and prompts of ``queued`` sizes (each a prompt
-    shared by that many samples)."""
+    """How many more prompts of ``group_size`` samples start now, after prompts of ``queued``
+    sizes (each a prompt shared by that many samples)."""
     return self.book.capacity(group_size, queued)
 
   def _init_state(self, params):
@@ -223,9 +208,9 @@ class ContinuousEngine:
     )
 
   def step(self, requests: Sequence[Request], *, rng: jax.Array, stop_free: int) -> list[Finished]:
-    """Starts ``requests`` (their prompts in free lanes, their samples in free slots, the rest in
-    the device queue), then runs prefill chunks and decode iterations; returns the samples that
-    finished (`launch` then `collect`).
+    """Starts ``requests`` (their prompts in free lanes, their samples in free slots), then runs
+    prefill chunks and decode iterations; returns the samples that finished (`launch` then
+    `collect`).
 
     Args:
       requests: new samples; they must fit (`capacity`), else ValueError and nothing starts.
@@ -253,13 +238,11 @@ class ContinuousEngine:
       raise RuntimeError("the engine has no weights; call load(params, version) first.")
     held = self.live_samples
     book = self.book
-    plan, per_shard = book.take(requests)
+    plan = book.take(requests)
     version = self.version
-    starting = [t for p in plan for t, _ in p.requests]
-    starting += [t for idx in per_shard for i in idx for t in book.waiting[i]]
-    for t in starting:  # queued prompts that start later in the call decode with it too
+    for t in [t for p in plan for t, _ in p.requests]:
       book.samples[t][1:] = [version, version, self._newest]
-    starts, queue = book.starts(plan, self._newest), book.queue(per_shard)
+    starts = book.starts(plan, self._newest)
     self.prefills += len(plan)
     if self._state is None:
       spec = NamedSharding(self.mesh, PartitionSpec(sharding.BATCH_AXES))
@@ -274,20 +257,18 @@ class ContinuousEngine:
         self._state,
         self._lanes,
         starts,
-        queue,
         rng,
         np.int32(stop_free),
         np.int32(self.decode_steps),
       )
-    queued = [[book.waiting[i] for i in idx] for idx in per_shard]
     started = int(np.sum(starts.new))
-    self._launched = (stats, out, after, version, t0, t_launch, held, started, queued)
+    self._launched = (stats, out, after, version, t0, t_launch, held, started)
 
   def collect(self) -> list[Finished]:
     """Waits for the launched call (none: returns []) and returns the samples it finished."""
     if self._launched is None:
       return []
-    stats, out, after, version, t0, t_launch, held, started, queued = self._launched
+    stats, out, after, version, t0, t_launch, held, started = self._launched
     self._launched = None
     t_begin, running = time.time(), not stats.iterations.is_ready()
     with jax.set_mesh(self.mesh):
@@ -299,10 +280,7 @@ class ContinuousEngine:
     self.chunk_passes += int(np.max(stats.chunk_passes))
     self.rows_decoded += int(np.sum(stats.rows))
     self.rows_unsplit += int(np.sum(stats.rows_unsplit))
-    # Prompts the call started from its queue: the book learns of them now.
-    from_queue = self.book.collected(tag, active, queued, stats.taken)
-    self.prefills += from_queue
-    started += from_queue
+    self.book.collected(tag, active)
     counts = (np.max(stats.iterations), np.max(stats.decode_passes), np.max(stats.chunk_passes))
     row = (t_launch, t_begin, time.time(), float(running), *map(float, counts), held, started)
     self.timeline.append(row)

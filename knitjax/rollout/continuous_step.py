@@ -8,16 +8,16 @@ in, its cache row is copied to every slot that waits on it and each of those slo
 own first token from the lane's last logits: a group's ``G`` samples share one prefill (prefix
 sharing) and go live in the same iteration, which then decodes them with the rest.
 
-A finished sample leaves its slot the iteration it ends, into the call's outbox, and the next
-prompt of the shard's device-side queue (if any) starts once a lane and its slots are free, in
-the same call: the host need not return for every group start.
+A finished sample leaves its slot the iteration it ends, into the call's outbox (one row per
+slot: a call ends each slot's sample at most once), from which the host reads back only the rows
+filled.
 
 Everything runs inside `jax.shard_map` over the batch axes: slots and lanes are split over the
 shards (each shard prefills only the lanes whose slots it owns, nothing is replicated), and
-sampling needs no collective. The only collective is one small sum per iteration (busy slots,
-lanes, queued prompts), so all shards stop together: after ``decode_steps`` iterations, when
-nothing is live, prefilling or queued, or once a group of ``stop_free`` samples could start
-(that many free slots and a free lane, nothing left in the queue; after at least one iteration).
+sampling needs no collective. The only collective is one small sum per iteration (busy slots and
+lanes), so all shards stop together: after ``decode_steps`` iterations, when nothing is live or
+prefilling, or once a group of ``stop_free`` samples could start (that many free slots and a
+free lane; after at least one iteration).
 With several param slots (adoption of new versions for new groups only) each iteration decodes
 the live rows of each param slot with that slot's parameters, split by version: a slot's rows are
 gathered into the smallest bucket (a power-of-two fraction of the shard's slots) that holds them,
@@ -62,7 +62,6 @@ def _engine_shard(
   state,
   lanes,
   starts,
-  queue,
   rng,
   stop_free,
   decode_steps,
@@ -124,43 +123,9 @@ def _engine_shard(
 
   state, lanes = jax.lax.cond(jnp.any(starts.new), start, lambda a: a, (state, lanes))
 
-  # ---- the device-side queue: the next prompt starts once a lane and its slots are free ------
-  n_queue = queue.size.shape[0]
-  queued = queue.count[0]
-
-  def admit(st, ln, head):
-    if n_queue == 0:
-      return st, ln, head
-    at = jnp.minimum(head, n_queue - 1)
-    free = st.tag < 0
-    size = queue.size[at]
-    ok = (head < queued) & (jnp.sum(free) >= size) & ~jnp.all(ln.active)
-
-    def run(args):
-      st, ln = args
-      lane = jnp.argmin(ln.active)  # the first free lane
-      new = jnp.arange(n_lanes) == lane
-      rank = jnp.cumsum(free) - 1
-      joins = free & (rank < size)
-      row = lambda x: jnp.broadcast_to(x[at], (n_lanes,) + x.shape[1:])  # noqa: E731
-      return start_lanes(
-        st,
-        ln,
-        new,
-        row(queue.prompt),
-        row(queue.plen),
-        joins,
-        lane,
-        queue.budget[at],
-        queue.tag[at] + rank,
-      )
-
-    st, ln = jax.lax.cond(ok, run, lambda a: a, (st, ln))
-    return st, ln, head + ok
-
   # ---- the outbox: a finished sample leaves its slot at once --------------------------------
-  # Every sample a call ends was in a slot when it began or came from the queue: never more.
-  n_out = n_local + int(queue.size.shape[0]) * n_local
+  # Every sample a call ends held a slot when the call began or started in it: one row per slot.
+  n_out = n_local
 
   def emit(out, st, ended):
     def run(args):
@@ -278,25 +243,24 @@ def _engine_shard(
       varying(counts),
     )
 
-  def busy(st, ln, head):
-    # One all-reduce: live slots, slots waiting for a lane, active lanes, queued prompts not
-    # started (engine-wide).
-    local = jnp.stack([jnp.sum(st.live), jnp.sum(st.wait >= 0), jnp.sum(ln.active), queued - head])
+  def busy(st, ln):
+    # One all-reduce: live slots, slots waiting for a lane, active lanes (engine-wide).
+    local = jnp.stack([jnp.sum(st.live), jnp.sum(st.wait >= 0), jnp.sum(ln.active)])
     return jax.lax.psum(local.astype(jnp.int32), axes)
 
   n_total = n_local * jax.lax.axis_size(axes)
   n_lanes_total = n_lanes * jax.lax.axis_size(axes)
 
   def cond(carry):
-    it, st, ln, head, _, _ = carry
-    live, waiting, active, left = busy(st, ln, head)
+    it, st, ln, _, _ = carry
+    live, waiting, active = busy(st, ln)
     # Stop as soon as the engine as a whole could start a group of `stop_free` samples that the
-    # host holds: that many free slots and a free lane, nothing left in the device queue (after one
+    # host holds: that many free slots and a free lane (after one
     # iteration, so a caller that cannot start one still moves; stopping while every lane is busy
     # would only return to the host for nothing).
     room = (n_total - live - waiting >= stop_free) & (active < n_lanes_total)
-    enough = (stop_free > 0) & room & (it > 0) & (left == 0)
-    going = (live > 0) | (active > 0) | (left > 0)
+    enough = (stop_free > 0) & room & (it > 0)
+    going = (live > 0) | (active > 0)
     return (it < decode_steps) & going & ~enough
 
   def tally(stats, decoded, *, chunked, counts):
@@ -311,8 +275,7 @@ def _engine_shard(
     )
 
   def body(carry):
-    it, st, ln, head, out, stats = carry
-    st, ln, head = admit(st, ln, head)
+    it, st, ln, out, stats = carry
     any_lane = jnp.any(ln.active)
     ln, logits_l = jax.lax.cond(
       any_lane,
@@ -331,10 +294,10 @@ def _engine_shard(
       st,
     )
     out, st = emit(out, st, ended)
-    return it + 1, st, ln, head, out, tally(stats, any_live, chunked=any_lane, counts=counts)
+    return it + 1, st, ln, out, tally(stats, any_live, chunked=any_lane, counts=counts)
 
   zero = varying(jnp.zeros((), jnp.int32))
-  stats0 = CallStats(zero, zero, zero, zero, zero, zero)
+  stats0 = CallStats(zero, zero, zero, zero, zero)
   out0 = Outbox(
     tokens=varying(jnp.full((n_out, n_new), pad_id, jnp.int32)),
     logprobs=varying(jnp.zeros((n_out, n_new), jnp.float32)),
@@ -342,12 +305,9 @@ def _engine_shard(
     tag=varying(jnp.full((n_out,), -1, jnp.int32)),
     count=varying(jnp.zeros((1,), jnp.int32)),
   )
-  _, state, lanes, head, out, stats = jax.lax.while_loop(
-    cond,
-    body,
-    (jnp.zeros((), jnp.int32), state, lanes, zero, out0, stats0),
+  _, state, lanes, out, stats = jax.lax.while_loop(
+    cond, body, (jnp.zeros((), jnp.int32), state, lanes, out0, stats0)
   )
-  stats = dataclasses.replace(stats, taken=head)
   # The slots' samples and the busy lanes after the call, apart from the state (which the next
   # call takes over, donated): the host reads them when it collects this call.
   after = (state.tag, lanes.active)
@@ -375,7 +335,6 @@ def engine_call(
   state,
   lanes,
   starts,
-  queue,
   rng,
   stop_free,
   decode_steps,
@@ -404,6 +363,6 @@ def engine_call(
   return jax.shard_map(
     fn,
     mesh=mesh,
-    in_specs=(rep, batch, batch, starts_spec, batch, rep, rep, rep),
+    in_specs=(rep, batch, batch, starts_spec, rep, rep, rep),
     out_specs=(batch, batch, batch, batch, (batch, batch)),
-  )(params, state, lanes, starts, queue, rng, stop_free, decode_steps)
+  )(params, state, lanes, starts, rng, stop_free, decode_steps)

@@ -1,5 +1,5 @@
-"""Device state of the continuous engine: slots, prefill lanes, a call's starts, the device-side
-request queue, the outbox and the call's counters (`knitjax.rollout.continuous_step` runs the
+"""Device state of the continuous engine: slots, prefill lanes, a call's starts, the outbox and
+the call's counters (`knitjax.rollout.continuous_step` runs the
 call; `knitjax.rollout.continuous` keeps the host side)."""
 
 from __future__ import annotations
@@ -60,24 +60,9 @@ class Starts:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Queue:
-  """Prompts the device starts by itself as room frees up during the call (the device-side
-  request queue), per shard in order; a prompt starts once a lane and ``size`` slots of its shard
-  are free, its samples tagged ``tag + 0 .. tag + size - 1``."""
-
-  prompt: jax.Array  # [Q, Pp] left-padded prompts
-  plen: jax.Array  # [Q]
-  size: jax.Array  # [Q] samples that share the prompt (at most a shard's slots)
-  budget: jax.Array  # [Q] max new tokens of each of its samples
-  tag: jax.Array  # [Q] id of its first sample
-  count: jax.Array  # [shards] prompts queued on each shard
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
 class Outbox:
-  """Samples finished during the call (leading axis: row, per shard in finishing order): a slot
-  is free again the iteration its sample ends, so a queued prompt may take it in the same call."""
+  """Samples finished during the call (leading axis: row, per shard in finishing order); a slot
+  is free again the iteration its sample ends."""
 
   tokens: jax.Array  # [O, N]
   logprobs: jax.Array  # [O, N]
@@ -89,15 +74,13 @@ class Outbox:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CallStats:
-  """Per shard: loop iterations, decode passes, prefill chunk passes, slot rows decoded, queued
-  prompts started."""
+  """Per shard: loop iterations, decode passes, prefill chunk passes, slot rows decoded."""
 
   iterations: jax.Array
   decode_passes: jax.Array
   chunk_passes: jax.Array
   rows: jax.Array  # slot rows the decode passes computed (live or not), summed over passes
   rows_unsplit: jax.Array  # what one pass over every slot per live version would have computed
-  taken: jax.Array  # queued prompts the shard started
 
 
 def fresh_cache(model, rows: int, max_len: int):
@@ -147,18 +130,3 @@ def init_state(model, *, slots: int, lanes: int, width: int, max_new_tokens: int
     active=zeros(lanes, jnp.bool_),
   )
   return slot_state, lane_state
-
-
-def make_queue(entries: list[list[tuple]], *, depth: int, width: int, pad_id: int) -> Queue:
-  """The device-side queue of a call: per shard, up to ``depth`` entries ``(prompt tokens,
-  samples, max new tokens, first sample id)`` in order; prompts left-padded to ``width``."""
-  rows = len(entries) * depth
-  prompt = np.full((rows, width), pad_id, np.int32)
-  plen, size, budget, tag = (np.ones(rows, np.int32) for _ in range(4))
-  for k, shard in enumerate(entries):
-    for j, (tokens, n, max_new, first) in enumerate(shard):
-      toks, row = np.asarray(tokens, np.int32), k * depth + j
-      prompt[row, width - len(toks) :] = toks
-      plen[row], size[row], budget[row], tag[row] = len(toks), n, max_new, first
-  count = np.asarray([len(shard) for shard in entries], np.int32)
-  return Queue(prompt=prompt, plen=plen, size=size, budget=budget, tag=tag, count=count)

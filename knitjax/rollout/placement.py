@@ -1,9 +1,8 @@
 """Where new prompts go in the continuous engine: a shard with free slots and a free prefill lane.
 
 A prompt shared by ``n`` samples (a group's ``G``, with prefix sharing) is prefilled once per
-shard it lands on; the engine's host side (`knitjax.rollout.continuous`) plans every call's
-starts with `fit` and checks room (`ContinuousEngine.capacity`) with it. Prompts that do not
-fit may wait in the device-side queue of one shard (`assign`).
+shard it lands on; the engine's book of slots (`knitjax.rollout.slot_book`) plans every call's
+starts and checks room (`ContinuousEngine.capacity`) with `place`.
 """
 
 from __future__ import annotations
@@ -43,29 +42,3 @@ def place(
       left -= n
     out.append(shares)
   return out
-
-
-def fit(
-  free_slots: list[list[int]], free_lanes: list[list[int]], sizes: Sequence[int]
-) -> tuple[list[list[tuple[int, int, int]]], list[list[int]], list[list[int]]]:
-  """The longest prefix of the prompts of ``sizes`` (oldest first) that starts now: its shares
-  (as `place` gives them, one list per prompt), and the free slots and lanes left after it."""
-  slots, lanes = free_slots, free_lanes
-  shares = []
-  for size in sizes:
-    trial = [list(x) for x in slots], [list(x) for x in lanes]
-    got = place(*trial, [size])
-    if got is None:
-      break
-    (slots, lanes), shares = trial, shares + got
-  return shares, slots, lanes
-
-
-def assign(n: int, free: Sequence[int]) -> list[list[int]]:
-  """Queued prompts ``0 .. n-1`` over the shards (``free``: free slots of each): each to the shard
-  with the fewest queued so far, then the most free slots, then the lowest index."""
-  per_shard: list[list[int]] = [[] for _ in free]
-  for i in range(n):
-    k = min(range(len(free)), key=lambda k: (len(per_shard[k]), -free[k], k))
-    per_shard[k].append(i)
-  return per_shard

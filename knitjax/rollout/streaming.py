@@ -110,7 +110,7 @@ class StreamingRollout:
   def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
     finished = self.engine.collect()
     requests = self._take_fitting()
-    if requests or self.engine.live_samples or self.engine.queued_samples:
+    if requests or self.engine.live_samples:
       # Stop early once a group could start: the caller wants room, or a group is queued.
       room = want_room or bool(self._requests)
       self.engine.launch(requests, rng=rng, stop_free=self._g if room else 0)

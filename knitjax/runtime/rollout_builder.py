@@ -150,7 +150,6 @@ def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> Conti
     decode_steps=r.decode_steps,
     adoption=rt.adoption,
     param_slots=rt.param_slots,
-    queue_prompts=r.queue_prompts,
   )
 
 

@@ -32,14 +32,13 @@ def model():
 
 
 # The engine's settings these tests start from (a run takes them from the config): whole-prompt
-# prefill, no device-side queue, unless a test says otherwise.
+# prefill, unless a test says otherwise.
 SETTINGS = dict(
   refill_groups=1,
   prefill_chunk=0,
   decode_steps=8,
   adoption="mid_generation",
   param_slots=2,
-  queue_prompts=0,
 )
 
 
@@ -88,7 +87,7 @@ def _teacher_forced(graphdef, params, reqs, done):
 
 def _drain(engine, reqs, pending, rng_seed=0, limit=200, on_call=None):
   done, call = [], 0
-  while (pending or engine.live_samples or engine.queued_samples) and call < limit:
+  while (pending or engine.live_samples) and call < limit:
     start = pending[: engine.capacity(1)]
     del pending[: len(start)]
     done += engine.step(start, rng=jax.random.key(rng_seed + call), stop_free=4)
@@ -373,91 +372,6 @@ def test_launch_runs_while_the_host_goes_on_and_collect_keeps_the_launch_version
   assert all(f.version == 0 and f.version_newest == 0 for f in done)
   got, want = _teacher_forced(graphdef, params, reqs, done)
   np.testing.assert_allclose(got, want, atol=2e-5)
-
-
-def _greedy_engine(model, **kw):
-  return _new_engine(model, temperature=0.0, **{"prefill_chunk": 2, "decode_steps": 64, **kw})
-
-
-def _pairs(*, seed: int) -> list:
-  """16 groups of 2 samples, prompts from `_requests`, token budgets 2..N."""
-  rng = np.random.default_rng(seed)
-  return [
-    _group(10 * g, 2, r.tokens, int(rng.integers(2, N + 1)))
-    for g, r in enumerate(_requests(0, 16, rng))
-  ]
-
-
-def _run_groups(engine, groups, group_size):
-  """Feeds ``groups`` as the engine has room (whole groups), returns (finished by tag, calls)."""
-  pending, done, call = list(groups), [], 0
-  while pending or engine.live_samples or engine.queued_samples:
-    n = engine.capacity(group_size)
-    reqs = [r for g in pending[:n] for r in g]
-    del pending[:n]
-    done += engine.step(reqs, rng=jax.random.key(call), stop_free=group_size)
-    call += 1
-    assert call < 200
-  return {f.tag: f for f in done}, call
-
-
-def test_the_device_queue_starts_groups_inside_the_call_with_the_same_samples(model):
-  """Queued prompts take the slots and lanes that free up during a call: the same greedy samples
-  in fewer calls, log-probs still the trainer's, and every sample returned once."""
-  graphdef, params, _, _ = model
-  groups = _pairs(seed=8)
-  out, calls = {}, {}
-  for q in (0, 2):
-    engine = _greedy_engine(model, queue_prompts=q)  # 2 slots and 1 lane on each of 4 shards
-    engine.load(params, 0)
-    assert engine.capacity(2) == 4 + 4 * q
-    out[q], calls[q] = _run_groups(engine, groups, 2)
-    assert engine.prefills == 16 and not engine.book.samples
-  assert sorted(out[2]) == sorted(out[0]) == sorted(r.tag for g in groups for r in g)
-  for tag, f in out[0].items():
-    np.testing.assert_array_equal(out[2][tag].tokens, f.tokens)
-    np.testing.assert_allclose(out[2][tag].logprobs, f.logprobs, atol=1e-5)
-  assert calls[2] < calls[0], calls
-  reqs = {r.tag: r for g in groups for r in g}
-  got, want = _teacher_forced(graphdef, params, reqs, list(out[2].values()))
-  np.testing.assert_allclose(got, want, atol=1e-4)
-
-
-def test_queued_prompts_decode_with_the_version_of_the_call_they_start_in(model):
-  _, params, params2, _ = model
-  engine = _greedy_engine(model, slots=4, decode_steps=2, queue_prompts=1)  # 1 slot per shard
-  engine.load(params, 0)
-  prompt = np.asarray([1, 3, 4], np.int32)
-  reqs = [Request(tag=k, tokens=prompt + k, max_new_tokens=N) for k in range(8)]
-  assert engine.capacity(1) == 8
-  engine.step(reqs, rng=jax.random.key(0), stop_free=1)  # 4 start, 4 wait on the device
-  assert engine.live_samples == 4 and engine.queued_samples == 4 and engine.capacity(1) == 0
-  with pytest.raises(ValueError, match="device queue"):
-    engine.launch(reqs[:1], rng=jax.random.key(1), stop_free=1)
-  engine.load(params2, 1)
-  done = []
-  for call in range(40):
-    if not (engine.live_samples or engine.queued_samples):
-      break
-    done += engine.step([], rng=jax.random.key(2 + call), stop_free=1)
-  got = {f.tag: (f.version, f.version_newest) for f in done}
-  assert got == {k: ((0, 1) if k < 4 else (1, 1)) for k in range(8)}
-
-
-def test_one_call_returns_every_sample_it_ends_queued_ones_included(model):
-  """Samples ending during a call wait in the outbox (a row for each slot and each queued
-  sample): a call that runs through the whole queue returns every one of them, once."""
-  _, params, _, _ = model
-  engine = _greedy_engine(model, slots=4, queue_prompts=8, decode_steps=64)
-  engine.load(params, 0)
-  reqs = [
-    Request(tag=k, tokens=np.asarray([1, 3 + k % 13, 3 + k // 13], np.int32), max_new_tokens=1)
-    for k in range(36)
-  ]
-  assert engine.capacity(1) == 36  # 4 slots, 8 queued on each of 4 shards
-  done = engine.step(reqs, rng=jax.random.key(0), stop_free=0)
-  assert sorted(f.tag for f in done) == list(range(36))  # each ends at its first token
-  assert engine.calls == 1 and engine.prefills == 36 and not engine.queued_samples
 
 
 def test_the_call_timeline_keeps_the_newest_rows_only(model, monkeypatch):

@@ -63,7 +63,7 @@ def _batched(parts, max_groups=None):
   return BatchedRollout(worker, _unit(tok, prompt_len), max_groups=max_groups)
 
 
-def _streaming(parts, *, temperature=1.0, queue_prompts=0):
+def _streaming(parts, *, temperature=1.0):
   _, tok, graphdef, _, mesh, prompt_len = parts
   engine = ContinuousEngine(
     graphdef,
@@ -78,7 +78,6 @@ def _streaming(parts, *, temperature=1.0, queue_prompts=0):
     decode_steps=2,
     adoption="new_groups",
     param_slots=2,
-    queue_prompts=queue_prompts,
   )
   return StreamingRollout(
     engine,

@@ -1,20 +1,16 @@
-"""Where prompts go: the longest prefix that starts now, and the device-side queue's shards."""
+"""Where prompts go: a shard with free slots and a free lane, split over shards when none has room."""
 
-from knitjax.rollout.placement import assign, fit
-
-
-def test_fit_starts_the_longest_prefix_and_leaves_the_rest_untouched():
-  slots, lanes = [[0, 1], [2, 3]], [[0], [0]]  # 2 shards, 2 slots and 1 lane each
-  shares, left_slots, left_lanes = fit(slots, lanes, [2, 2, 2])
-  assert len(shares) == 2  # the third prompt finds no lane
-  assert [s[0][0] for s in shares] == [0, 1] and left_slots == [[], []] and left_lanes == [[], []]
-  assert slots == [[0, 1], [2, 3]] and lanes == [[0], [0]]  # the caller's lists are not consumed
-  # A prompt that does not fit stops the prefix even when a later, smaller one would fit.
-  shares, _, _ = fit([[0, 1, 2]], [[0, 1]], [4, 1])
-  assert shares == []
+from knitjax.rollout.placement import place
 
 
-def test_assign_spreads_queued_prompts_fewest_first_then_most_room():
-  assert assign(0, [1, 2]) == [[], []]
-  assert assign(3, [1, 4]) == [[1], [0, 2]]  # shard 1 has more room: it takes the first
-  assert assign(4, [2, 2, 2]) == [[0, 3], [1], [2]]
+def test_a_prompt_goes_to_the_shard_with_the_most_room_and_consumes_it():
+  slots, lanes = [[0, 1], [2, 3, 4]], [[0], [0]]  # 2 shards, 2 and 3 slots, 1 lane each
+  assert place(slots, lanes, [2]) == [[(1, 0, 2)]]  # shard 1 has more room
+  assert slots == [[0, 1], [4]] and lanes == [[0], []]  # the lists are consumed
+  assert place(slots, lanes, [2]) == [[(0, 0, 2)]]
+  assert place(slots, lanes, [1]) is None  # no lane left
+
+
+def test_a_prompt_larger_than_any_shard_is_split_one_lane_per_shard():
+  assert place([[0, 1], [2, 3]], [[0], [0]], [3]) == [[(0, 0, 2), (1, 0, 1)]]
+  assert place([[0, 1], [2, 3]], [[0], [0]], [5]) is None
