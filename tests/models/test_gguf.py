@@ -130,9 +130,12 @@ def test_weights_and_logits_match_transformers(folder, hf_model, hf_tokenizer, k
     logits = np.asarray(forward(params, tokens, positions, valid))
   # Two float32 forwards of 30 layers differ by about 1e-4 on logits up to ~40, and more on odd
   # inputs, so the reference is transformers' forward in float64 on the same dequantized weights,
-  # and knitjax's float32 error may be at most 2.5x transformers' own float32 error. Measured
-  # (max |error|): knitjax 1.7e-4 on the chat prompts in this left-padded batch (8.5e-5 one prompt
-  # at a time), 7.9e-4 on [1, 2, 3, 4, 5]; transformers float32 9.3e-5 and 8.4e-4.
+  # and knitjax's float32 error may be at most 2.5x transformers' own float32 error, or 3e-5 of
+  # the largest logit (~1e-3 at 30-40), whichever is larger. Transformers' float32 error depends
+  # on the machine's CPU kernels, knitjax's barely does. Measured (max |error|, knitjax /
+  # transformers float32): chat prompts in this left-padded batch 1.7e-4 / 9.3e-5 on one machine,
+  # 1.75e-4 / 6.5e-5 on another; [1, 2, 3, 4, 5] 7.9e-4 / 8.4e-4 and 6.8e-4 / 1.4e-4. The greedy
+  # tokens below and test_greedy_chat_matches_transformers check the choices exactly.
   hf64 = copy.deepcopy(hf_model).to(torch.float64)
   for i, ids in enumerate(prompts):
     with torch.no_grad():
@@ -140,7 +143,7 @@ def test_weights_and_logits_match_transformers(folder, hf_model, hf_tokenizer, k
       want32 = hf_model(torch.tensor([ids])).logits[0].numpy()
     got = logits[i, width - len(ids) :]
     ours, theirs = np.abs(got - want).max(), np.abs(want32 - want).max()
-    assert ours <= max(1e-4, 2.5 * theirs), (i, ours, theirs)
+    assert ours <= max(3e-5 * np.abs(want).max(), 2.5 * theirs), (i, ours, theirs)
     assert np.abs(want).max() > 5  # real logits, not a degenerate model
     # The next-token choice is the same wherever it is not a near tie.
     top2 = np.sort(want, axis=-1)[:, -2:]

@@ -1,4 +1,4 @@
-"""Where prompts go: a shard with free slots and a free lane, split over shards when none has room."""
+"""Where prompts go: a shard with free slots and a free lane, split over shards when needed."""
 
 from knitjax.rollout.placement import place
 
