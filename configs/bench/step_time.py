@@ -3,6 +3,7 @@
 Usage: python -m knitjax.bench --config configs/bench/step_time.py --workdir DIR
 
 Side by side with Tunix 0.1.7 (installed in a throwaway venv, knitjax/bench/external/README.md):
+  python3 -m venv /tmp/tunix-venv && /tmp/tunix-venv/bin/pip install google-tunix==0.1.7
   python -m knitjax.bench --config configs/bench/step_time.py --workdir DIR \
     --config.baseline_python=/tmp/tunix-venv/bin/python --config.rounds=3
 
