@@ -58,10 +58,13 @@ def test_remat_and_scan_keep_loss_and_gradients(changes):
   loss1, _ = _loss_fn(dataclasses.replace(BASE, **changes))
   v0, g0 = jax.jit(jax.value_and_grad(loss0))(params)
   v1, g1 = jax.jit(jax.value_and_grad(loss1))(params)
-  # Same float32 ops in the same order: equal to rounding (observed: bit-identical).
+  # Same float32 ops in the same order: equal to rounding (observed: bit-identical with XLA's
+  # default optimizations; at -O0, which the suite compiles with (tests/conftest.py), the scanned
+  # layers' gradients differ by up to 7.4e-7 on entries of ~1e-2: 8.5e-5 relative; a wrong
+  # remat or scan would be off by far more).
   np.testing.assert_allclose(v1, v0, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
 def test_scan_in_bfloat16_matches_the_bfloat16_loop():

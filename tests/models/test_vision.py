@@ -124,9 +124,10 @@ def test_cached_prefill_and_sampling_see_the_image(vlm, mesh):
   embed = make_prompt_embedder(graphdef, mesh)
   emb = embed(params, tokens, images, index)
   model = nnx.merge(graphdef, jax.device_get(params))
-  # Embedder == per-row encoding and splicing.
+  # Embedder == per-row encoding and splicing, to float32 rounding (the two programs sum in
+  # different orders: up to 1.1e-6 apart at XLA's -O0, which the suite compiles with).
   want = _embed(model, tokens, images[index])
-  np.testing.assert_allclose(emb, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(emb, want, rtol=1e-5, atol=2e-6)
 
   sampler = Sampler(
     graphdef,
