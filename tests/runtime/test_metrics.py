@@ -35,12 +35,18 @@ def _progress_lines(caplog):
   return [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
 
 
-def test_eta_is_timed_from_the_steps_after_the_first(tmp_path, caplog, monkeypatch):
-  # Step 1 (XLA compile) takes 600 s, every later step 2 s: extrapolating from step 1 would
-  # say 600 * 19 s; the ETA skips it and is known from step 2 on.
+def _fake_clock(monkeypatch):
+  """A clock the test moves by hand (``clock.now``), in place of the metrics module's."""
   clock = types.SimpleNamespace(now=0.0)
   fake = types.SimpleNamespace(time=lambda: clock.now, monotonic=lambda: clock.now)
   monkeypatch.setattr(metrics, "time", fake)
+  return clock
+
+
+def test_eta_is_timed_from_the_steps_after_the_first(tmp_path, caplog, monkeypatch):
+  # Step 1 (XLA compile) takes 600 s, every later step 2 s: extrapolating from step 1 would
+  # say 600 * 19 s; the ETA skips it and is known from step 2 on.
+  clock = _fake_clock(monkeypatch)
   w = MetricsWriter(str(tmp_path), total_steps=20, log_every=10, primary=True)
   with caplog.at_level(logging.INFO):
     for step in range(1, 21):
@@ -55,9 +61,7 @@ def test_eta_is_timed_from_the_steps_after_the_first(tmp_path, caplog, monkeypat
 
 
 def test_eta_after_a_resume_skips_the_first_step_of_this_process(tmp_path, caplog, monkeypatch):
-  clock = types.SimpleNamespace(now=0.0)
-  fake = types.SimpleNamespace(time=lambda: clock.now, monotonic=lambda: clock.now)
-  monkeypatch.setattr(metrics, "time", fake)
+  clock = _fake_clock(monkeypatch)
   w = MetricsWriter(str(tmp_path), total_steps=12, start_step=5, log_every=4, primary=True)
   with caplog.at_level(logging.INFO):
     for step in range(6, 9):
