@@ -94,32 +94,27 @@ def _engine_shard(
   fresh = fresh_cache(models[0], n_lanes, width + n_new)
   fresh = jax.tree.map(varying, fresh)
 
-  def start_lanes(st, ln, new, prompt, plen, joins, lane_of, budget, tag):
-    """Lanes ``new`` take ``prompt`` rows; slots ``joins`` wait on lane ``lane_of``."""
-    first = (width - plen) // chunk  # chunks of padding only are skipped
+  def start(args):
+    """Lanes ``starts.new`` take their prompts; slots ``starts.wait >= 0`` wait on their lane."""
+    st, ln = args
+    new, joins = starts.new, starts.wait >= 0
+    first = (width - starts.plen) // chunk  # chunks of padding only are skipped
     ln = LaneState(
       cache=select_rows(new, dataclasses.replace(fresh, index=first * chunk), ln.cache),
-      prompt=jnp.where(new[:, None], prompt, ln.prompt),
-      plen=jnp.where(new, plen, ln.plen),
+      prompt=jnp.where(new[:, None], starts.prompt, ln.prompt),
+      plen=jnp.where(new, starts.plen, ln.plen),
       chunk=jnp.where(new, first, ln.chunk),
       pslot=jnp.where(new, starts.pslot, ln.pslot),
       active=ln.active | new,
     )
     st = dataclasses.replace(
       st,
-      wait=jnp.where(joins, lane_of, st.wait),
-      budget=jnp.where(joins, budget, st.budget),
-      tag=jnp.where(joins, tag, st.tag),
+      wait=jnp.where(joins, starts.wait, st.wait),
+      budget=jnp.where(joins, starts.budget, st.budget),
+      tag=jnp.where(joins, starts.tag, st.tag),
       live=st.live & ~joins,
     )
     return st, ln
-
-  def start(args):
-    st, ln = args
-    joins = starts.wait >= 0
-    return start_lanes(
-      st, ln, starts.new, starts.prompt, starts.plen, joins, starts.wait, starts.budget, starts.tag
-    )
 
   state, lanes = jax.lax.cond(jnp.any(starts.new), start, lambda a: a, (state, lanes))
 

@@ -6,11 +6,6 @@ import jax
 from tests.rollout.test_contract import G, _streaming, parts  # noqa: F401 (fixture)
 
 
-def _responses(rollout, metas):
-  (unit,) = rollout.storage.values()
-  return [p.response_tokens for p in unit.get([m.group_id for m in metas])]
-
-
 def test_a_step_reports_the_last_call_while_the_next_one_runs(parts):  # noqa: F811
   source, _, _, params, mesh, _ = parts
   rollout = _streaming(parts)
