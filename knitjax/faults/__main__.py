@@ -17,7 +17,11 @@ from absl import app, flags
 from knitjax import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Scratch folder; faults.json is written here.")
-_PARTS = flags.DEFINE_list("parts", ["kill", "actors", "inputs", "backpressure"], "Parts to run.")
+_PARTS = flags.DEFINE_list(
+  "parts",
+  ["kill", "actors", "inputs", "entry_points", "workdir", "backpressure"],
+  "Parts to run.",
+)
 _KILLS = flags.DEFINE_integer("kills", 10, "Kill-resume trials per runtime mode.")
 _KILL_MODES = flags.DEFINE_list(
   "kill_modes",
@@ -46,6 +50,17 @@ def _table(results: dict) -> str:
     lines.append(
       f"bad inputs     | {r['examples']} generated: {tb} tracebacks, {silent} silent accepts"
     )
+  if "entry_points" in results:
+    for entry, c in results["entry_points"]["by_entry"].items():
+      lines.append(
+        f"entry points   | {entry}: {c['cases']} cases, {c['rejected']} refused, "
+        f"{c['tracebacks']} tracebacks, {c['silent_accepts']} silent accepts, {c['hangs']} hangs, "
+        f"{c['data_losses']} data losses, {c['not_one_sentence'] + c['not_named']} unclear"
+      )
+  if "workdir" in results:
+    for name, c in results["workdir"]["cases"].items():
+      result = "skipped" if c["skipped"] else "ok" if c["ok"] else "; ".join(c["problems"])[:160]
+      lines.append(f"workdir        | {name}: {result}")
   if "backpressure" in results:
     r = results["backpressure"]
     lines.append(
@@ -98,13 +113,23 @@ def main(argv):
       results["inputs"] = bad_inputs.run(
         os.path.join(workdir, "inputs"), examples=_EXAMPLES.value, seed=_SEED.value
       )
+    elif part == "entry_points":
+      from knitjax.faults import entry_points
+
+      repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+      results["entry_points"] = entry_points.run(os.path.join(workdir, "entry_points"), repo)
+    elif part == "workdir":
+      from knitjax.faults import workdir_faults
+
+      results["workdir"] = workdir_faults.run(os.path.join(workdir, "workdir"))
     elif part == "backpressure":
       from knitjax.faults import backpressure
 
       results["backpressure"] = backpressure.run()
     else:
       sys.exit(
-        f"error: --parts {part!r} is not accepted; choose from kill, actors, inputs, backpressure."
+        f"error: --parts {part!r} is not accepted; choose from kill, actors, inputs, entry_points, "
+        "workdir, backpressure."
       )
     results.setdefault("seconds", {})[part] = time.time() - t0
     save()

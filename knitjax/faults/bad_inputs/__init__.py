@@ -26,6 +26,7 @@ from knitjax.faults.bad_inputs import (
   configs,
   group_meta,
   hf_checkpoints,
+  model_folders,
   payloads,
   prompt_files,
 )
@@ -50,6 +51,7 @@ KINDS: dict[str, tuple[list[Case], Callable[[str], dict]]] = {
   "prompt_files": (prompt_files.CASES, prompt_files.context),
   "hf_checkpoints": (hf_checkpoints.CASES, hf_checkpoints.context),
   "checkpoints": (checkpoints.CASES, checkpoints.context),
+  "model_folders": (model_folders.CASES, model_folders.context),
 }
 
 

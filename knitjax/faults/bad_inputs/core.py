@@ -7,8 +7,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import resource
 import shutil
+import signal
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,8 +27,20 @@ KIND_WEIGHTS = {
   "prompt_files": 1500,
   "hf_checkpoints": 400,
   "checkpoints": 100,
+  "model_folders": 140,
 }
-COUNTERS = ("examples", "rejected", "tracebacks", "silent_accepts", "not_one_sentence", "not_named")
+COUNTERS = (
+  "examples",
+  "rejected",
+  "tracebacks",
+  "silent_accepts",
+  "not_one_sentence",
+  "not_named",
+  "hangs",
+)
+# An isolated input runs in a forked child with this much address space: an input that makes the
+# code allocate without bound (a template's ``'x' * 10**12``) fails there, not in the suite.
+ISOLATED_MEMORY_BYTES = 4 << 30
 MAX_FAILURES = 40  # failures listed: the first of each (kind, case, outcome, exception type)
 
 Draw = Callable[[st.SearchStrategy], Any]
@@ -39,12 +55,63 @@ class BadInput:
     names: the rejection must contain one of these (the field, file or array corrupted).
     call: feeds the input to the function that must reject it.
     file_errors: a ``FileNotFoundError`` counts as a rejection too.
+    timeout_s: when set, the call runs in a forked child (no JAX in it: only host code) with
+      `ISOLATED_MEMORY_BYTES` of address space and is counted as a hang after this many seconds.
   """
 
   description: str
   names: tuple[str, ...]
   call: Callable[[], Any]
   file_errors: bool = False
+  timeout_s: float | None = None
+
+
+class Hang(Exception):
+  """An isolated call that did not return within its ``timeout_s``."""
+
+
+class _ChildError(Exception):
+  """An exception raised in an isolated child, carried back by type name and message."""
+
+  def __init__(self, mro: list[str], message: str):
+    super().__init__(message)
+    self.mro = mro  # the names of the exception's type and its bases
+
+
+def _isolated(call: Callable[[], Any], timeout_s: float) -> None:
+  """Runs ``call`` in a forked child; re-raises what it raised (as `_ChildError`) or `Hang`."""
+  read, write = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # the child: report one JSON line, then leave without running any cleanup
+    os.close(read)
+    try:
+      resource.setrlimit(resource.RLIMIT_AS, (ISOLATED_MEMORY_BYTES, ISOLATED_MEMORY_BYTES))
+      call()
+      out = {"ok": True}
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which classifies it
+      mro = [t.__name__ for t in type(e).__mro__]
+      out = {"ok": False, "mro": mro, "message": str(e)[:2000]}
+    os.write(write, json.dumps(out).encode())
+    os._exit(0)
+  os.close(write)
+  deadline = time.monotonic() + timeout_s
+  while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+      break
+    if time.monotonic() > deadline:
+      os.kill(pid, signal.SIGKILL)
+      os.waitpid(pid, 0)
+      os.close(read)
+      raise Hang(f"no answer within {timeout_s:.0f} s")
+    time.sleep(0.01)
+  with os.fdopen(read, "rb") as f:
+    blob = f.read()
+  if not blob:
+    raise _ChildError(["Died"], f"the child died with status {status}")
+  out = json.loads(blob)
+  if not out["ok"]:
+    raise _ChildError(out["mro"], out["message"])
 
 
 Case = tuple[str, Callable[[Draw, dict], BadInput]]
@@ -52,10 +119,17 @@ Case = tuple[str, Callable[[Draw, dict], BadInput]]
 
 def classify(bad: BadInput) -> tuple[tuple[str, ...], Exception | None]:
   """Feeds one bad input; returns the counters it adds to and the exception it raised."""
-  accepted = (ValueError, FileNotFoundError) if bad.file_errors else (ValueError,)
+  accepted = ("ValueError", "FileNotFoundError") if bad.file_errors else ("ValueError",)
   try:
-    bad.call()
-  except accepted as e:
+    if bad.timeout_s is None:
+      bad.call()
+    else:
+      _isolated(bad.call, bad.timeout_s)
+  except Hang as e:
+    return ("hangs",), e
+  except Exception as e:  # noqa: BLE001 - the exception is what is being classified
+    if not _is_a(e, accepted):
+      return ("tracebacks",), e
     message = str(e)
     outcome = ["rejected"]
     if "\n" in message or "Traceback" in message or not message.strip():
@@ -63,9 +137,20 @@ def classify(bad: BadInput) -> tuple[tuple[str, ...], Exception | None]:
     if not any(n in message for n in bad.names):
       outcome.append("not_named")
     return tuple(outcome), e
-  except Exception as e:  # noqa: BLE001 - any other exception is what is being counted
-    return ("tracebacks",), e
   return ("silent_accepts",), None
+
+
+def error_name(e: Exception | None) -> str:
+  """The exception's type name (for an isolated child's, the type it raised there)."""
+  if isinstance(e, _ChildError):
+    return e.mro[0]
+  return type(e).__name__
+
+
+def _is_a(e: Exception, names: tuple[str, ...]) -> bool:
+  """Whether ``e`` (or the exception an isolated child raised) is one of the named types."""
+  mro = e.mro if isinstance(e, _ChildError) else [t.__name__ for t in type(e).__mro__]
+  return any(name in names for name in mro)
 
 
 class Tally:
@@ -85,7 +170,7 @@ class Tally:
       for name in outcome:
         counts[name] += 1
     failed = tuple(o for o in outcome if o != "rejected")
-    signature = (kind, case, failed, type(err).__name__)
+    signature = (kind, case, failed, error_name(err))
     if failed and signature not in self._seen and len(self.failures) < MAX_FAILURES:
       self._seen.add(signature)
       self.failures.append(
@@ -94,7 +179,7 @@ class Tally:
           "case": case,
           "outcome": ",".join(failed),
           "input": bad.description[:300],
-          "error": None if err is None else type(err).__name__,
+          "error": None if err is None else error_name(err),
           "message": None if err is None else str(err)[:500],
         }
       )
