@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,9 @@ COUNTERS = (
   "data_losses",
 )
 TIMEOUT_S = 120.0
+# Each command gets this much address space: an absurd size that the code tries to allocate fails
+# there (and counts as a traceback) instead of taking the machine's memory.
+MEMORY_BYTES = 8 << 30
 _CONFIG = "configs/arith_tiny.py:quick"
 
 
@@ -89,6 +93,7 @@ def run_command(argv, env: dict, timeout_s: float, cwd: str) -> tuple[int | None
     text=True,
     errors="replace",
     start_new_session=True,
+    preexec_fn=_limit_memory,
   )
   try:
     _, err = proc.communicate(timeout=timeout_s)
@@ -97,6 +102,10 @@ def run_command(argv, env: dict, timeout_s: float, cwd: str) -> tuple[int | None
     _, err = proc.communicate()
     return None, err, time.monotonic() - t0
   return proc.returncode, err, time.monotonic() - t0
+
+
+def _limit_memory() -> None:
+  resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
 
 
 def classify(rc: int | None, stderr: str, names: tuple[str, ...]) -> list[str]:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from knitjax.faults.bad_inputs import (
   checkpoints,
+  config_extremes,
   configs,
   group_meta,
   hf_checkpoints,
@@ -52,6 +53,7 @@ KINDS: dict[str, tuple[list[Case], Callable[[str], dict]]] = {
   "hf_checkpoints": (hf_checkpoints.CASES, hf_checkpoints.context),
   "checkpoints": (checkpoints.CASES, checkpoints.context),
   "model_folders": (model_folders.CASES, model_folders.context),
+  "config_extremes": (config_extremes.cases(), config_extremes.context),
 }
 
 

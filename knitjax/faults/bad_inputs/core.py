@@ -28,6 +28,7 @@ KIND_WEIGHTS = {
   "hf_checkpoints": 400,
   "checkpoints": 100,
   "model_folders": 140,
+  "config_extremes": 0,  # exhaustive: every field's extremes once (see `allocate`)
 }
 COUNTERS = (
   "examples",
@@ -37,6 +38,7 @@ COUNTERS = (
   "not_one_sentence",
   "not_named",
   "hangs",
+  "accepted",
 )
 # An isolated input runs in a forked child with this much address space: an input that makes the
 # code allocate without bound (a template's ``'x' * 10**12``) fails there, not in the suite.
@@ -64,6 +66,7 @@ class BadInput:
   call: Callable[[], Any]
   file_errors: bool = False
   timeout_s: float | None = None
+  may_accept: str | None = None  # why accepting this input is right too (counted as "accepted")
 
 
 class Hang(Exception):
@@ -137,7 +140,7 @@ def classify(bad: BadInput) -> tuple[tuple[str, ...], Exception | None]:
     if not any(n in message for n in bad.names):
       outcome.append("not_named")
     return tuple(outcome), e
-  return ("silent_accepts",), None
+  return ("accepted" if bad.may_accept else "silent_accepts",), None
 
 
 def error_name(e: Exception | None) -> str:
@@ -169,7 +172,7 @@ class Tally:
       counts["examples"] += 1
       for name in outcome:
         counts[name] += 1
-    failed = tuple(o for o in outcome if o != "rejected")
+    failed = tuple(o for o in outcome if o not in ("rejected", "accepted"))
     signature = (kind, case, failed, error_name(err))
     if failed and signature not in self._seen and len(self.failures) < MAX_FAILURES:
       self._seen.add(signature)
