@@ -142,6 +142,15 @@ def _unmount(dst: str) -> None:
   subprocess.run(["umount", dst], capture_output=True)
 
 
+def clear_mounts(root: str) -> None:
+  """Unmounts what a killed earlier run of this part left mounted under ``root``."""
+  with open("/proc/mounts") as f:
+    points = [line.split()[1] for line in f]
+  for point in sorted(points, reverse=True):
+    if point == root or point.startswith(root + os.sep):
+      subprocess.run(["umount", "-l", point], capture_output=True)
+
+
 def _hf_folder(path: str, **config_changes) -> str:
   """A tiny Hugging Face checkpoint folder (weights and config; see `knitjax.models.hf`)."""
   from flax import nnx
@@ -309,6 +318,7 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
 def run(workdir: str, repo: str) -> dict:
   """Runs every case; returns ``{"by_entry": {...}, "cases": [...], "skipped": [...]}``."""
   workdir = os.path.abspath(workdir)
+  clear_mounts(workdir)
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
   trained = os.path.join(workdir, "trained")

@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from knitjax.faults import kill_resume
+from knitjax.faults import entry_points, kill_resume
 
 RUN = kill_resume.RUNS["colocated"]
 STEPS = RUN[2]["runtime.steps"]
@@ -204,6 +204,7 @@ CASES = {
 def run(workdir: str, *, log=print) -> dict:
   """Runs every case after one uninterrupted reference run; returns each case's problems."""
   workdir = os.path.abspath(workdir)
+  entry_points.clear_mounts(workdir)  # a killed earlier run's tmpfs
   shutil.rmtree(workdir, ignore_errors=True)
   reference = os.path.join(workdir, "reference")
   rc, err = _finish(_start(reference))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 KIND_WEIGHTS = {
   "configs": 4000,
-  "payloads": 3000,
+  "payloads": 2860,
   "group_meta": 1000,
   "prompt_files": 1500,
   "hf_checkpoints": 400,
