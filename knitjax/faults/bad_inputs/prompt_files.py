@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -128,6 +129,33 @@ def _bad_char(draw: Draw) -> bytes:
   return json.dumps(record).encode()
 
 
+def _lone_surrogate(draw: Draw) -> bytes:
+  """A question holding a UTF-16 surrogate escape with no partner (``"\\ud800"``): valid JSON,
+  not a string any encoder can write."""
+  record = draw(_RECORD)
+  field = draw(st.sampled_from(["question", "answer"]))
+  surrogate = draw(st.sampled_from(["\\ud800", "\\udfff", "\\udc00x"]))
+  at = draw(st.integers(0, len(record[field])))
+  text = json.dumps(record[field][:at])[1:-1] + surrogate + json.dumps(record[field][at:])[1:-1]
+  record[field] = "@@"
+  return json.dumps(record).replace('"@@"', f'"{text}"').encode()
+
+
+def _empty_question(draw: Draw) -> bytes:
+  record = draw(_RECORD)
+  record["question"] = draw(st.sampled_from(["", " ", "\t", "\n\n", "\u3000"]))
+  return json.dumps(record).encode()
+
+
+def _huge_line(draw: Draw, ctx: dict) -> BadInput:
+  """One question of megabytes: refused by its length before it is tokenized (bounded time)."""
+  size = draw(st.sampled_from([1 << 20, 8 << 20, 50 << 20]))
+  record = draw(_RECORD)
+  record["question"] = "x" * size
+  bad = _jsonl_with(draw, ctx, "huge_line", json.dumps(record).encode())
+  return dataclasses.replace(bad, description=f"{size} chars", timeout_s=20.0)
+
+
 def _empty_file(draw: Draw, ctx: dict) -> BadInput:
   path = os.path.join(ctx["folder"], "empty.jsonl")
   blank = st.lists(st.sampled_from(["", " ", "\t", "  \r"]), max_size=4)
@@ -159,8 +187,11 @@ CASES: list[Case] = [
       _no_final_number,
       _too_long,
       _bad_char,
+      _lone_surrogate,
+      _empty_question,
     )
   ),
+  ("huge_line", _huge_line),
   ("empty_file", _empty_file),
   ("missing_file", _missing_file),
 ]
