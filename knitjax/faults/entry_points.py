@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 COUNTERS = (
@@ -83,7 +84,20 @@ def _env(extra: dict) -> dict:
 def run_command(argv, env: dict, timeout_s: float, cwd: str) -> tuple[int | None, str, float]:
   """Runs ``argv`` in its own process group; (exit status or None on timeout, stderr, seconds)."""
   t0 = time.monotonic()
-  proc = subprocess.Popen(
+  with warnings.catch_warnings():  # JAX warns of any fork; this one execs at once
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+    proc = _popen(argv, cwd, env)
+  try:
+    _, err = proc.communicate(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate()
+    return None, err, time.monotonic() - t0
+  return proc.returncode, err, time.monotonic() - t0
+
+
+def _popen(argv, cwd: str, env: dict) -> subprocess.Popen:
+  return subprocess.Popen(
     argv,
     cwd=cwd,
     env=env,
@@ -95,13 +109,6 @@ def run_command(argv, env: dict, timeout_s: float, cwd: str) -> tuple[int | None
     start_new_session=True,
     preexec_fn=_limit_memory,
   )
-  try:
-    _, err = proc.communicate(timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    _, err = proc.communicate()
-    return None, err, time.monotonic() - t0
-  return proc.returncode, err, time.monotonic() - t0
 
 
 def _limit_memory() -> None:

@@ -13,6 +13,7 @@ import resource
 import shutil
 import signal
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -84,7 +85,9 @@ class _ChildError(Exception):
 def _isolated(call: Callable[[], Any], timeout_s: float) -> None:
   """Runs ``call`` in a forked child; re-raises what it raised (as `_ChildError`) or `Hang`."""
   read, write = os.pipe()
-  pid = os.fork()
+  with warnings.catch_warnings():  # JAX warns of any fork: the child runs host code only
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+    pid = os.fork()
   if pid == 0:  # the child: report one JSON line, then leave without running any cleanup
     os.close(read)
     try:
