@@ -78,6 +78,7 @@ def _python(*argv: str) -> tuple[str, ...]:
 def _env(extra: dict) -> dict:
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("KNITJAX_ROLLOUT_TOKEN", None)  # a case's token is the one it sets, or the workdir's
+  env.pop("XLA_FLAGS", None)  # as a user's shell: the config's mesh.cpu_devices decides
   return {**env, **extra}
 
 
@@ -211,7 +212,6 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
     "rollout.decode_steps",
     "rollout.refill_groups",
     "mesh.cpu_devices",
-    "runtime.steps",
   ):
     out.append(
       Case(
