@@ -97,9 +97,9 @@ class JsonlFile:
 
   Rows reach storage on ``flush``. Local: the kept rows replace the file atomically (a kill
   while a resume drops rows leaves the old history whole), then new rows are appended (a kill -9
-  loses nothing flushed). Remote: every row is kept in memory and ``flush`` rewrites the whole object, so what
-  a kill -9 leaves is exactly what the last ``flush`` uploaded. No file is held open between
-  flushes.
+  loses nothing flushed). Remote: every row is kept in memory and ``flush`` rewrites the whole
+  object, so what a kill -9 leaves is exactly what the last ``flush`` uploaded. No file is held
+  open between flushes. A write that fails (a full disk) raises a ValueError naming the file.
   """
 
   def __init__(self, file: epath.Path, rows: list[dict]):
