@@ -1,11 +1,15 @@
 """Command-line error handling shared by ``knitjax.main`` and ``knitjax.bench``."""
 
+import contextlib
 import logging as std_logging
 import os
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Callable
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -111,3 +115,59 @@ def request_cpu_devices(count: int) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if count and "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+
+class Terminated(BaseException):
+  """SIGTERM, raised in the main thread where Python delivers signals (a BaseException, as
+  KeyboardInterrupt is, so no ``except Exception`` on the way swallows it)."""
+
+
+def _terminate(signum, frame):
+  raise Terminated()
+
+
+# Exit codes of a process ended by the signal, as shells report them (128 + signal number).
+_CODES = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stoppable(stopped: Callable[[str], str]):
+  """Ctrl-C (SIGINT) and SIGTERM inside the block end the process with one line, not a traceback.
+
+  ``stopped("Ctrl-C")`` (or ``"SIGTERM"``) gives the line, e.g. where to resume; it is printed to
+  stderr and the block raises SystemExit with 130 (143 for SIGTERM), the codes a shell gives a
+  process the signal ended. Checkpoints are written whole or not at all, so stopping anywhere
+  is safe.
+  """
+  previous = signal.signal(signal.SIGTERM, _terminate)
+  try:
+    yield
+  except (KeyboardInterrupt, Terminated) as e:
+    how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+    try:
+      line = stopped(how)
+    except Exception:  # noqa: BLE001 (e.g. flags not parsed yet: the line is a courtesy)
+      line = f"stopped by {how}."
+    print(line, file=sys.stderr, flush=True)
+    stop = SystemExit(_CODES[how])
+    stop.stopped = True
+    raise stop from None
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def run(main: Callable[[list[str]], None], *, stopped: Callable[[str], str]) -> None:
+  """``absl.app.run(main)`` with :func:`parse_flags`, stopped cleanly by Ctrl-C or SIGTERM.
+
+  After a stop, threads the run started (a rollout thread blocked in a queue, orbax's finishing
+  save) get 30 s to end before the process exits regardless.
+  """
+  try:
+    with stoppable(stopped):
+      app.run(main, flags_parser=parse_flags)
+  except SystemExit as e:
+    if getattr(e, "stopped", False):
+      watchdog = threading.Timer(30.0, os._exit, (e.code,))
+      watchdog.daemon = True
+      watchdog.start()
+    raise

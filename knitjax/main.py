@@ -7,7 +7,7 @@ multi-host JAX, and calls :func:`knitjax.runtime.train.train`.
 import json
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from knitjax import cli
@@ -36,6 +36,25 @@ _ROLE = flags.DEFINE_enum(
   "hosts (config.runtime.rollout_hosts), same --config and --workdir as the trainer.",
 )
 flags.mark_flags_as_required(["config", "workdir"])
+
+_last_step: list[int] = []  # the last train step this process finished, for the stop line
+
+
+def _record_step(step: int, metrics: dict) -> None:
+  del metrics
+  _last_step[:] = [step]
+
+
+def _stopped(how: str) -> str:
+  """``stopped by Ctrl-C after step 3; rerun the same command to resume from checkpoint 2.``"""
+  from knitjax.runtime.preflight import checkpoint_steps
+
+  if _ROLE.value == "rollout":
+    return f"stopped by {how}; rerun the same command to serve the trainer again."
+  steps = checkpoint_steps(_WORKDIR.value)
+  at = f"after step {_last_step[-1]}" if _last_step else "before a step finished"
+  then = f"resume from checkpoint {steps[-1]}" if steps else "start (no checkpoint was written)"
+  return f"stopped by {how} {at}; rerun the same command to {then}."
 
 
 def main(argv):
@@ -72,7 +91,12 @@ def main(argv):
   logging.info("devices: %s", jax.devices())
   try:
     config_name = config_flags.get_config_filename(flags.FLAGS["config"])
-    final = train(config, _WORKDIR.value, config_name=config_name)
+    final = train(
+      config,
+      _WORKDIR.value,
+      config_name=config_name,
+      on_step=_record_step,
+    )
   except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
   except RuntimeError as e:  # a rollout host gone (raised in the rollout thread or a fetch)
@@ -88,4 +112,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, stopped=_stopped)
