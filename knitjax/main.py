@@ -37,22 +37,21 @@ _ROLE = flags.DEFINE_enum(
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
-_last_step: list[int] = []  # the last train step this process finished, for the stop line
-
-
-def _record_step(step: int, metrics: dict) -> None:
-  del metrics
-  _last_step[:] = [step]
-
 
 def _stopped(how: str) -> str:
-  """``stopped by Ctrl-C after step 3; rerun the same command to resume from checkpoint 2.``"""
+  """``stopped by Ctrl-C after step 3; rerun the same command to resume from checkpoint 2.``
+
+  The step is the last one ``metrics.jsonl`` records; the checkpoint the newest finished one (a
+  save still in flight is either finished by the exit or left as a temp folder, never read).
+  """
+  from knitjax.runtime.metrics import read_metrics
   from knitjax.runtime.preflight import checkpoint_steps
 
   if _ROLE.value == "rollout":
     return f"stopped by {how}; rerun the same command to serve the trainer again."
   steps = checkpoint_steps(_WORKDIR.value)
-  at = f"after step {_last_step[-1]}" if _last_step else "before a step finished"
+  rows = read_metrics(_WORKDIR.value)
+  at = f"after step {rows[-1]['step']}" if rows else "before a step finished"
   then = f"resume from checkpoint {steps[-1]}" if steps else "start (no checkpoint was written)"
   return f"stopped by {how} {at}; rerun the same command to {then}."
 
@@ -91,12 +90,7 @@ def main(argv):
   logging.info("devices: %s", jax.devices())
   try:
     config_name = config_flags.get_config_filename(flags.FLAGS["config"])
-    final = train(
-      config,
-      _WORKDIR.value,
-      config_name=config_name,
-      on_step=_record_step,
-    )
+    final = train(config, _WORKDIR.value, config_name=config_name)
   except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
   except RuntimeError as e:  # a rollout host gone (raised in the rollout thread or a fetch)
