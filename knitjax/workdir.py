@@ -55,6 +55,24 @@ def free_bytes(file: epath.Path) -> int | None:
     return None
 
 
+class DiskFull(ValueError):
+  """A write met a full disk; the message (one sentence) names the path and the sizes."""
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+  """Whether ``e`` (or what caused it) is a full disk: :class:`DiskFull`, an OSError with ENOSPC,
+  or the text TensorStore gives it in orbax's errors (``No space left on device [...='28']``)."""
+  for _ in range(10):  # the exception and its causes
+    if e is None:
+      return False
+    if isinstance(e, DiskFull) or (isinstance(e, OSError) and e.errno == errno.ENOSPC):
+      return True
+    if "No space left on device" in str(e):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
 def write_error(file: str | os.PathLike, e: OSError, nbytes: int | None = None) -> ValueError:
   """One sentence for an OSError met writing ``file``: the path, and for a full disk the bytes
   being written and the bytes free."""
@@ -62,7 +80,7 @@ def write_error(file: str | os.PathLike, e: OSError, nbytes: int | None = None) 
     free = free_bytes(epath.Path(file))
     size = f"writing {nbytes:,} bytes" if nbytes is not None else "writing"
     room = f", {free:,} bytes free" if free is not None else ""
-    return ValueError(
+    return DiskFull(
       f"no space left on the device of {file} ({size}{room}); free space and rerun the same "
       "command to resume from the newest checkpoint."
     )

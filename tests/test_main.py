@@ -295,3 +295,23 @@ def test_eval_and_export_cli_refuse_a_mistyped_workdir_or_a_used_out(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(expected), proc.stderr[-2000:]
   assert not (tmp_path / "typo").exists()
   assert (tmp_path / "hf" / "config.json").read_text() == "{}"
+
+
+def test_orbax_tracebacks_of_a_full_disk_are_dropped_other_errors_pass():
+  """The checkpointer names a full disk in one sentence; orbax's threads each logged a traceback
+  of it (46 of them, 700 lines, in a real run)."""
+  orbax = "/site-packages/orbax/checkpoint/_src/x.py"
+
+  def record(name, message, error=None, pathname=orbax):
+    exc_info = (type(error), error, None) if error is not None else None
+    return logging.LogRecord(name, logging.ERROR, pathname, 1, message, None, exc_info)
+
+  quiet = cli._QuietLibraries()
+  tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device")
+  assert not quiet.filter(record("absl", "_SignalingThread.run() raised", tensorstore))
+  assert not quiet.filter(record("absl", "Failed to run 4 commit operations", OSError(28, "x")))
+  assert not quiet.filter(
+    record("asyncio", "Future exception was never retrieved", tensorstore, "a")
+  )
+  assert quiet.filter(record("absl", "Failed to run commit operations", OSError(13, "denied")))
+  assert quiet.filter(record("absl", "No space left on device", pathname="knitjax/x.py"))
