@@ -126,12 +126,12 @@ class JsonlFile:
     self._written: list[str] = []  # remote: every row; local: rows not yet appended
     self._pending = False
     text = [json.dumps(row) + "\n" for row in rows]
-    if self._remote:
-      self._written = text
-      self._pending = True
-    else:
-      with _named_errors(file, sum(map(len, text))):
-        file.parent.mkdir(parents=True, exist_ok=True)
+    with _named_errors(file, sum(map(len, text))):
+      file.parent.mkdir(parents=True, exist_ok=True)
+      if self._remote:
+        self._written = text
+        self._pending = True
+      else:
         replace_atomically(file, "".join(text))
 
   def write(self, row: dict) -> None:
