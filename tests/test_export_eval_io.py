@@ -73,7 +73,7 @@ def test_eval_on_an_unwritable_workdir_is_refused_before_evaluating(tmp_path, co
     evaluate(config, workdir)
 
 
-def test_export_refuses_an_unusable_out_folder(tmp_path, config):
+def test_export_refuses_an_unusable_out_folder(tmp_path, config, monkeypatch):
   workdir = _fake_checkpoint(tmp_path / "run")
   (tmp_path / "file").write_text("x")
   old = tmp_path / "old_hf"
@@ -84,6 +84,12 @@ def test_export_refuses_an_unusable_out_folder(tmp_path, config):
     (tmp_path / "file" / "hf", "cannot be created: its folder"),
     (old, "is not empty (it holds config.json); pass --overwrite to replace it whole"),
   ]
+  (tmp_path / "read_only").mkdir()
+  cases.append((tmp_path / "read_only", "is not writable (permission denied)"))
+  real_access = os.access  # root may write anywhere: a read-only folder is simulated
+  monkeypatch.setattr(
+    os, "access", lambda p, mode: not str(p).endswith("read_only") and real_access(p, mode)
+  )
   for out, expected in cases:
     with pytest.raises(ValueError, match=f"^--out {re.escape(str(out))} .*{re.escape(expected)}"):
       export(config, workdir, str(out))
