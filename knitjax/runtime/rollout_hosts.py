@@ -194,7 +194,6 @@ def serve(config: Config, workdir: str) -> dict:
     token,
     lambda unit_id, paths: _attach(config, unit_id, paths),
     timeout_s=r.rollout_host_wait_s,
-    hello={"devices": jax.local_device_count()},
   )
   logging.info("rollout host finished: %s", json.dumps(counts))
   return counts
