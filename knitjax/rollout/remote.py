@@ -245,7 +245,13 @@ class RemoteRollout:
     self._layout: tuple | None = None
     host, port = split_address(address)
     # The listener only binds; `_handshake` authenticates (with a bounded handshake).
-    self._listener = mpc.Listener((host, port), family="AF_INET", backlog=64)
+    try:
+      self._listener = mpc.Listener((host, port), family="AF_INET", backlog=64)
+    except (OSError, OverflowError) as e:  # in use, not this machine's, unresolvable, > 65535
+      raise ValueError(
+        f"the rollout endpoint cannot listen on {address!r} ({getattr(e, 'strerror', None) or e}); "
+        "give config.runtime.rollout_listen an address of this machine and a free port (0: any)."
+      ) from None
     self._authkey = authkey
     bound = self._listener.address
     self.address = f"{bound[0]}:{bound[1]}"
