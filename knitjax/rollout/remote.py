@@ -304,7 +304,7 @@ class RemoteRollout:
       reason = str(e).removeprefix(f"the peer at {peer} ").rstrip(".")
     except (EOFError, OSError):
       reason = (
-        f"said nothing within {_HANDSHAKE_S:.0f} s"
+        f"said nothing within {_HANDSHAKE_S:g} s"
         if not watchdog.is_alive()
         else "closed the connection during the handshake"
       )
