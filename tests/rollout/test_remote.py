@@ -387,7 +387,7 @@ def test_a_port_in_use_is_one_sentence_at_once():
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    address = "127.0.0.1:%d" % taken.getsockname()[1]
+    address = f"127.0.0.1:{taken.getsockname()[1]}"
     t0 = time.monotonic()
     with pytest.raises(
       ValueError, match=rf"cannot listen on '{address}' \(Address already in use\)"
