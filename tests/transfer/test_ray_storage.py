@@ -1,7 +1,6 @@
 """Storage units as Ray actors: same behaviour and errors as in process, fetched by consumers."""
 
 import glob
-import os
 import tempfile
 import threading
 
