@@ -309,6 +309,7 @@ def test_a_host_killed_while_attaching_is_named_and_its_slot_taken_by_the_next(c
   t, address = _trainer_waiting(holder, 20, weights=None)
   with _authenticated(address) as conn:  # attaches as host 0, then dies before it is ready
     wire.send(conn, "control", "doomed", 4242)
+    assert conn.poll(10), "the trainer never answered the hello"
     assert wire.recv(conn, ("welcome",), "trainer")[1] == 0
   threads = _start_hosts(1, channel, rollouts, results)
   t.join(20)
