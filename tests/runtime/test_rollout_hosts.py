@@ -153,7 +153,9 @@ def test_trainer_and_one_rollout_host_run_three_steps(tmp_path):
   assert codes == {"rollout": 0, "train": 0}, (
     f"{codes}\n{out['train'][-3000:]}\n---\n" + out["rollout"][-3000:]
   )
-  assert re.search(r"rollout host 0 \(.*pid \d+\) attached \(2 devices\)", out["train"])
+  assert re.search(
+    r"rollout host 0 \(.*pid \d+, 127.0.0.1:\d+\) attached \(2 devices\)", out["train"]
+  )
   assert "rollout on 1 rollout hosts, training steps 1..3 on 2 devices" in out["train"]
 
   consumed = [json.loads(x) for x in (workdir / "consumed.jsonl").read_text().splitlines()]
