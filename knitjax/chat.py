@@ -13,7 +13,7 @@ import os
 import sys
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from knitjax import cli
 
@@ -106,4 +106,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, stopped=lambda how: f"stopped by {how}.")

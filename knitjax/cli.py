@@ -1,11 +1,15 @@
 """Command-line error handling shared by ``knitjax.main`` and ``knitjax.bench``."""
 
+import contextlib
 import logging as std_logging
 import os
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Callable
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -13,14 +17,58 @@ class _QuietLibraries(std_logging.Filter):
   JAX's note on each backend it tried and could not start (``Unable to initialize backend 'tpu':
   ... Failed to open libtpu.so`` on every CPU machine).
 
-  Warnings and errors pass: JAX warns when a GPU or TPU is present but its backend failed, and a
-  backend named in ``JAX_PLATFORMS`` that fails raises.
+  Orbax's errors about a full disk (a traceback from each of its saving threads) are dropped: the
+  checkpointer raises one sentence for it. Other warnings and errors pass: JAX warns when a GPU or
+  TPU is present but its backend failed, and a backend named in ``JAX_PLATFORMS`` that fails
+  raises.
   """
 
   def filter(self, record: std_logging.LogRecord) -> bool:
+    if ("/orbax/" in record.pathname or record.name == "asyncio") and _disk_full(record):
+      return False  # the checkpointer raises one sentence for it; orbax's threads log tracebacks
     if record.levelno >= std_logging.WARNING:
       return True
     return "/orbax/" not in record.pathname and record.name != "jax._src.xla_bridge"
+
+
+# What a full disk leaves behind in orbax's and TensorStore's threads once orbax gave up a save:
+# callbacks into the event loop orbax closed, futures for an executor it shut down.
+_AFTERMATH = ("Event loop is closed", "cannot schedule new futures after")
+
+
+def _disk_full(record: std_logging.LogRecord) -> bool:
+  from knitjax import workdir as wd
+
+  e = record.exc_info[1] if record.exc_info else None
+  if e is not None and (wd.is_disk_full(e) or _aftermath(e)):
+    return True
+  return "No space left on device" in record.getMessage()
+
+
+def _aftermath(e: BaseException) -> bool:
+  return isinstance(e, RuntimeError) and str(e).startswith(_AFTERMATH)
+
+
+def _quiet_threads() -> None:
+  """Threads that die of a full disk (TensorBoard's writer, orbax's savers) or of its aftermath
+  end without a traceback: the main thread meets the full disk too and says so in one sentence
+  (the checkpointer, ``metrics.jsonl``). Every other exception is reported as before."""
+  from knitjax import workdir as wd
+
+  thread_hook, unraisable_hook = threading.excepthook, sys.unraisablehook
+
+  def thread_exception(args):
+    if args.exc_value is not None and wd.is_disk_full(args.exc_value):
+      name = args.thread.name if args.thread is not None else "a thread"
+      logging.warning("%s stopped: no space left on device (%s).", name, args.exc_value)
+    elif args.exc_value is None or not _aftermath(args.exc_value):
+      thread_hook(args)
+
+  def unraisable(u):
+    if u.exc_value is None or not (_aftermath(u.exc_value) or wd.is_disk_full(u.exc_value)):
+      unraisable_hook(u)
+
+  threading.excepthook, sys.unraisablehook = thread_exception, unraisable
 
 
 def quiet_libraries() -> None:
@@ -111,3 +159,81 @@ def request_cpu_devices(count: int) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if count and "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+
+class Terminated(BaseException):
+  """SIGTERM, raised in the main thread where Python delivers signals (a BaseException, as
+  KeyboardInterrupt is, so no ``except Exception`` on the way swallows it)."""
+
+
+def _terminate(signum, frame):
+  raise Terminated()
+
+
+# Exit codes of a process ended by the signal, as shells report them (128 + signal number).
+_CODES = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stoppable(stopped: Callable[[str], str]):
+  """Ctrl-C (SIGINT) and SIGTERM inside the block end the process with one line, not a traceback.
+
+  ``stopped("Ctrl-C")`` (or ``"SIGTERM"``) gives the line, e.g. where to resume; it is printed to
+  stderr and the block raises SystemExit with 130 (143 for SIGTERM), the codes a shell gives a
+  process the signal ended. Checkpoints are written whole or not at all, so stopping anywhere
+  is safe.
+  """
+  previous = signal.signal(signal.SIGTERM, _terminate)
+  try:
+    yield
+  except (KeyboardInterrupt, Terminated) as e:
+    how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+    try:
+      line = stopped(how)
+    except Exception:  # noqa: BLE001 (e.g. flags not parsed yet: the line is a courtesy)
+      line = f"stopped by {how}."
+    print(line, file=sys.stderr, flush=True)
+    stop = SystemExit(_CODES[how])
+    stop.stopped = True
+    raise stop from None
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def run(main: Callable[[list[str]], None], *, stopped: Callable[[str], str]) -> None:
+  """``absl.app.run(main)`` with :func:`parse_flags`, stopped cleanly by Ctrl-C or SIGTERM.
+
+  After the stop line (and after the error line of a full disk) the process ends at once
+  (``os._exit``), as a kill would: the threads a run started (orbax's finishing save, a rollout
+  thread blocked in a queue, TensorBoard's writer) would otherwise print their own tracebacks
+  while the interpreter shuts down under them. Nothing is lost that a kill would not lose, and a
+  kill anywhere is survived (docs/reliability.md).
+  """
+  _quiet_threads()
+  try:
+    with stoppable(stopped):
+      app.run(main, flags_parser=parse_flags)
+  except SystemExit as e:
+    from knitjax import workdir as wd
+
+    if getattr(e, "stopped", False):
+      _exit_now(e.code)
+    if wd.is_disk_full(e.__context__):  # an `error: no space left ...` line; the shutdown's own
+      print(e.code, file=sys.stderr)  # writes (TensorBoard's last flush) would only fail again
+      _exit_now(1)
+    raise
+  except Exception as e:  # a full disk met where no sentence names it yet (a plot, a log)
+    from knitjax import workdir as wd
+
+    if not wd.is_disk_full(e):
+      raise
+    if isinstance(e, OSError):
+      e = wd.write_error(e.filename or "the workdir", e)
+    print(f"error: {e}", file=sys.stderr)
+    _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  os._exit(code)

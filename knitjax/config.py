@@ -9,6 +9,7 @@ is accepted. Library code receives these dataclasses, never the ConfigDict.
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,11 +124,23 @@ def _check_rollout_hosts(runtime) -> None:
       "rollout hosts keep the payloads in their own storage units; choose one of them."
     )
   host, sep, port = runtime.rollout_listen.rpartition(":")
-  if not sep or not host or not port.isdigit():
+  if not sep or not host or not port.lstrip("-").isdigit():
     raise ValueError(
       f"config.runtime.rollout_listen={runtime.rollout_listen!r} is not accepted; give "
       "host:port, e.g. '127.0.0.1:0' or '10.0.0.2:7000' (port 0: a free one)."
     )
+  if not 0 <= int(port) <= 65535:
+    raise ValueError(
+      f"config.runtime.rollout_listen={runtime.rollout_listen!r} is not accepted; its port "
+      f"{int(port)} is outside 0..65535 (0: a free one)."
+    )
+  try:  # a name that does not resolve fails here, not when the trainer binds after its compile
+    socket.getaddrinfo(host.strip("[]"), int(port), socket.AF_INET, socket.SOCK_STREAM)
+  except OSError as e:
+    raise ValueError(
+      f"config.runtime.rollout_listen={runtime.rollout_listen!r} is not accepted; host "
+      f"{host!r} does not resolve to an IPv4 address ({e.strerror or e})."
+    ) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

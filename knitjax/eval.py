@@ -1,24 +1,29 @@
 """Evaluate a checkpoint alone: ``python -m knitjax.eval --config configs/<x>.py --workdir DIR``.
 
-Restores the newest intact checkpoint of ``DIR`` (or the config's starting policy when the
-workdir has none: ``config.init_from`` or the seeded random init), runs the held-out evaluation
-of ``config.eval`` (greedy accuracy, and pass@k when ``config.eval.samples`` > 0) and writes
-``DIR/eval_checkpoint.json`` plus the greedy answers. Training is not resumed or changed.
+Restores the newest intact checkpoint of ``DIR``, runs the held-out evaluation of
+``config.eval`` (greedy accuracy, and pass@k when ``config.eval.samples`` > 0) and writes
+``DIR/eval_checkpoint.json`` plus the greedy answers. Training is not resumed or changed; a
+running run's workdir may be evaluated (no lock is taken). A workdir that is missing, a file, or
+holds no checkpoint is refused in one sentence (nothing is created), as is one that cannot be
+written, before anything is evaluated.
 """
 
 import json
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from knitjax import cli
 from knitjax import workdir as wd
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (its checkpoints).")
-_PROMPTS = flags.DEFINE_integer("prompts", 0, "Held-out prompts (0: config.eval.prompts).")
-flags.mark_flags_as_required(["config", "workdir"])
+# Flags only when run as a command: the library function can be imported beside another entry
+# point (both define --config).
+if __name__ == "__main__":
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.")
+  _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (its checkpoints).")
+  _PROMPTS = flags.DEFINE_integer("prompts", 0, "Held-out prompts (0: config.eval.prompts).")
+  flags.mark_flags_as_required(["config", "workdir"])
 
 
 def evaluate(config, workdir: str) -> dict:
@@ -26,22 +31,27 @@ def evaluate(config, workdir: str) -> dict:
   import jax
 
   from knitjax.runtime import builder, rollout_builder
+  from knitjax.runtime.preflight import check_checkpoint_workdir, check_writable
 
+  check_checkpoint_workdir(workdir)
+  check_writable(wd.path(workdir), f"--workdir {workdir}", create=False)
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
   graphdef, learner = builder.build_learner(config, mesh, workdir)
-  restored = learner.restore() if wd.path(workdir, "checkpoints").is_dir() else None
-  step = 0 if restored is None else learner.version // config.admission.minibatches
+  restored = learner.restore()
+  step = learner.version // config.admission.minibatches
   evaluator = rollout_builder.build_evaluator(config, graphdef, mesh, prompts)
   with jax.set_mesh(mesh):
     rng = jax.random.fold_in(rollout_builder.eval_rng(config), step)
     metrics, answers = evaluator(learner.policy_params, rng)
   learner.close()
   out = {"step": step, "checkpoint": restored is not None, **metrics}
-  wd.path(workdir).mkdir(parents=True, exist_ok=True)
-  wd.path(workdir, "eval_checkpoint.json").write_text(
-    json.dumps({**out, "answers": answers}, indent=1)
-  )
+  file = wd.path(workdir, "eval_checkpoint.json")
+  try:
+    file.write_text(json.dumps({**out, "answers": answers}, indent=1))
+  except OSError as e:  # checked writable above; a disk that filled up meanwhile
+    print(json.dumps(out))  # the result is not lost
+    raise wd.write_error(file, e) from None
   return out
 
 
@@ -69,5 +79,9 @@ def main(argv):
   print(json.dumps(out))
 
 
+def _stopped(how: str) -> str:
+  return f"stopped by {how}; nothing was evaluated or written (rerun the same command)."
+
+
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, stopped=_stopped)

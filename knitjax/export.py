@@ -1,50 +1,131 @@
 """Export a checkpoint as a Hugging Face folder:
-``python -m knitjax.export --config configs/<x>.py --workdir DIR --out FOLDER``.
+``python -m knitjax.export --config configs/<x>.py --workdir DIR --out FOLDER [--overwrite]``.
 
-Restores the newest intact checkpoint of ``DIR`` (or the config's starting policy when the workdir
-has none) and writes its policy with `knitjax.models.hf.save_hf_params`: ``config.json`` and
-safetensors in Hugging Face layout. LoRA adapters are merged into the base weights
-(``W + (alpha / r)·A·B``), so the folder holds the plain model; it loads as ``config.init_from``
-(knitjax writes no tokenizer.json: a task with its own tokenizer trains on it).
+Restores the newest intact checkpoint of ``DIR`` and writes its policy with
+`knitjax.models.hf.save_hf_params`: ``config.json`` and safetensors in Hugging Face layout. LoRA
+adapters are merged into the base weights (``W + (alpha / r)·A·B``), so the folder holds the
+plain model; it loads as ``config.init_from`` (knitjax writes no tokenizer.json: a task with its
+own tokenizer trains on it).
+
+A workdir that is missing, a file, or holds no checkpoint is refused in one sentence (nothing is
+created). ``FOLDER`` must be new or empty, unless ``--overwrite`` asks to replace it: files of an
+older export (another shard count's ``model.safetensors.index.json``, a user's ``config.json``)
+would otherwise mix with the new ones. The folder is written whole beside its place (a sibling
+``.FOLDER.tmp-<pid>``) and then renamed into it, so a failed or stopped export leaves the old
+folder as it was.
 """
 
+from __future__ import annotations
+
 import json
+import os
+import shutil
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from knitjax import cli
-from knitjax import workdir as wd
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (its checkpoints).")
-_OUT = flags.DEFINE_string("out", None, "The Hugging Face folder to write.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Stored dtype.")
-flags.mark_flags_as_required(["config", "workdir", "out"])
+# Flags only when run as a command: the library function can be imported beside another entry
+# point (both define --config).
+if __name__ == "__main__":
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.")
+  _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (its checkpoints).")
+  _OUT = flags.DEFINE_string("out", None, "The Hugging Face folder to write (new or empty).")
+  _OVERWRITE = flags.DEFINE_bool(
+    "overwrite", False, "Replace --out whole if it already holds files."
+  )
+  _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Stored dtype.")
+  flags.mark_flags_as_required(["config", "workdir", "out"])
 
 
-def export(config, workdir: str, out: str, *, dtype: str = "float32") -> dict:
-  """Writes the newest checkpoint's policy (adapters merged) to ``out``; returns what it wrote."""
+def check_out(out: str, *, overwrite: bool) -> None:
+  """Raises ValueError (one sentence naming ``out``) unless an export may be written there:
+  a new or empty folder (any folder with ``overwrite``) whose parent this process can write."""
+  from etils import epath
+
+  from knitjax.runtime.preflight import check_writable
+
+  if not out:
+    raise ValueError("--out is empty; give the folder to write.")
+  path = os.path.abspath(out)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"--out {out} is a file, not a folder.")
+  if os.path.isdir(path) and (names := sorted(os.listdir(path))) and not overwrite:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise ValueError(
+      f"--out {out} is not empty (it holds {shown}); pass --overwrite to replace it whole, or "
+      "choose a new folder."
+    )
+  if os.path.isdir(path) and not os.access(path, os.W_OK):
+    raise ValueError(f"--out {out} is not writable (permission denied).")
+  parent = os.path.dirname(path)
+  check_writable(
+    epath.Path(parent), f"--out {out} cannot be created: its folder {parent}", create=True
+  )
+
+
+def export(
+  config, workdir: str, out: str, *, dtype: str = "float32", overwrite: bool = False
+) -> dict:
+  """Writes the newest checkpoint's policy (adapters merged) to ``out``; returns what it wrote.
+
+  Raises:
+    ValueError: (one sentence) the workdir holds no checkpoint, or ``out`` is not a new or empty
+      folder (and not ``overwrite``), or cannot be written.
+  """
   import jax
   import ml_dtypes
   import numpy as np
 
   from knitjax.runtime import builder
+  from knitjax.runtime.preflight import check_checkpoint_workdir
 
   if config.vision is not None:
     raise ValueError("knitjax.export writes text decoders; config.vision is set (a VLM).")
+  check_checkpoint_workdir(workdir)
+  check_out(out, overwrite=overwrite)
   mesh = builder.build_mesh(config)
   _, learner = builder.build_learner(config, mesh, workdir)
-  restored = learner.restore() if wd.path(workdir, "checkpoints").is_dir() else None
-  step = 0 if restored is None else learner.version // config.admission.minibatches
+  learner.restore()
+  step = learner.version // config.admission.minibatches
   from knitjax.models import hf
 
   stored = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-  with jax.set_mesh(mesh):
-    hf.save_hf_params(learner.policy_params, config.model, out, dtype=stored)
-  learner.close()
-  return {"step": step, "checkpoint": restored is not None, "out": out, "dtype": dtype}
+  path = os.path.abspath(out)
+  tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+  try:
+    with jax.set_mesh(mesh):
+      hf.save_hf_params(learner.policy_params, config.model, tmp, dtype=stored)
+    if jax.process_index() == 0:
+      _swap_in(tmp, path)
+  except OSError as e:
+    from knitjax import workdir as wd
+
+    raise wd.write_error(out, e) from None
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)  # a failed or stopped export leaves no temp folder
+    learner.close()
+  return {"step": step, "checkpoint": True, "out": out, "dtype": dtype}
+
+
+def _swap_in(tmp: str, path: str) -> None:
+  """Puts the folder ``tmp`` in the place of ``path``: renamed into it when ``path`` is missing
+  or empty; otherwise the old folder is renamed aside first and removed once the new is in."""
+  if os.path.isdir(path) and not os.listdir(path):
+    os.rmdir(path)
+  if not os.path.exists(path):
+    os.rename(tmp, path)
+    return
+  old = f"{tmp}.old"
+  os.rename(path, old)
+  try:
+    os.rename(tmp, path)
+  except OSError:
+    os.rename(old, path)  # put the old folder back
+    raise
+  shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv):
@@ -58,12 +139,16 @@ def main(argv):
     sys.exit(f"error: {cli.one_line(e)}")
   cli.request_cpu_devices(config.mesh.cpu_devices)
   try:
-    out = export(config, _WORKDIR.value, _OUT.value, dtype=_DTYPE.value)
+    out = export(config, _WORKDIR.value, _OUT.value, dtype=_DTYPE.value, overwrite=_OVERWRITE.value)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
   logging.info("export: %s", out)
   print(json.dumps(out))
 
 
+def _stopped(how: str) -> str:
+  return f"stopped by {how}; {_OUT.value} was not changed (rerun the same command)."
+
+
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, stopped=_stopped)

@@ -7,7 +7,7 @@ multi-host JAX, and calls :func:`knitjax.runtime.train.train`.
 import json
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from knitjax import cli
@@ -36,6 +36,24 @@ _ROLE = flags.DEFINE_enum(
   "hosts (config.runtime.rollout_hosts), same --config and --workdir as the trainer.",
 )
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _stopped(how: str) -> str:
+  """``stopped by Ctrl-C after step 3; rerun the same command to resume from checkpoint 2.``
+
+  The step is the last one ``metrics.jsonl`` records; the checkpoint the newest finished one (a
+  save still in flight is either finished by the exit or left as a temp folder, never read).
+  """
+  from knitjax.runtime.metrics import read_metrics
+  from knitjax.runtime.preflight import checkpoint_steps
+
+  if _ROLE.value == "rollout":
+    return f"stopped by {how}; rerun the same command to serve the trainer again."
+  steps = checkpoint_steps(_WORKDIR.value)
+  rows = read_metrics(_WORKDIR.value)
+  at = f"after step {rows[-1]['step']}" if rows else "before a step finished"
+  then = f"resume from checkpoint {steps[-1]}" if steps else "start (no checkpoint was written)"
+  return f"stopped by {how} {at}; rerun the same command to {then}."
 
 
 def main(argv):
@@ -88,4 +106,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, stopped=_stopped)

@@ -15,8 +15,11 @@ the object whole or not at all, so a kill mid-upload leaves the previous complet
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 
 from etils import epath
 
@@ -39,13 +42,82 @@ def read_lines(p: epath.Path) -> list[str]:
   return p.read_text().split("\n") if p.exists() else []
 
 
+def free_bytes(file: epath.Path) -> int | None:
+  """Free bytes on the local file system holding ``file`` (or its nearest existing parent)."""
+  if is_remote(file):
+    return None
+  folder = os.fspath(file)
+  while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+    folder = os.path.dirname(folder)
+  try:
+    return shutil.disk_usage(folder).free
+  except OSError:
+    return None
+
+
+class DiskFull(ValueError):
+  """A write met a full disk; the message (one sentence) names the path and the sizes."""
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+  """Whether ``e`` (or what caused it) is a full disk: :class:`DiskFull`, an OSError with ENOSPC,
+  or the text TensorStore gives it in orbax's errors (``No space left on device [...='28']``)."""
+  for _ in range(10):  # the exception and its causes
+    if e is None:
+      return False
+    if isinstance(e, DiskFull) or (isinstance(e, OSError) and e.errno == errno.ENOSPC):
+      return True
+    if "No space left on device" in str(e):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+def write_error(file: str | os.PathLike, e: OSError, nbytes: int | None = None) -> ValueError:
+  """One sentence for an OSError met writing ``file``: the path, and for a full disk the bytes
+  being written and the bytes free."""
+  if e.errno == errno.ENOSPC:
+    free = free_bytes(epath.Path(file))
+    size = f"writing {nbytes:,} bytes" if nbytes is not None else "writing"
+    room = f", {free:,} bytes free" if free is not None else ""
+    return DiskFull(
+      f"no space left on the device of {file} ({size}{room}); free space and rerun the same "
+      "command to resume from the newest checkpoint."
+    )
+  return ValueError(f"cannot write {file} ({e.strerror or e}).")
+
+
+@contextlib.contextmanager
+def _named_errors(file: epath.Path, nbytes: int):
+  try:
+    yield
+  except OSError as e:
+    raise write_error(file, e, nbytes) from None
+
+
+def replace_atomically(file: epath.Path, text: str) -> None:
+  """Replaces a local ``file`` with ``text`` whole or not at all: a temp file beside it, fsynced,
+  then renamed over it, so a kill (or a full disk) mid-write leaves the previous version."""
+  tmp = file.parent / f".{file.name}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, file)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+
+
 class JsonlFile:
   """An append-only JSON-lines file that starts over from ``rows`` (the rows a resume keeps).
 
-  Rows reach storage on ``flush``. Local: the new rows are appended (a kill -9 loses nothing
-  flushed). Remote: every row is kept in memory and ``flush`` rewrites the whole object, so what
-  a kill -9 leaves is exactly what the last ``flush`` uploaded. No file is held open between
-  flushes.
+  Rows reach storage on ``flush``. Local: the kept rows replace the file atomically (a kill
+  while a resume drops rows leaves the old history whole), then new rows are appended (a kill -9
+  loses nothing flushed). Remote: every row is kept in memory and ``flush`` rewrites the whole
+  object, so what a kill -9 leaves is exactly what the last ``flush`` uploaded. No file is held
+  open between flushes. A write that fails (a full disk) raises a ValueError naming the file.
   """
 
   def __init__(self, file: epath.Path, rows: list[dict]):
@@ -53,13 +125,14 @@ class JsonlFile:
     self._remote = is_remote(file)
     self._written: list[str] = []  # remote: every row; local: rows not yet appended
     self._pending = False
-    file.parent.mkdir(parents=True, exist_ok=True)
-    if self._remote:
-      self._written = [json.dumps(row) + "\n" for row in rows]
-      self._pending = True
-    else:
-      with open(file, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+    text = [json.dumps(row) + "\n" for row in rows]
+    with _named_errors(file, sum(map(len, text))):
+      file.parent.mkdir(parents=True, exist_ok=True)
+      if self._remote:
+        self._written = text
+        self._pending = True
+      else:
+        replace_atomically(file, "".join(text))
 
   def write(self, row: dict) -> None:
     self._written.append(json.dumps(row) + "\n")
@@ -68,12 +141,13 @@ class JsonlFile:
   def flush(self) -> None:
     if not self._pending:
       return
-    if self._remote:
-      self.path.write_text("".join(self._written))
-    else:
-      with open(self.path, "a") as f:
-        f.writelines(self._written)
-      self._written = []
+    with _named_errors(self.path, sum(map(len, self._written))):
+      if self._remote:
+        self.path.write_text("".join(self._written))
+      else:
+        with open(self.path, "a") as f:
+          f.writelines(self._written)
+        self._written = []
     self._pending = False
 
   def close(self) -> None:

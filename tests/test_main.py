@@ -220,3 +220,98 @@ def test_bad_config_found_by_the_fault_suite_is_one_sentence(corrupt, expected):
   corrupt(d)
   with pytest.raises(ValueError, match=re.escape(expected)):
     from_config_dict(d)
+
+
+@pytest.mark.parametrize("how, code", [("Ctrl-C", 130), ("SIGTERM", 143)])
+def test_a_stop_is_one_line_with_the_shells_exit_code(how, code, capsys):
+  import signal
+
+  def body():
+    if how == "Ctrl-C":
+      raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGTERM)  # delivered to this (the main) thread
+
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(SystemExit) as e, cli.stoppable(lambda h: f"stopped by {h} after step 3."):
+    body()
+  assert e.value.code == code
+  assert capsys.readouterr().err == f"stopped by {how} after step 3.\n"
+  assert signal.getsignal(signal.SIGTERM) is before  # restored
+
+
+def test_ctrl_c_in_main_stops_in_one_line_and_names_the_checkpoint(tmp_path):
+  import signal
+  import time
+
+  cmd = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_tiny.py:quick"]
+  cmd += ["--workdir", str(tmp_path), "--config.runtime.steps=100"]
+  proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 120
+  while not (tmp_path / "checkpoints" / "1").is_dir():
+    assert proc.poll() is None and time.monotonic() < deadline, "no step finished"
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGINT)
+  _, stderr = proc.communicate(timeout=60)
+  last = stderr.strip().splitlines()[-1]
+  assert proc.returncode == 130, stderr[-2000:]
+  assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+  found = re.fullmatch(
+    r"stopped by Ctrl-C after step (\d+); rerun the same command to resume from checkpoint (\d+)\.",
+    last,
+  )
+  assert found, last
+  step, checkpoint = map(int, found.groups())
+  assert 1 <= checkpoint <= step and (tmp_path / "checkpoints" / str(checkpoint)).is_dir()
+
+
+def test_eval_and_export_cli_refuse_a_mistyped_workdir_or_a_used_out(tmp_path):
+  """The command lines end in ``error: <one sentence>`` (they used to exit 0 on the random init
+  and create the mistyped folder)."""
+  base = [sys.executable, "-m"]
+  config = ["--config", "configs/arith_tiny.py:quick"]
+  (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf" / "config.json").write_text("{}")
+  cases = [
+    (
+      ["knitjax.eval", *config, "--workdir", str(tmp_path / "typo")],
+      f"error: --workdir {tmp_path / 'typo'} does not exist;",
+    ),
+    (
+      [
+        "knitjax.export",
+        *config,
+        "--workdir",
+        str(tmp_path / "run"),
+        "--out",
+        str(tmp_path / "hf"),
+      ],
+      f"error: --out {tmp_path / 'hf'} is not empty (it holds config.json); pass --overwrite",
+    ),
+  ]
+  for args, expected in cases:
+    proc = subprocess.run(base + args, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(expected), proc.stderr[-2000:]
+  assert not (tmp_path / "typo").exists()
+  assert (tmp_path / "hf" / "config.json").read_text() == "{}"
+
+
+def test_orbax_tracebacks_of_a_full_disk_are_dropped_other_errors_pass():
+  """The checkpointer names a full disk in one sentence; orbax's threads each logged a traceback
+  of it (46 of them, 700 lines, in a real run)."""
+  orbax = "/site-packages/orbax/checkpoint/_src/x.py"
+
+  def record(name, message, error=None, pathname=orbax):
+    exc_info = (type(error), error, None) if error is not None else None
+    return logging.LogRecord(name, logging.ERROR, pathname, 1, message, None, exc_info)
+
+  quiet = cli._QuietLibraries()
+  tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device")
+  assert not quiet.filter(record("absl", "_SignalingThread.run() raised", tensorstore))
+  assert not quiet.filter(record("absl", "Failed to run 4 commit operations", OSError(28, "x")))
+  assert not quiet.filter(
+    record("asyncio", "Future exception was never retrieved", tensorstore, "a")
+  )
+  assert quiet.filter(record("absl", "Failed to run commit operations", OSError(13, "denied")))
+  assert quiet.filter(record("absl", "No space left on device", pathname="knitjax/x.py"))

@@ -246,7 +246,7 @@ class MultiTurnRollout:
     return dataclasses.replace(self._stats, live_samples=live)
 
   def close(self) -> None:
-    pass
+    self._unit.close()  # the unit built for this rollout (a Ray actor with storage='ray')
 
 
 def stop_ids(environment: EnvironmentSpec, tokenizer: CharTokenizer) -> tuple[int, ...]:

@@ -17,8 +17,11 @@ its own thread on the host, so fetches never wait behind generation).
 `knitjax.rollout.remote_host` is the host's side.
 
 Each host keeps two connections to the trainer (``multiprocessing.connection``, authenticated
-with the run's token by an HMAC challenge before anything is unpickled): *control* (contract
-calls, answered in order) and *storage* (unit calls). Weights do not use them: the trainer
+with the run's token by an HMAC challenge in both directions): *control* (contract calls,
+answered in order) and *storage* (unit calls). Nothing on them is pickled: messages are data in
+the format of `knitjax.rollout.wire`, decoded by the types each kind expects. Connections are
+accepted while hosts attach, each authenticated in its own thread within `_HANDSHAKE_S`, so a
+silent, slow or refused peer delays no other. Weights do not use them: the trainer
 offers each version through a :class:`WeightChannel` (in a run, ``jax.experimental.transfer``
 from device to device, `knitjax.runtime.weight_transfer`) and tells each host which offer to
 pull. Hosts are not restarted: one that disconnects ends the run with one sentence (resume
@@ -31,6 +34,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -41,6 +45,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from knitjax.rollout import wire
 from knitjax.rollout.contract import RolloutStats
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta
@@ -56,6 +61,26 @@ _ERRORS = {"KeyError": KeyError, "StorageFull": StorageFull, "ValueError": Value
 
 class HostError(RuntimeError):
   """A rollout host failed a call or went away."""
+
+
+class _Dropped(Exception):
+  """An attaching host went away or sent something else than the handshake expects."""
+
+
+def _quietly(send: Callable, conn: mpc.Connection, *args) -> None:
+  """``send(conn, *args)`` for an attaching host: a host that went away is `_Dropped`."""
+  try:
+    send(conn, *args)
+  except OSError as e:
+    raise _Dropped(f"the connection to an attaching host broke ({e!r})") from None
+
+
+def _listing(events: list[str]) -> str:
+  """``"; refused or lost: a, b"`` for the final wait message (the first 5), or ``""``."""
+  if not events:
+    return ""
+  more = f" and {len(events) - 5} more" if len(events) > 5 else ""
+  return f" (refused or lost: {', '.join(events[:5])}{more})"
 
 
 _RESUME = (
@@ -97,18 +122,26 @@ def no_delay(conn: mpc.Connection) -> mpc.Connection:
 
 
 def reply(conn: mpc.Connection, fn: Callable[[], object]) -> None:
+  """Answers a call with ``("ok", fn())``, or ``("error", type, message)`` when it raised."""
   try:
-    out = ("ok", fn())
+    frame = wire.encode("ok", fn())
   except Exception as e:  # answered, not raised: the host keeps serving
-    out = ("error", type(e).__name__, str(e))
-  conn.send(out)
+    frame = wire.encode("error", type(e).__name__, str(e))
+  conn.send_bytes(frame)
 
 
-def result(reply, who: str):
-  if reply[0] == "ok":
-    return reply[1]
-  _, kind, msg = reply
+def raise_error(kind: str, msg: str, who: str):
+  """Raises a failure ``who`` reported: by type for the storage contract's own, else HostError."""
   raise _ERRORS.get(kind, HostError)(f"{who}: {kind}: {msg}" if kind not in _ERRORS else msg)
+
+
+def result(conn: mpc.Connection, kind: str, who: str):
+  """The next message on ``conn``, which must be ``kind`` (its one argument, or its arguments) or
+  an error that ``who`` reports (raised, see :func:`raise_error`)."""
+  got, *args = wire.recv(conn, (kind, "error"), who)
+  if got == "error":
+    raise_error(*args, who)
+  return args[0] if len(args) == 1 else args
 
 
 class RemoteStorageUnit(StorageUnit):
@@ -118,13 +151,19 @@ class RemoteStorageUnit(StorageUnit):
     self.unit_id, self._conn, self._who = unit_id, conn, who
     self._lock = threading.Lock()
 
-  def _call(self, *msg):
+  def _call(self, kind: str, *args):
+    expect = {"ok": (wire.REPLIES[kind],), "error": wire.MESSAGES["error"]}
     with self._lock:
       try:
-        self._conn.send(msg)
-        return result(self._conn.recv(), self._who)
+        wire.send(self._conn, kind, *args)
+        got, *out = wire.recv(self._conn, expect, self._who)
       except (EOFError, OSError) as e:
         raise HostError(f"{self._who} closed its storage connection ({e!r}); {_RESUME}") from e
+      except wire.WireError as e:
+        raise HostError(str(e)) from None
+    if got == "error":
+      raise_error(*out, self._who)
+    return out[0]
 
   def put(self, group_id, payload, images=()) -> int:
     return self._call("put", group_id, payload, list(images))
@@ -205,8 +244,14 @@ class RemoteRollout:
     self._make_weights, self._weights = weights, None
     self._layout: tuple | None = None
     host, port = split_address(address)
-    # The listener only binds; `_accept` authenticates (with a bounded handshake).
-    self._listener = mpc.Listener((host, port), family="AF_INET")
+    # The listener only binds; `_handshake` authenticates (with a bounded handshake).
+    try:
+      self._listener = mpc.Listener((host, port), family="AF_INET", backlog=64)
+    except (OSError, OverflowError) as e:  # in use, not this machine's, unresolvable, > 65535
+      raise ValueError(
+        f"the rollout endpoint cannot listen on {address!r} ({getattr(e, 'strerror', None) or e}); "
+        "give config.runtime.rollout_listen an address of this machine and a free port (0: any)."
+      ) from None
     self._authkey = authkey
     bound = self._listener.address
     self.address = f"{bound[0]}:{bound[1]}"
@@ -225,67 +270,143 @@ class RemoteRollout:
 
   # ---- attaching hosts ----------------------------------------------------------------------
 
-  def _accept(self, deadline: float) -> tuple[mpc.Connection, dict]:
-    """The next authenticated connection and its hello. The handshake is the one
-    ``multiprocessing.connection.Listener.accept`` runs, bounded by `_HANDSHAKE_S`: a peer that
-    connects and says nothing (a port scanner) is cut off instead of holding the trainer."""
-    sock = self._listener._listener._socket  # the listening socket: bound the accept's wait
-    while True:
-      left = deadline - time.monotonic()
-      if left <= 0:
-        raise TimeoutError
-      sock.settimeout(left)
-      raw, peer = sock.accept()
-      raw.setblocking(True)
-      conn = mpc.Connection(raw.detach())
-      watchdog = threading.Timer(_HANDSHAKE_S, _cut, args=(conn,))
-      watchdog.start()
+  def _accept_loop(self, inbox: queue.Queue, stop: threading.Event) -> None:
+    """Accepts connections until ``stop``; each one's handshake runs in its own thread, so a
+    silent or slow peer holds only its own (bounded by `_HANDSHAKE_S`)."""
+    sock = self._listener._listener._socket  # the listening socket: accept with a timeout
+    sock.settimeout(0.1)
+    while not stop.is_set():
       try:
-        mpc.deliver_challenge(conn, self._authkey)
-        mpc.answer_challenge(conn, self._authkey)
-        hello = conn.recv()
-      except (mpc.AuthenticationError, EOFError, OSError) as e:
-        logging.warning("a connection from %s to the rollout endpoint was refused (%r).", peer, e)
-        conn.close()
+        raw, peer = sock.accept()
+      except TimeoutError:
         continue
-      finally:
-        watchdog.cancel()
-      return no_delay(conn), hello
+      except OSError:  # the listener was closed
+        return
+      raw.setblocking(True)
+      threading.Thread(
+        target=self._handshake, args=(raw, f"{peer[0]}:{peer[1]}", inbox), daemon=True
+      ).start()
+
+  def _handshake(self, raw: socket.socket, peer: str, inbox: queue.Queue) -> None:
+    """Authenticates one connection and reads its hello; puts ``(conn, hello, peer)`` or
+    ``(None, reason, peer)`` into ``inbox``. The handshake is the one
+    ``multiprocessing.connection.Listener.accept`` runs, cut off after `_HANDSHAKE_S`."""
+    conn = mpc.Connection(raw.detach())
+    watchdog = threading.Timer(_HANDSHAKE_S, _cut, args=(conn,))
+    watchdog.start()
+    try:
+      mpc.deliver_challenge(conn, self._authkey)
+      mpc.answer_challenge(conn, self._authkey)
+      hello = wire.recv(conn, ("control", "storage"), f"the peer at {peer}")
+    except mpc.AuthenticationError:
+      reason = "presented a wrong token"
+    except wire.WireError as e:
+      reason = str(e).removeprefix(f"the peer at {peer} ").rstrip(".")
+    except (EOFError, OSError):
+      reason = (
+        f"said nothing within {_HANDSHAKE_S:g} s"
+        if not watchdog.is_alive()
+        else "closed the connection during the handshake"
+      )
+    else:
+      inbox.put((no_delay(conn), hello, peer))
+      return
+    finally:
+      watchdog.cancel()
+    logging.warning("the rollout endpoint refused the peer at %s: it %s.", peer, reason)
+    conn.close()
+    inbox.put((None, reason, peer))
 
   def _attach(self, hosts: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
+    inbox: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    acceptor = threading.Thread(target=self._accept_loop, args=(inbox, stop), daemon=True)
+    acceptor.start()
     pending: dict[int, tuple[mpc.Connection, str]] = {}  # unit id -> control conn awaiting storage
+    events: list[str] = []  # what happened to peers that did not attach, for the final message
     try:
       while len(self._hosts) < hosts:
-        conn, hello = self._accept(deadline)
-        if hello.get("role") == "control":
-          i = len(pending) + len(self._hosts)
-          if i >= hosts:
-            conn.send(("error", "ValueError", f"this run takes {hosts} rollout hosts."))
-            conn.close()
-            continue
-          who = f"rollout host {i} ({hello['hostname']}, pid {hello['pid']})"
-          conn.send(("ok", {"unit_id": i, "paths": self._paths}))
-          ready = result(conn.recv(), who)  # the host has built its rollout: its layout
-          self._ensure_weights(ready["specs"], ready["mesh_shape"], who)
-          conn.send(("ok", {"weights": self._weights.address}))
-          pending[i] = (conn, who)
-          logging.info("%s attached (%d devices).", who, ready["devices"])
-        elif hello.get("role") == "storage" and hello.get("unit_id") in pending:
-          ctl, who = pending.pop(hello["unit_id"])
-          unit = RemoteStorageUnit(conn, hello["unit_id"], who)
-          ctl.send(("ok", None))  # both connections are up: the host starts serving
-          capacity = result(ctl.recv(), who)["capacity"]
-          self._hosts.append(_Host(hello["unit_id"], who, ctl, unit, capacity=capacity))
-          self._hosts.sort(key=lambda h: h.index)
-        else:
+        try:
+          conn, hello, peer = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+          raise TimeoutError from None
+        if conn is None:
+          events.append(f"the peer at {peer} {hello}")
+          continue
+        try:
+          self._admit(conn, hello, peer, hosts, pending, deadline)
+        except _Dropped as e:
+          logging.warning("%s", e)
+          events.append(str(e))
           conn.close()
     except TimeoutError:
+      events += [f"{who} never opened its storage connection" for _, who in pending.values()]
       raise TimeoutError(
         f"{len(self._hosts)} of {hosts} rollout hosts attached to {self.address} within "
-        f"{timeout_s:.0f} s; start them with `python -m knitjax.main --role=rollout` and the "
-        "same --config and --workdir (config.runtime.rollout_hosts)."
+        f"{timeout_s:.0f} s{_listing(events)}; start them with `python -m knitjax.main "
+        "--role=rollout` and the same --config and --workdir (config.runtime.rollout_hosts)."
       ) from None
+    finally:
+      stop.set()
+      self._listener.close()
+      acceptor.join()
+      for c, _ in pending.values():
+        c.close()
+      while not inbox.empty():  # handshakes that finished after the last host was in
+        if (late := inbox.get_nowait()[0]) is not None:
+          late.close()
+
+  def _admit(self, conn, hello, peer, hosts, pending, deadline) -> None:
+    """Takes one authenticated connection: a host's control connection (unit id, layout,
+    weights address) or its storage connection (the host then starts serving). A host that goes
+    away or says something else meanwhile raises `_Dropped`; one that reports an error raises it."""
+    if hello[0] == "control":
+      _, hostname, pid = hello
+      i = len(pending) + len(self._hosts)
+      who = f"rollout host {i} ({hostname}, pid {pid}, {peer})"
+      if i >= hosts:
+        _quietly(wire.send, conn, "error", "ValueError", f"this run takes {hosts} rollout hosts.")
+        raise _Dropped(f"{who} is one more than the {hosts} this run takes")
+      _quietly(wire.send, conn, "welcome", i, self._paths)
+      specs, mesh_shape, devices = self._await(conn, "ready", who, deadline)
+      self._ensure_weights(specs, mesh_shape, who)
+      _quietly(wire.send, conn, "weights", self._weights.address)
+      pending[i] = (conn, who)
+      logging.info("%s attached (%d devices).", who, devices)
+      return
+    (unit_id,) = hello[1:]
+    if unit_id not in pending:
+      raise _Dropped(
+        f"the peer at {peer} opened a storage connection for unit {unit_id}, which "
+        "no attaching host holds"
+      )
+    ctl, who = pending.pop(unit_id)
+    try:
+      _quietly(wire.send, ctl, "go")  # both connections are up: the host starts serving
+      metas, capacity, stats, _ = self._await(ctl, "report", who, deadline)
+    except _Dropped:
+      ctl.close()
+      raise
+    unit = RemoteStorageUnit(conn, unit_id, who)
+    host = _Host(unit_id, who, ctl, unit, capacity=capacity, stats=stats)
+    self._hosts.append(host)
+    self._hosts.sort(key=lambda h: h.index)
+
+  @staticmethod
+  def _await(conn: mpc.Connection, kind: str, who: str, deadline: float) -> tuple:
+    """The arguments of the next ``kind`` message from an attaching host, by ``deadline``."""
+    try:
+      if not conn.poll(max(0.0, deadline - time.monotonic())):
+        raise TimeoutError
+      got, *args = wire.recv(conn, (kind, "error"), who)
+    except (EOFError, OSError) as e:
+      raise _Dropped(f"{who} closed the connection while attaching ({e!r})") from None
+    except wire.WireError as e:
+      raise _Dropped(str(e).rstrip(".")) from None
+    if got == "error":
+      raise_error(*args, who)
+    return args
 
   def _ensure_weights(self, specs: list, mesh_shape: dict, who: str) -> None:
     layout = (tuple(specs), tuple(sorted(mesh_shape.items())))
@@ -314,7 +435,7 @@ class RemoteRollout:
 
   def _send(self, h: _Host, kind: str, *args) -> None:
     try:
-      h.control.send((kind, *args))
+      wire.send(h.control, kind, *args)
     except OSError as e:
       raise HostError(f"{h.who} went away ({e!r}); {_RESUME}") from e
 
@@ -345,14 +466,15 @@ class RemoteRollout:
   def _receive(self, h: _Host) -> list[GroupMeta]:
     """One report of host ``h``: the groups it completed since the last, its room and counters."""
     try:
-      report = result(h.control.recv(), h.who)
+      metas, capacity, h.stats, starts_seen = result(h.control, "report", h.who)
     except (EOFError, OSError) as e:
       raise HostError(f"{h.who} went away ({e!r}); {_RESUME}") from e
+    except wire.WireError as e:
+      raise HostError(f"{str(e).rstrip('.')}; {_RESUME}") from None
     # Starts the host had not read yet when it reported are not in its capacity.
-    h.capacity = report["capacity"] - (h.starts_sent - report["starts_seen"])
-    h.stats = report["stats"]
-    h.inflight -= len(report["metas"])
-    return report["metas"]
+    h.capacity = capacity - (h.starts_sent - starts_seen)
+    h.inflight -= len(metas)
+    return metas
 
   def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
     """The groups the hosts reported since the last call, waiting up to 0.5 s for a report.
@@ -389,7 +511,7 @@ class RemoteRollout:
   def close(self) -> None:
     for h in self._hosts:
       with contextlib.suppress(OSError):
-        h.control.send(("close",))
+        wire.send(h.control, "close")
       h.control.close()
       h.unit.close()
     self._hosts = []

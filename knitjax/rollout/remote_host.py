@@ -16,15 +16,18 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from multiprocessing import connection as mpc
 
 import jax
 
 from knitjax import faultpoints
+from knitjax.rollout import wire
 from knitjax.rollout.contract import Rollout
 from knitjax.rollout.remote import no_delay, reply, result, split_address
 from knitjax.transfer.storage import StorageUnit
+
+_CALLS = ("start", "adopt", "seed", "room", "close")  # what the trainer sends while the host serves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +43,29 @@ class Attached:
 
 
 def connect(
-  address: str | Callable[[], str], authkey: bytes, hello: dict, timeout_s: float
+  address: str | Callable[[], str], authkey: bytes, hello: tuple, timeout_s: float
 ) -> mpc.Connection:
-  """Connects to the trainer, retrying until ``timeout_s`` (it may not be listening yet).
+  """Connects to the trainer and sends ``hello`` (a message: kind, args), retrying until
+  ``timeout_s`` (it may not be listening yet).
 
   ``address`` may be a function, asked again before every try: a resumed trainer listens on a
   new port, and a host started before it may first read the previous run's address.
+
+  Raises:
+    ValueError: the trainer refused this host's token (one sentence naming the address).
   """
   deadline = time.monotonic() + timeout_s
   while True:
+    where = address() if callable(address) else address
     try:
-      where = address() if callable(address) else address
       conn = no_delay(mpc.Client(split_address(where), authkey=authkey))
-      conn.send(hello)
+      wire.send(conn, *hello)
       return conn
+    except mpc.AuthenticationError:
+      raise ValueError(
+        f"the trainer at {where} refused this rollout host's token; give the trainer and every "
+        "host the same KNITJAX_ROLLOUT_TOKEN, or the same WORKDIR/rollout_token."
+      ) from None
     except OSError:  # refused, reset, unreachable: not up (yet)
       if time.monotonic() > deadline:
         raise
@@ -70,9 +82,12 @@ def _serve_storage(conn: mpc.Connection, unit: StorageUnit) -> None:
   }
   while True:
     try:
-      kind, *args = conn.recv()
+      kind, *args = wire.recv(conn, tuple(calls), "the trainer")
     except (EOFError, OSError):
       return
+    except wire.WireError as e:  # answered like a failed call; frames stay in step
+      wire.send(conn, "error", "WireError", str(e))
+      continue
     reply(conn, lambda kind=kind, args=args: calls[kind](*args))
 
 
@@ -82,7 +97,6 @@ def serve(
   attach: Callable[[int, list], Attached],
   *,
   timeout_s: float = 600.0,
-  hello: Mapping | None = None,
 ) -> dict:
   """Runs one rollout host until the trainer closes the connection; returns its counters.
 
@@ -91,28 +105,24 @@ def serve(
     authkey: the run's token.
     attach: ``attach(unit_id, published_paths) -> Attached``: builds the rollout and its unit.
     timeout_s: how long to keep trying to reach the trainer.
-    hello: extra fields the trainer logs.
   """
-  who = {"hostname": socket.gethostname(), "pid": os.getpid(), **(hello or {})}
-  control = connect(address, authkey, {"role": "control", **who}, timeout_s)
-  welcome = result(control.recv(), "the trainer")
-  unit_id = welcome["unit_id"]
+  control = connect(address, authkey, ("control", socket.gethostname(), os.getpid()), timeout_s)
+  unit_id, paths = result(control, "welcome", "the trainer")
   try:
-    a = attach(unit_id, welcome["paths"])
+    a = attach(unit_id, paths)
   except Exception as e:  # the trainer says it in its own error, then this host fails too
-    control.send(("error", type(e).__name__, str(e)))
+    wire.send(control, "error", type(e).__name__, str(e))
     raise
-  control.send(("ok", {"specs": a.specs, "mesh_shape": dict(a.mesh.shape), "devices": a.mesh.size}))
-  fetch = a.puller(result(control.recv(), "the trainer")["weights"])
-  storage = connect(address, authkey, {"role": "storage", "unit_id": unit_id}, timeout_s)
+  wire.send(control, "ready", a.specs, dict(a.mesh.shape), a.mesh.size)
+  fetch = a.puller(result(control, "weights", "the trainer"))
+  storage = connect(address, authkey, ("storage", unit_id), timeout_s)
   threading.Thread(target=_serve_storage, args=(storage, a.storage), daemon=True).start()
-  result(control.recv(), "the trainer")  # both connections are up
+  wire.recv(control, ("go",), "the trainer")  # both connections are up
   counts = {"unit_id": unit_id, "groups": 0, "versions": 0, "steps": 0, "step_s": 0.0}
   rollout, state = a.rollout, {"key": None, "room": False, "starts_seen": 0}
 
   def report(metas) -> None:
-    out = {"metas": metas, "capacity": rollout.capacity(), "stats": rollout.stats()}
-    control.send(("ok", {**out, "starts_seen": state["starts_seen"]}))
+    wire.send(control, "report", metas, rollout.capacity(), rollout.stats(), state["starts_seen"])
 
   def handle(kind, *args) -> None:
     if kind == "start":
@@ -137,7 +147,7 @@ def serve(
         # Every message waiting, in order; with nothing to generate, wait for the next one.
         read = False
         while control.poll(0 if can_step or read else None):
-          kind, *args = control.recv()
+          kind, *args = wire.recv(control, _CALLS, "the trainer")
           if kind == "close":
             raise EOFError
           handle(kind, *args)
@@ -145,7 +155,7 @@ def serve(
       except (EOFError, OSError):
         break  # the trainer closed the run, or is gone
       except Exception as e:  # a call failed: the trainer raises it, and this host stops
-        control.send(("error", type(e).__name__, str(e)))
+        wire.send(control, "error", type(e).__name__, str(e))
         raise
       if rollout.inflight and state["key"] is not None:
         t0 = time.perf_counter()

@@ -162,4 +162,4 @@ class StreamingRollout:
     )
 
   def close(self) -> None:
-    pass
+    self._unit.close()  # the unit built for this rollout (a Ray actor with storage='ray')

@@ -190,4 +190,4 @@ class BatchedRollout:
     return dataclasses.replace(self._stats)
 
   def close(self) -> None:
-    pass
+    self._unit.close()  # the unit built for this rollout (a Ray actor with storage='ray')

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import uuid
 
+from etils import epath
+
 from knitjax import workdir as wd
 from knitjax.config import Config
 
@@ -31,28 +33,60 @@ def check_workdir(config: Config, workdir: str) -> None:
   """
   if not workdir:
     raise ValueError("--workdir is empty; give a folder for checkpoints and metrics.")
-  root = wd.path(workdir)
-  probe = root / f".knitjax-write-check-{uuid.uuid4().hex}"
-  try:
-    is_file = root.exists() and not root.is_dir()
-    if not is_file:
-      root.mkdir(parents=True, exist_ok=True)
-      probe.write_text("")
-      probe.unlink()
-  except ImportError as e:  # e.g. fsspec's "Install gcsfs to access Google Storage"
-    raise ValueError(
-      f"--workdir {workdir} needs a storage library that is missing ({e}); for gs:// run "
-      "pip install -e '.[gcs]'."
-    ) from None
-  except OSError as e:
-    raise ValueError(f"--workdir {workdir} is not writable ({e.strerror or e}).") from None
-  except Exception as e:  # noqa: BLE001 (cloud clients raise their own types, e.g. HttpError)
-    raise ValueError(f"--workdir {workdir} is not writable ({type(e).__name__}: {e}).") from None
-  if is_file:
-    raise ValueError(f"--workdir {workdir} is a file, not a folder.")
+  check_writable(wd.path(workdir), f"--workdir {workdir}", create=True)
   steps = checkpoint_steps(workdir)
   if steps and steps[-1] > config.runtime.steps:
     raise ValueError(
       f"--workdir {workdir} holds a checkpoint at step {steps[-1]}, past "
       f"config.runtime.steps={config.runtime.steps}; raise steps to continue, or use a new workdir."
     )
+
+
+def check_writable(root: epath.Path, what: str, *, create: bool) -> None:
+  """Raises ValueError (one sentence starting with ``what``, e.g. ``--workdir runs/a``) unless
+  ``root`` is a folder this process can write (by writing and deleting a small file);
+  ``create``: make it if missing.
+  """
+  probe = root / f".knitjax-write-check-{uuid.uuid4().hex}"
+  try:
+    is_file = root.exists() and not root.is_dir()
+    if not is_file:
+      if create:
+        root.mkdir(parents=True, exist_ok=True)
+      probe.write_text("")
+      probe.unlink()
+  except ImportError as e:  # e.g. fsspec's "Install gcsfs to access Google Storage"
+    raise ValueError(
+      f"{what} needs a storage library that is missing ({e}); for gs:// run "
+      "pip install -e '.[gcs]'."
+    ) from None
+  except OSError as e:
+    raise ValueError(f"{what} is not writable ({e.strerror or e}).") from None
+  except Exception as e:  # noqa: BLE001 (cloud clients raise their own types, e.g. HttpError)
+    raise ValueError(f"{what} is not writable ({type(e).__name__}: {e}).") from None
+  if is_file:
+    raise ValueError(f"{what} is a file, not a folder.")
+
+
+def check_checkpoint_workdir(workdir: str) -> int:
+  """The newest checkpoint step of a workdir that ``knitjax.eval`` or ``knitjax.export`` reads.
+
+  Nothing is created: a mistyped workdir is refused, not evaluated on the random init.
+
+  Raises:
+    ValueError: (one sentence naming the workdir) it is missing, a file, or holds no checkpoint.
+  """
+  if not workdir:
+    raise ValueError("--workdir is empty; give the folder of a run's checkpoints.")
+  root = wd.path(workdir)
+  if not root.exists():
+    raise ValueError(f"--workdir {workdir} does not exist; give the folder of a run's checkpoints.")
+  if not root.is_dir():
+    raise ValueError(f"--workdir {workdir} is a file, not a folder.")
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise ValueError(
+      f"--workdir {workdir} holds no checkpoint (no finished step folder in "
+      f"{wd.path(workdir, 'checkpoints')}); train there first, or check the path."
+    )
+  return steps[-1]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 
@@ -26,6 +25,7 @@ from knitjax.rollout.streaming import StreamingRollout
 from knitjax.rollout.worker import BatchedRollout, RolloutWorker
 from knitjax.runtime.builder import build_eval_prompts, build_mesh, build_model, build_prompts
 from knitjax.runtime.evaluation import EvalLog, Evaluator, PeriodicEval
+from knitjax.runtime.local_ray import ensure_ray
 from knitjax.tasks.registry import make_environment
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.tasks.streams import ClassStreams
@@ -273,33 +273,9 @@ def build_storage_limits(config: Config, prompts: ClassStreams) -> StorageLimits
 
 
 def _ensure_ray(config: Config) -> None:
-  """Joins ``runtime.ray_address``, or starts a local Ray that only accepts authenticated calls.
-
-  Ray's gRPC servers listen on every interface whatever node address ``ray.init`` is given (Ray
-  2.60 maps a loopback address to the node's own); what keeps a local cluster closed is Ray's
-  token authentication, so a local Ray is refused when ``RAY_AUTH_MODE=disabled``.
-  """
+  """Joins ``runtime.ray_address``, or starts a local Ray that only accepts authenticated calls
+  (`knitjax.runtime.local_ray`)."""
   ensure_ray(
     config.runtime.ray_address,
     needed_by="config.runtime.storage='ray' / rollout_workers > 0",
   )
-
-
-def ensure_ray(address: str = "", *, needed_by: str = "this run") -> None:
-  """:func:`_ensure_ray` for callers without a run config (benchmarks): joins ``address``, or
-  starts a local Ray that only accepts authenticated calls."""
-  try:
-    import ray
-  except ImportError:
-    raise ValueError(f"{needed_by} needs Ray: pip install -e '.[ray]'.") from None
-  if ray.is_initialized():
-    return
-  if address:
-    ray.init(address=address, include_dashboard=False)
-    return
-  if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-    raise ValueError(
-      "RAY_AUTH_MODE=disabled would start a local Ray that accepts unauthenticated calls on every "
-      "interface; unset it, or start Ray yourself and pass config.runtime.ray_address."
-    )
-  ray.init(include_dashboard=False)

@@ -13,15 +13,19 @@ the wire dtype and layout and offers it with a `WeightServer`; each host pulls i
 
 The run's token authenticates both connections: ``KNITJAX_ROLLOUT_TOKEN`` when set (use that
 when the workdir is shared more widely than the run), otherwise ``WORKDIR/rollout_token``,
-created by the trainer with owner-only permissions.
+created by the trainer whole or not at all, owner-only (0600) from the start. A token shorter
+than 32 bytes, or a token file open to group or others, is refused in one sentence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import socket
+import stat
+import tempfile
 import time
 
 import jax
@@ -41,28 +45,82 @@ TOKEN_FILE = "rollout_token"
 TOKEN_ENV = "KNITJAX_ROLLOUT_TOKEN"
 
 
+MIN_TOKEN_BYTES = 32  # shorter tokens (an empty file left by a full disk) would let anyone in
+
+
 def run_token(workdir: str, *, create: bool) -> bytes:
   """The run's token: ``$KNITJAX_ROLLOUT_TOKEN``, else ``WORKDIR/rollout_token`` (the trainer
-  creates it when ``create``; a host waits for it)."""
+  creates it when ``create``; a host reads it).
+
+  Raises:
+    ValueError: the token is shorter than `MIN_TOKEN_BYTES`, its file is open to group or
+      others, or the file cannot be written (one sentence naming the variable or file).
+    FileNotFoundError: no token file and no variable.
+  """
   env = os.environ.get(TOKEN_ENV)
-  if env:
-    return env.encode()
+  if env is not None:
+    token = env.strip().encode()
+    if len(token) < MIN_TOKEN_BYTES:
+      raise ValueError(
+        f"{TOKEN_ENV} holds a {len(token)}-byte token; a rollout token needs at least "
+        f"{MIN_TOKEN_BYTES} bytes, e.g. the output of `python -c 'import secrets; "
+        "print(secrets.token_hex(32))'`."
+      )
+    return token
   path = wd.path(workdir, TOKEN_FILE)
+  remote_dir = wd.is_remote(workdir)
   if create and not path.exists():
     path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(32)
-    if wd.is_remote(workdir):
+    if remote_dir:
       path.write_text(token)
-    else:  # owner-only from the start: no moment where others may read it
-      fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-      with os.fdopen(fd, "w") as f:
-        f.write(token)
+    else:
+      _write_private(os.fspath(path), token.encode())
   if not path.exists():
     raise FileNotFoundError(
       f"no rollout token at {path} and {TOKEN_ENV} is not set; start the trainer first or set "
       f"{TOKEN_ENV} to the same value for the trainer and every rollout host."
     )
-  return path.read_text().strip().encode()
+  if not remote_dir:
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+      raise ValueError(
+        f"the rollout token {path} is open to group or others (mode {mode:04o}); run "
+        f"`chmod 600 {path}`, or delete it and the trainer makes a new one."
+      )
+  token = path.read_text().strip().encode()
+  if len(token) < MIN_TOKEN_BYTES:
+    raise ValueError(
+      f"the rollout token {path} holds {len(token)} bytes, fewer than the {MIN_TOKEN_BYTES} a "
+      "token needs (a write cut short by a full disk?); delete it and the trainer makes a new one."
+    )
+  return token
+
+
+def _write_private(path: str, data: bytes) -> None:
+  """Writes ``path`` whole or not at all, owner-only from the start: a temp file (mode 0600) in
+  the same folder, written, synced and renamed over ``path``.
+
+  Raises:
+    ValueError: the write failed (a full disk, say), naming the path; no file is left.
+  """
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".rollout_token.")
+  try:
+    try:
+      view = memoryview(data)
+      while view:
+        view = view[os.write(fd, view) :]
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    os.rename(tmp, path)
+  except OSError as e:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise ValueError(
+      f"could not write the rollout token {path} ({e.strerror or e}); free space in the workdir "
+      f"or set {TOKEN_ENV}."
+    ) from None
 
 
 class _Channel:
@@ -194,7 +252,6 @@ def serve(config: Config, workdir: str) -> dict:
     token,
     lambda unit_id, paths: _attach(config, unit_id, paths),
     timeout_s=r.rollout_host_wait_s,
-    hello={"devices": jax.local_device_count()},
   )
   logging.info("rollout host finished: %s", json.dumps(counts))
   return counts

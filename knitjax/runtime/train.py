@@ -20,15 +20,20 @@ def train(
   reward plot.
 
   Raises:
-    ValueError: the work directory cannot hold this run (see :mod:`knitjax.runtime.preflight`).
+    ValueError: the work directory cannot hold this run (see :mod:`knitjax.runtime.preflight`),
+      or another run holds it (:mod:`knitjax.runtime.workdir_lock`).
   """
+  import jax
+
+  from knitjax.runtime import workdir_lock
   from knitjax.runtime.preflight import check_workdir
 
   check_workdir(config, workdir)
-  if config.runtime.mode == "colocated":
-    from knitjax.runtime import colocated
+  with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
+    if config.runtime.mode == "colocated":
+      from knitjax.runtime import colocated
 
-    return colocated.run(config, workdir, on_step=on_step, config_name=config_name)
-  from knitjax.runtime import disaggregated
+      return colocated.run(config, workdir, on_step=on_step, config_name=config_name)
+    from knitjax.runtime import disaggregated
 
-  return disaggregated.run(config, workdir, on_step=on_step, config_name=config_name)
+    return disaggregated.run(config, workdir, on_step=on_step, config_name=config_name)

@@ -18,6 +18,7 @@ The workdir may be a cloud URL (``gs://bucket/run``): paths go through ``etils.e
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -45,6 +46,7 @@ class Checkpointer:
     self.directory = wd.path(workdir, "checkpoints")
     self.damaged_directory = wd.path(workdir, "checkpoints_damaged")
     self.restored_step: int | None = None
+    self._saving: tuple[int, int] | None = None  # (step, bytes of arrays) of the last save
     self._manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
@@ -60,11 +62,20 @@ class Checkpointer:
     return self.directory / str(step)
 
   def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
-    """Saves asynchronously; a crash mid-save leaves the previous checkpoint intact."""
-    saved = self._manager.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-    )
+    """Saves asynchronously; a crash mid-save leaves the previous checkpoint intact.
+
+    Raises:
+      knitjax.workdir.DiskFull (a ValueError): one sentence naming the folder, the bytes and the
+        free space; the disk filled up while this or the previous save was written. The partial
+        folder is removed.
+    """
+    self.wait()  # orbax waits for the previous save here anyway; its error is named, not raised
+    self._saving = (step, sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state)))
+    with self._disk_full_named():
+      saved = self._manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+      )
     if not saved:  # orbax skips a step at or before its newest one without a word
       logging.warning(
         "checkpoint of step %d was not saved: %s already holds step %s.",
@@ -157,11 +168,37 @@ class Checkpointer:
     ocp.multihost.sync_global_processes(f"knitjax_set_aside_{step}")
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the save in flight. Raises ValueError (one sentence) if the disk filled up."""
+    with self._disk_full_named():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()
+
+  @contextlib.contextmanager
+  def _disk_full_named(self):
+    """Turns a full disk met by the save in flight into one sentence, and removes the partial
+    folder orbax left (``<step>.orbax-checkpoint-tmp...``: never restored, but it holds space)."""
+    try:
+      yield
+    except Exception as e:
+      if not wd.is_disk_full(e) or self._saving is None:
+        raise
+      step, nbytes = self._saving
+      self._saving = None
+      if jax.process_index() == 0:
+        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+          partial.rmtree(missing_ok=True)
+      free = wd.free_bytes(self.directory)
+      room = f"; {free:,} bytes are free there" if free is not None else ""
+      kept = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
+      then = f"resume from checkpoint {max(kept)}" if kept else "start again"
+      raise wd.DiskFull(
+        f"no space left on the device of {self.directory} for the checkpoint of step {step} "
+        f"(about {nbytes:,} bytes of arrays{room}); free space and rerun the same command to "
+        f"{then}."
+      ) from None
 
 
 def _reason(e: Exception, limit: int = 200) -> str:

@@ -8,8 +8,9 @@ by the byte budget (``on_full="block"``) waits inside the actor while ``release`
 trainer still run, exactly as in process.
 
 A unit survives the death of its actor process when built with ``max_restarts > 0``: each stored
-group is also written to a node-local spill folder (``<tmp>/knitjax-storage/<token>``, removed on
-release and on ``close``), Ray restarts the actor, the new actor replays the folder into memory,
+group is also written to a node-local spill folder (``<tmp>/knitjax-storage-<random token>``, its
+own per unit and run, owner-only: the folder 0700, its files 0600; a file is removed on release,
+the folder on ``close``), Ray restarts the actor, the new actor replays the folder into memory,
 and the calls that were in flight are retried (``max_task_retries``), so a ``put``, ``get`` or
 ``release`` that met the dead actor completes on the restarted one. ``stats()["restarts"]``
 counts restarts. Losing the whole node loses its units' payloads (not survived).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
@@ -52,12 +54,11 @@ class _StorageActor:
     self._unit = InProcessStorageUnit(limits, unit_id=unit_id)
     self._dir, self._restarts, self._replayed = None, 0, set()
     if spill_token is not None:
-      self._dir = os.path.join(tempfile.gettempdir(), "knitjax-storage", spill_token)
+      self._dir = spill_folder(spill_token)
       marker = os.path.join(self._dir, "restarts")
       if os.path.exists(marker):  # a restart of this unit: replay what the old actor held
         with open(marker) as f:
           self._restarts = int(f.read() or 0) + 1
-      os.makedirs(self._dir, exist_ok=True)
       _write_atomic(marker, str(self._restarts).encode())
       self._replay()
 
@@ -85,7 +86,7 @@ class _StorageActor:
       (stored,) = self._unit.get([group_id])
       arrays = {**stored.to_arrays(), **{f"image_{k}": im for k, im in enumerate(images)}}
       path = self._file(group_id)
-      with open(path + ".tmp", "wb") as f:
+      with _private_file(path + ".tmp") as f:
         np.savez(f, **arrays)
       os.replace(path + ".tmp", path)
     return n
@@ -121,8 +122,28 @@ class _StorageActor:
     return ray.get_runtime_context().get_node_id()
 
 
+def spill_folder(token: str) -> str:
+  """The spill folder of the unit whose (random, per run) token is ``token``: made owner-only
+  (0700) on the unit's first start, reused by its restarts only while it is still this user's
+  and owner-only (the temp folder is shared with every user of the node)."""
+  path = os.path.join(tempfile.gettempdir(), f"knitjax-storage-{token}")
+  with contextlib.suppress(FileExistsError):
+    os.mkdir(path, 0o700)
+  st = os.lstat(path)
+  if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    raise PermissionError(
+      f"the storage spill folder {path} is not an owner-only folder of this user; remove it."
+    )
+  return path
+
+
+def _private_file(path: str):
+  """``path`` opened for writing, owner-only (0600) from its creation."""
+  return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+
+
 def _write_atomic(path: str, data: bytes) -> None:
-  with open(path + ".tmp", "wb") as f:
+  with _private_file(path + ".tmp") as f:
     f.write(data)
   os.replace(path + ".tmp", path)
 
@@ -206,7 +227,10 @@ class RayStorageUnit(StorageUnit):
     return _result(self._actor.stats.remote())
 
   def close(self) -> None:
-    """Ends the actor (its payloads and spill folder are dropped)."""
+    """Ends the actor (its payloads and spill folder are dropped); a second call does nothing."""
+    if self._actor is None:
+      return
+    actor, self._actor = self._actor, None
     with contextlib.suppress(ray.exceptions.RayActorError):  # dead: nothing to clean
-      _result(self._actor.destroy.remote())
-    ray.kill(self._actor, no_restart=True)
+      _result(actor.destroy.remote())
+    ray.kill(actor, no_restart=True)

@@ -177,6 +177,9 @@ class StorageUnit(abc.ABC):
     releases, release_misses (ids released but not held), full (StorageFull raised), waiting,
     blocked_puts, blocked_s, ..."""
 
+  def close(self) -> None:  # noqa: B027 - most units hold nothing beyond their memory
+    """Releases what the unit holds outside its process (a Ray actor, its spill folder)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class _Group:

@@ -8,6 +8,7 @@ calls (and their errors) cross by type, and a wrong token is refused.
 """
 
 import os
+import re
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from knitjax.rollout import remote, remote_host
+from knitjax.rollout import remote, remote_host, wire
 from knitjax.rollout.contract import RolloutStats
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta
@@ -133,7 +134,7 @@ def _wait_for_address():
   raise AssertionError("the trainer side never listened")
 
 
-def _rollout(n, channel, **kw):
+def _rollout(n, channel, *, weights=None, **kw):
   def on_listen(address):
     ADDRESS[0] = address
 
@@ -143,7 +144,7 @@ def _rollout(n, channel, **kw):
     "127.0.0.1:0",
     TOKEN,
     published=published,
-    weights=lambda s, m: channel,
+    weights=weights or (lambda s, m: channel),
     on_listen=on_listen,
     **kw,
   )
@@ -234,25 +235,94 @@ def test_storage_calls_and_their_errors_cross_by_type():
     t.join(10)
 
 
-def test_a_wrong_token_is_refused_and_the_wait_ends_in_one_sentence():
+def _trainer_waiting(holder, timeout_s, **kw):
+  """A trainer waiting ``timeout_s`` for one host in a thread; its TimeoutError into ``holder``."""
   ADDRESS[0] = ""
-  holder = {}
 
   def trainer():
     try:
-      _rollout(1, Channel(), timeout_s=1)
+      holder["r"] = _rollout(1, Channel(), timeout_s=timeout_s, **kw)
     except TimeoutError as e:
       holder["error"] = e
 
   t = threading.Thread(target=trainer)
   t.start()
   _wait_for_address()
-  host, port = remote.split_address(ADDRESS[0])
-  with pytest.raises(mpc.AuthenticationError):
-    mpc.Client((host, port), authkey=b"wrong")
+  return t, remote.split_address(ADDRESS[0])
+
+
+def _authenticated(address):
+  return mpc.Client(address, authkey=TOKEN)
+
+
+def test_a_wrong_token_is_refused_in_one_sentence_on_both_sides():
+  holder = {}
+  t, address = _trainer_waiting(holder, 1)
+  with pytest.raises(ValueError, match=r"^the trainer at 127\.0\.0\.1:\d+ refused this rollout "):
+    remote_host.serve(ADDRESS[0], b"wrong", lambda *a: None, timeout_s=5)
   t.join(10)
   msg = str(holder["error"])
   assert "0 of 1 rollout hosts attached" in msg and "--role=rollout" in msg
+  assert re.search(r"the peer at 127\.0\.0\.1:\d+ presented a wrong token", msg), msg
+
+
+def test_a_pickle_from_an_authenticated_peer_is_not_run(tmp_path):
+  marker = tmp_path / "ran"
+
+  class RunsCode:
+    def __reduce__(self):
+      return (os.system, (f"touch {marker}",))
+
+  holder = {}
+  t, address = _trainer_waiting(holder, 1)
+  with _authenticated(address) as conn:
+    conn.send(RunsCode())  # pickled: the trainer must not unpickle it
+    t.join(10)
+  assert not marker.exists()
+  msg = str(holder["error"])
+  assert re.search(r"the peer at 127\.0\.0\.1:\d+ sent a message that does not decode", msg), msg
+
+
+def test_malformed_hellos_are_refused_and_named():
+  holder = {}
+  t, address = _trainer_waiting(holder, 1)
+  for hello in (
+    ["control"],  # (pickled) not a message
+    wire.encode("control", 5, "pid"),  # wrong types
+    wire.encode("storage", 3),  # a unit no attaching host holds
+    wire.encode("report", [], 0, RolloutStats(), 0),  # not a hello
+  ):
+    with _authenticated(address) as conn:
+      conn.send(hello) if isinstance(hello, list) else conn.send_bytes(hello)
+      time.sleep(0.05)
+  t.join(10)
+  msg = str(holder["error"])
+  assert msg.count("the peer at 127.0.0.1:") == 4, msg
+  assert "'control' message that does not decode (expected str, got 5)" in msg
+  assert "storage connection for unit 3, which no attaching host holds" in msg
+  assert "sent a 'report' message; expected one of ['control', 'storage']" in msg
+  assert "\n" not in msg
+
+
+def test_a_host_killed_while_attaching_is_named_and_its_slot_taken_by_the_next(caplog):
+  channel, rollouts, results, holder = Channel(), {}, {}, {}
+  t, address = _trainer_waiting(holder, 20, weights=None)
+  with _authenticated(address) as conn:  # attaches as host 0, then dies before it is ready
+    wire.send(conn, "control", "doomed", 4242)
+    assert conn.poll(10), "the trainer never answered the hello"
+    assert wire.recv(conn, ("welcome",), "trainer")[1] == 0
+  threads = _start_hosts(1, channel, rollouts, results)
+  t.join(20)
+  assert "r" in holder, holder
+  assert sorted(holder["r"].storage) == [0]
+  assert re.search(
+    r"rollout host 0 \(doomed, pid 4242, 127\.0\.0\.1:\d+\) closed the connection while "
+    "attaching",
+    caplog.text,
+  ), caplog.text
+  holder["r"].close()
+  for h in threads:
+    h.join(10)
 
 
 def test_split_address():
@@ -282,20 +352,46 @@ def test_a_host_that_goes_away_ends_the_call_in_one_sentence():
     t.join(10)
 
 
-def test_a_silent_connection_does_not_hold_the_trainer(monkeypatch):
-  monkeypatch.setattr(remote, "_HANDSHAKE_S", 0.5)
+def test_silent_connections_hold_neither_the_trainer_nor_each_other():
+  # the handshake limit stays at its 10 s: three silent peers must not delay the real host
   ADDRESS[0] = ""
   channel, rollouts, results, holder = Channel(), {}, {}, {}
-  t = threading.Thread(target=lambda: holder.setdefault("r", _rollout(1, channel, timeout_s=20)))
+  t = threading.Thread(target=lambda: holder.setdefault("r", _rollout(1, channel, timeout_s=5)))
   t.start()
   _wait_for_address()
-  silent = socket.create_connection(remote.split_address(ADDRESS[0]))  # connects, says nothing
+  silent = [socket.create_connection(remote.split_address(ADDRESS[0])) for _ in range(3)]
   time.sleep(0.1)
+  t0 = time.monotonic()
   threads = _start_hosts(1, channel, rollouts, results)
   t.join(20)
-  silent.close()
-  assert "r" in holder, "the trainer never got past the silent connection"
+  for s in silent:
+    s.close()
+  assert "r" in holder, "the trainer never got past the silent connections"
+  assert time.monotonic() - t0 < 4
   assert sorted(holder["r"].storage) == [0]
   holder["r"].close()
   for h in threads:
     h.join(10)
+
+
+def test_a_silent_peer_cut_off_is_named_in_the_final_message(monkeypatch):
+  monkeypatch.setattr(remote, "_HANDSHAKE_S", 0.2)
+  holder = {}
+  t, address = _trainer_waiting(holder, 1)
+  silent = socket.create_connection(address)
+  t.join(10)
+  silent.close()
+  assert re.search(r"the peer at 127\.0\.0\.1:\d+ said nothing within 0\.2 s", str(holder["error"]))
+
+
+def test_a_port_in_use_is_one_sentence_at_once():
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    address = f"127.0.0.1:{taken.getsockname()[1]}"
+    t0 = time.monotonic()
+    with pytest.raises(
+      ValueError, match=rf"cannot listen on '{address}' \(Address already in use\)"
+    ):
+      remote.RemoteRollout(1, address, TOKEN, published={}, weights=None, timeout_s=30)
+    assert time.monotonic() - t0 < 1

@@ -175,3 +175,49 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_a_torn_metrics_line(tmp
     assert [r[key] for r in rows] == [r[key] for r in first]
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
   assert os.listdir(os.path.join(workdir, "checkpoints_damaged")) == ["2"]
+
+
+@pytest.mark.parametrize(
+  "error",
+  [
+    OSError(28, "No space left on device"),  # a Python-level write (metadata, JSON)
+    ValueError(  # what TensorStore's array writes raise through orbax's threads
+      'RESOURCE_EXHAUSTED: Error writing "w/0" in OCDBT database: Failed to write 150917 bytes '
+      "to file 7: No space left on device [os_error_code='28']"
+    ),
+  ],
+)
+def test_a_full_disk_during_a_save_is_one_sentence_and_no_partial_is_left(tmp_path, error):
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(1, {"w": jnp.ones((1000,))}, {"version": 1})
+  ckpt.wait()
+  real_wait = ckpt._manager.wait_until_finished
+  partial = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1765000000"
+
+  def save(step, args):
+    (partial / "state" / "d").mkdir(parents=True)
+    (partial / "state" / "d" / "0").write_bytes(b"half")
+    return True
+
+  def wait():
+    real_wait()
+    if partial.exists():
+      raise error
+
+  ckpt._manager.save, ckpt._manager.wait_until_finished = save, wait
+  ckpt.save(2, {"w": jnp.ones((1000,))}, {"version": 2})  # async: the error surfaces later
+  with pytest.raises(ValueError) as e:
+    ckpt.save(3, {"w": jnp.ones((1000,))}, {"version": 3})
+  message = str(e.value)
+  assert message.startswith(
+    f"no space left on the device of {tmp_path / 'checkpoints'} for the checkpoint of step 2 "
+    "(about 4,000 bytes of arrays; "
+  )
+  assert message.endswith("rerun the same command to resume from checkpoint 1.")
+  assert "\n" not in message
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]  # the partial folder is gone
+  ckpt.close()
+  again = Checkpointer(str(tmp_path))
+  state, meta = again.restore({"w": jnp.zeros((1000,))})
+  again.close()
+  assert meta == {"version": 1} and again.restored_step == 1

@@ -2,8 +2,11 @@
 replaced and their groups generated again; every group id comes back once. And the sockets a
 local Ray opens."""
 
+import glob
 import os
 import signal
+import stat
+import tempfile
 import time
 
 import jax
@@ -41,8 +44,8 @@ def _kill(pid: int) -> None:
 @pytest.mark.xfail(
   strict=True,
   reason="Ray 2.60's gRPC servers (gcs_server, raylet, core workers) bind the wildcard address "
-  "whatever node ip ray.init is given; Ray's token authentication (on by default) guards them. "
-  "See docs/reliability.md.",
+  "whatever node ip ray.init is given, and its runtime-env agent the node's address; Ray's token "
+  "authentication (on by default) guards them. See docs/reliability.md.",
 )
 def test_local_ray_listens_only_on_loopback(local_ray):
   time.sleep(1)  # agents start their servers after init returns
@@ -54,6 +57,61 @@ def test_local_ray_listens_only_on_loopback(local_ray):
     if c.pid in pids and not c.raddr and c.laddr.ip not in ("127.0.0.1", "::1")
   ]
   assert exposed == []
+
+
+def _listening(pids) -> list[tuple[str, int, str]]:
+  return [
+    (c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name())
+    for c in psutil.net_connections(kind="inet")
+    if c.pid in pids and c.status == psutil.CONN_LISTEN
+  ]
+
+
+def test_local_ray_serves_nothing_over_http_without_its_token(local_ray):
+  """No socket of the local Ray answers an HTTP request without Ray's token: the autoscaler
+  monitor's Prometheus server (44217, every interface) is not started, metrics export is off, the
+  runtime-env agent says 401; the gRPC servers do not speak HTTP/1."""
+  import http.client
+  import urllib.error
+  import urllib.request
+
+  time.sleep(1)  # agents start their servers after init returns
+  me = psutil.Process()
+  pids = {me.pid} | {p.pid for p in me.children(recursive=True)}
+  answered = []
+  for ip, port, name in _listening(pids):
+    host = "127.0.0.1" if ip in ("0.0.0.0", "::") else ip
+    try:
+      with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=2) as r:
+        answered.append((ip, port, name, r.status, r.read(40)))
+    except urllib.error.HTTPError as e:
+      assert e.code in (401, 403), (ip, port, name, e.code)
+    except (urllib.error.URLError, OSError, http.client.HTTPException):  # gRPC: no HTTP/1
+      pass
+  assert answered == []
+  assert 44217 not in {port for _, port, _ in _listening(pids)}
+
+
+def test_local_ray_token_file_is_owner_only(local_ray):
+  from knitjax.runtime import local_ray as lr
+
+  path = lr.ray_token_path()
+  assert path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_ray_token_created_owner_only_and_tightened(tmp_path, monkeypatch, caplog):
+  from knitjax.runtime import local_ray as lr
+
+  monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+  path = tmp_path / "ray" / "auth_token"
+  monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path))
+  lr.private_ray_token()
+  assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text()) == 64
+  token = path.read_text()
+  path.chmod(0o644)  # as Ray itself writes it
+  lr.private_ray_token()
+  assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == token
+  assert f"made Ray's token {path} owner-only (it was 0644)" in caplog.text
 
 
 def test_local_ray_requires_token_authentication_and_has_no_dashboard(local_ray, monkeypatch):
@@ -77,12 +135,24 @@ def _payload(seed):
   )
 
 
+def _spill_folders() -> set[str]:
+  return set(glob.glob(os.path.join(tempfile.gettempdir(), "knitjax-storage*")))
+
+
 def test_storage_unit_survives_its_actor_being_killed(local_ray):
+  before = _spill_folders()
   unit = RayStorageUnit(LIMITS, unit_id=5, max_restarts=2)
   sent = {g: _payload(g) for g in (1, 2, 3)}
   for g, p in sent.items():
     unit.put(g, p, [np.full((2, 2, 1), g, np.float32)])
   unit.release([2])
+  # its own private folder in the shared temp folder, not under a fixed root
+  (spill,) = _spill_folders() - before
+  assert os.path.basename(spill).startswith("knitjax-storage-") and len(spill) > 40
+  assert stat.S_IMODE(os.stat(spill).st_mode) == 0o700
+  names = sorted(os.listdir(spill))
+  assert names == ["1.npz", "3.npz", "restarts"]
+  assert {stat.S_IMODE(os.stat(os.path.join(spill, n)).st_mode) for n in names} == {0o600}
   _kill(unit.pid())
   # The calls below meet the dead actor, wait for Ray's restart and are retried on the new one,
   # which replayed its spill folder: the same groups, none of the released ones.
@@ -98,6 +168,8 @@ def test_storage_unit_survives_its_actor_being_killed(local_ray):
   unit.release([1, 3, 4])
   assert unit.stats()["groups"] == 0
   unit.close()
+  assert not os.path.exists(spill)
+  unit.close()  # a second close does nothing
 
 
 def test_rollout_replaces_a_killed_actor_and_regenerates_its_groups(local_ray):

@@ -1,5 +1,7 @@
 """Storage units as Ray actors: same behaviour and errors as in process, fetched by consumers."""
 
+import glob
+import tempfile
 import threading
 
 import jax
@@ -128,8 +130,15 @@ def test_colocated_run_with_ray_storage_units(ray_local, tmp_path):
 
   c = arith_tiny.get_config("quick")
   c.runtime.storage = "ray"
+  tmp = tempfile.gettempdir()
+
+  def spilled():
+    return set(glob.glob(f"{tmp}/knitjax-storage*")) | set(glob.glob(f"{tmp}/knitjax-storage/*"))
+
+  before = spilled()
   out = colocated.run(from_config_dict(c), str(tmp_path))
   assert out["step"] == c.runtime.steps and out["version"] == 2 * c.admission.minibatches
+  assert spilled() <= before  # the run's spill folder is gone with its unit
 
 
 def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):

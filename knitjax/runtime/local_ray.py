@@ -1,0 +1,115 @@
+"""Starting or joining Ray for a run, with as little of it reachable by others as Ray allows.
+
+A run that needs Ray (``runtime.storage="ray"``, ``runtime.rollout_workers > 0``) joins
+``runtime.ray_address`` when given (a cluster someone manages), otherwise starts a local Ray.
+What Ray 2.60 exposes when started with ``ray.init`` and what is done about it:
+
+- Its gRPC servers (GCS, raylets, core workers) listen on every interface whatever node address
+  ``ray.init`` is given (a loopback address is mapped to the node's own). Ray's token
+  authentication guards them and is on by default; a local Ray is refused when
+  ``RAY_AUTH_MODE=disabled``.
+- Its token file (``~/.ray/auth_token``, or ``RAY_AUTH_TOKEN_PATH``) is written with the
+  default umask (0644: readable by every user of the machine, who could then call the cluster).
+  It is created owner-only (0600) before Ray would create it, and an existing one open to group
+  or others is made owner-only, with a warning.
+- Its autoscaler monitor serves Prometheus metrics without authentication on every interface
+  (``AUTOSCALER_METRIC_PORT``, default 44217), and ``ray.init`` cannot turn the monitor off: the
+  monitor is started with an invalid port, so its metrics server does not start. Metrics
+  collection is off (``enable_metrics_collection``); the dashboard is not started.
+- The runtime-env agent's HTTP server listens on the node address; it answers 401 without the
+  token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+
+from absl import logging
+
+_MONITOR_PORT = "AUTOSCALER_METRIC_PORT"  # read by the monitor process that ray.init starts
+
+
+def ensure_ray(address: str = "", *, needed_by: str = "this run") -> None:
+  """Joins ``address``, or starts a local Ray as the module docstring describes.
+
+  Raises:
+    ValueError: Ray is not installed, ``RAY_AUTH_MODE=disabled`` for a local start, or Ray's
+      token file is open to others and cannot be made owner-only (one sentence).
+  """
+  try:
+    import ray
+  except ImportError:
+    raise ValueError(f"{needed_by} needs Ray: pip install -e '.[ray]'.") from None
+  if ray.is_initialized():
+    return
+  if address:
+    ray.init(address=address, include_dashboard=False)
+    return
+  if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+    raise ValueError(
+      "RAY_AUTH_MODE=disabled would start a local Ray that accepts unauthenticated calls on every "
+      "interface; unset it, or start Ray yourself and pass config.runtime.ray_address."
+    )
+  private_ray_token()
+  saved = os.environ.get(_MONITOR_PORT)
+  os.environ[_MONITOR_PORT] = "-1"  # the monitor logs that its metrics server did not start
+  try:
+    ray.init(include_dashboard=False, _system_config={"enable_metrics_collection": False})
+  finally:
+    if saved is None:
+      os.environ.pop(_MONITOR_PORT)
+    else:
+      os.environ[_MONITOR_PORT] = saved
+
+
+def ray_token_path() -> str | None:
+  """The file Ray reads its token from (None: ``RAY_AUTH_TOKEN`` holds it)."""
+  if os.environ.get("RAY_AUTH_TOKEN"):
+    return None
+  return os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+
+
+def private_ray_token() -> None:
+  """Makes Ray's token file owner-only: creates it (0600, as Ray would, 256 random bits) when
+  missing, tightens an existing one that group or others may read.
+
+  Raises:
+    ValueError: the file is open to others and cannot be changed (one sentence naming it).
+  """
+  path = ray_token_path()
+  if path is None:
+    return
+  if not os.path.exists(path):
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    try:
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it meanwhile: check that one below
+      pass
+    else:
+      try:
+        with os.fdopen(fd, "w") as f:
+          f.write(secrets.token_hex(32))
+        return
+      except OSError:
+        with contextlib.suppress(OSError):
+          os.unlink(path)
+        raise
+  mode = stat.S_IMODE(os.stat(path).st_mode)
+  if not mode & 0o077:
+    return
+  try:
+    os.chmod(path, 0o600)
+  except OSError as e:
+    raise ValueError(
+      f"Ray's token {path} is open to group or others (mode {mode:04o}) and cannot be made "
+      f"owner-only ({e.strerror}); anyone who reads it can run code in the run's Ray: "
+      f"`chmod 600 {path}`."
+    ) from None
+  logging.warning(
+    "made Ray's token %s owner-only (it was %04o): anyone who reads it can run code in Ray.",
+    path,
+    mode,
+  )

@@ -1,0 +1,166 @@
+"""Hostile file-system conditions around a workdir: a kill or a full disk while ``metrics.jsonl``
+is rewritten, and two runs on one workdir."""
+
+import errno
+import json
+
+import pytest
+from etils import epath
+
+from knitjax import workdir as wd
+
+
+class _FailingFile:
+  """A file that writes part of what it is given, then fails as a full disk (or a kill) would."""
+
+  def __init__(self, f):
+    self._f = f
+
+  def write(self, text):
+    self._f.write(text[: len(text) // 2])
+    self._f.flush()
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  def writelines(self, lines):
+    self.write("".join(lines))
+
+  def __getattr__(self, name):
+    return getattr(self._f, name)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self._f.close()
+
+
+def _failing_open(file, mode="r", *args, **kwargs):
+  f = open(file, mode, *args, **kwargs)  # noqa: SIM115
+  return _FailingFile(f) if "w" in mode or "a" in mode else f
+
+
+def test_a_failed_rewrite_on_resume_keeps_the_metrics_history(tmp_path, monkeypatch):
+  """Resume drops rows after the checkpoint by rewriting metrics.jsonl; a kill or ENOSPC in that
+  window must leave the old history whole (it used to leave a truncated or empty file)."""
+  path = tmp_path / "metrics.jsonl"
+  rows = [{"step": s, "loss": s / 10} for s in range(1, 6)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  monkeypatch.setattr(wd, "open", _failing_open, raising=False)
+  with pytest.raises(ValueError, match=f"no space left on the device of {path}"):
+    wd.JsonlFile(epath.Path(path), rows[:3])
+  assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left
+  monkeypatch.undo()
+  f = wd.JsonlFile(epath.Path(path), rows[:3])  # the resume once space is back
+  f.write({"step": 4, "loss": 0.0})
+  f.close()
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_full_disk_at_a_metrics_flush_is_one_sentence(tmp_path, monkeypatch):
+  path = epath.Path(tmp_path / "metrics.jsonl")
+  f = wd.JsonlFile(path, [{"step": 1}])
+  f.write({"step": 2})
+  monkeypatch.setattr(wd, "open", _failing_open, raising=False)
+  with pytest.raises(ValueError) as e:
+    f.flush()
+  message = str(e.value)
+  assert message.startswith(f"no space left on the device of {path} (writing 12 bytes, ")
+  assert "bytes free); free space and rerun the same command" in message
+  assert "\n" not in message
+
+
+def test_a_second_run_on_a_workdir_is_refused_naming_the_first(tmp_path):
+  import os
+  import socket
+
+  from knitjax.runtime import workdir_lock
+
+  with workdir_lock.hold(str(tmp_path)):
+    with pytest.raises(ValueError) as e, workdir_lock.hold(str(tmp_path)):
+      pass
+    message = str(e.value)
+    assert message.startswith(f"--workdir {tmp_path} is in use by another run (pid {os.getpid()}")
+    assert f"on {socket.gethostname()}, started 20" in message and "UTC)" in message
+    with workdir_lock.hold(str(tmp_path), primary=False):  # other processes of the same run
+      pass
+  with workdir_lock.hold(str(tmp_path)):  # released at the end of the run
+    pass
+
+
+def test_a_dead_run_does_not_hold_the_workdir(tmp_path):
+  import subprocess
+  import sys
+
+  from knitjax.runtime import workdir_lock
+
+  holder = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      "import sys, time; from knitjax.runtime import workdir_lock as w\n"
+      f"with w.hold({str(tmp_path)!r}):\n  print('held', flush=True); time.sleep(60)",
+    ],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    assert holder.stdout.readline() == "held\n"
+    expected = f"in use by another run \\(pid {holder.pid} on "
+    with pytest.raises(ValueError, match=expected), workdir_lock.hold(str(tmp_path)):
+      pass
+  finally:
+    holder.kill()
+    holder.wait()
+  with workdir_lock.hold(str(tmp_path)):  # SIGKILL released it
+    pass
+
+
+def test_train_refuses_a_workdir_another_run_holds(tmp_path):
+  from configs import arith_tiny
+  from knitjax.config import from_config_dict
+  from knitjax.runtime import workdir_lock
+  from knitjax.runtime.train import train
+
+  config = from_config_dict(arith_tiny.get_config("quick"))
+  with workdir_lock.hold(str(tmp_path)), pytest.raises(ValueError, match="in use by another"):
+    train(config, str(tmp_path))
+  assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.fixture
+def fake_bucket(tmp_path, monkeypatch):
+  """``gs://bucket/x`` served from ``<tmp>/gcs/bucket/x`` through fsspec (epath's route)."""
+  from fsspec.implementations.dirfs import DirFileSystem
+  from fsspec.implementations.local import LocalFileSystem
+  from fsspec.registry import _registry
+
+  root = tmp_path / "gcs"
+  (root / "bucket").mkdir(parents=True)
+
+  class FakeGcs(DirFileSystem):
+    protocol = ("gs", "gcs")
+    cachable = False
+
+    def __init__(self, *args, **kwargs):
+      super().__init__(path=str(root), fs=LocalFileSystem())
+
+  monkeypatch.setitem(_registry, "gs", FakeGcs)
+  monkeypatch.setitem(_registry, "gcs", FakeGcs)
+  return root / "bucket"
+
+
+def test_a_bucket_workdir_lock_has_an_owner_and_a_heartbeat(fake_bucket):
+  from knitjax.runtime import workdir_lock
+
+  url = "gs://bucket/run"
+  with workdir_lock.hold(url, ttl_s=60):
+    owner = json.loads((fake_bucket / "run" / ".lock").read_text())
+    expected = r"in use by another run \(pid \d+ on .*heartbeat 0 s ago"
+    with pytest.raises(ValueError, match=expected), workdir_lock.hold(url, ttl_s=60):
+      pass
+  assert not (fake_bucket / "run" / ".lock").exists()  # released
+  owner["heartbeat"] -= 120  # a run that died without releasing: taken over after ttl_s
+  (fake_bucket / "run" / ".lock").write_text(json.dumps(owner))
+  with workdir_lock.hold(url, ttl_s=60):
+    assert json.loads((fake_bucket / "run" / ".lock").read_text())["token"] != owner["token"]
