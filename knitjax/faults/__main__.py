@@ -19,7 +19,7 @@ from knitjax import cli
 _WORKDIR = flags.DEFINE_string("workdir", None, "Scratch folder; faults.json is written here.")
 _PARTS = flags.DEFINE_list(
   "parts",
-  ["kill", "actors", "inputs", "entry_points", "workdir", "backpressure"],
+  ["kill", "actors", "inputs", "entry_points", "workdir", "handshake", "backpressure"],
   "Parts to run.",
 )
 _KILLS = flags.DEFINE_integer("kills", 10, "Kill-resume trials per runtime mode.")
@@ -61,6 +61,13 @@ def _table(results: dict) -> str:
     for name, c in results["workdir"]["cases"].items():
       result = "skipped" if c["skipped"] else "ok" if c["ok"] else "; ".join(c["problems"])[:160]
       lines.append(f"workdir        | {name}: {result}")
+  if "handshake" in results:
+    c = results["handshake"]["counts"]
+    lines.append(
+      f"handshake      | {c['trials']} trials: {c['attached']} attached, {c['refused']} refused, "
+      f"{c['tracebacks']} tracebacks, {c['code_ran']} code ran, {c['hangs']} hangs, "
+      f"{c['not_named']} unnamed"
+    )
   if "backpressure" in results:
     r = results["backpressure"]
     lines.append(
@@ -122,6 +129,10 @@ def main(argv):
       from knitjax.faults import workdir_faults
 
       results["workdir"] = workdir_faults.run(os.path.join(workdir, "workdir"))
+    elif part == "handshake":
+      from knitjax.faults import handshake
+
+      results["handshake"] = handshake.run(seed=_SEED.value)
     elif part == "backpressure":
       from knitjax.faults import backpressure
 
@@ -129,7 +140,7 @@ def main(argv):
     else:
       sys.exit(
         f"error: --parts {part!r} is not accepted; choose from kill, actors, inputs, entry_points, "
-        "workdir, backpressure."
+        "workdir, handshake, backpressure."
       )
     results.setdefault("seconds", {})[part] = time.time() - t0
     save()
