@@ -44,3 +44,31 @@ def test_backpressure_holds_the_byte_budget_without_deadlock():
   assert out["budget_held"] and not out["deadlock"], out
   assert out["blocked_puts"] > 0  # the producer was held back, not buffered
   assert out["consume_rate_groups_per_s"] < out["produce_rate_groups_per_s"]
+
+
+def test_hostile_peers_at_the_rollout_endpoint_are_refused_and_named():
+  from knitjax.faults import handshake
+
+  report = handshake.run(trials=4, seed=3, log=lambda *a: None)
+  counts = report["counts"]
+  assert counts["trials"] == 4
+  assert counts["attached"] + counts["refused"] == 4, report
+  for bad in ("tracebacks", "code_ran", "hangs", "not_named"):
+    assert counts[bad] == 0, report
+
+
+@pytest.mark.parametrize(
+  ("rc", "stderr", "outcome"),
+  [
+    (None, "", ["hangs"]),
+    (1, "Traceback (most recent call last):\n  ...\nKeyError: 'x'", ["tracebacks"]),
+    (0, "", ["silent_accepts"]),
+    (1, "I1206 log line\nerror: --workdir /w is a file.", ["rejected"]),
+    (1, "error: something is wrong.", ["rejected", "not_named"]),
+    (1, "Killed", ["rejected", "not_one_sentence", "not_named"]),
+  ],
+)
+def test_entry_point_outcomes(rc, stderr, outcome):
+  from knitjax.faults import entry_points
+
+  assert entry_points.classify(rc, stderr, ("/w",)) == outcome
