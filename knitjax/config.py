@@ -17,7 +17,16 @@ from knitjax.config_checkpoint import (
   resolve_init_from,
   vision_from_checkpoint,
 )
-from knitjax.config_fields import build_section, one_of, positive, to_plain
+from knitjax.config_fields import (
+  MAX_CPU_DEVICES,
+  MAX_SAMPLES,
+  MAX_STEPS,
+  MAX_TOKENS,
+  build_section,
+  one_of,
+  positive,
+  to_plain,
+)
 from knitjax.config_sections import (
   AdmissionConfig,
   RolloutConfig,
@@ -91,10 +100,17 @@ class RuntimeConfig:
     one_of("config.runtime.lag_unit", self.lag_unit, LAG_UNITS)
     one_of("config.runtime.adoption", self.adoption, ADOPTION)
     one_of("config.runtime.storage", self.storage, STORAGE)
-    positive("config.runtime.rollout_workers", self.rollout_workers, allow_zero=True)
+    positive(
+      "config.runtime.rollout_workers",
+      self.rollout_workers,
+      allow_zero=True,
+      at_most=MAX_CPU_DEVICES,
+    )
     positive("config.runtime.actor_restarts", self.actor_restarts, allow_zero=True)
     positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
-    positive("config.runtime.rollout_hosts", self.rollout_hosts, allow_zero=True)
+    positive(
+      "config.runtime.rollout_hosts", self.rollout_hosts, allow_zero=True, at_most=MAX_CPU_DEVICES
+    )
     positive("config.runtime.rollout_host_wait_s", self.rollout_host_wait_s)
     if self.rollout_hosts:
       _check_rollout_hosts(self)
@@ -103,10 +119,10 @@ class RuntimeConfig:
         f"config.runtime.param_slots={self.param_slots!r} is not accepted; adoption="
         f"{self.adoption!r} needs at least {1 + (self.adoption == 'new_groups')}."
       )
-    positive("config.runtime.steps", self.steps)
-    positive("config.runtime.log_every", self.log_every)
+    positive("config.runtime.steps", self.steps, at_most=MAX_STEPS)
+    positive("config.runtime.log_every", self.log_every, at_most=MAX_STEPS)
     positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
-    positive("config.runtime.prefetch", self.prefetch, allow_zero=True)
+    positive("config.runtime.prefetch", self.prefetch, allow_zero=True, at_most=MAX_SAMPLES)
     positive("config.runtime.locality_slack", self.locality_slack, allow_zero=True)
 
 
@@ -150,7 +166,7 @@ class MeshConfig:
         f"config.mesh.shape={self.shape!r} is not accepted; give 3 ints >= 1, at most one of "
         "them -1 (inferred from the device count)."
       )
-    positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True)
+    positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True, at_most=MAX_CPU_DEVICES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -176,8 +192,8 @@ class CheckpointConfig:
   keep: int = 2
 
   def __post_init__(self):
-    positive("config.checkpoint.every_steps", self.every_steps)
-    positive("config.checkpoint.keep", self.keep)
+    positive("config.checkpoint.every_steps", self.every_steps, at_most=MAX_STEPS)
+    positive("config.checkpoint.keep", self.keep, at_most=MAX_STEPS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -198,12 +214,12 @@ class EvalConfig:
   def __post_init__(self):
     from knitjax.tasks.rewards import REWARDS
 
-    positive("config.eval.every_steps", self.every_steps, allow_zero=True)
-    positive("config.eval.prompts", self.prompts)
-    positive("config.eval.samples", self.samples, allow_zero=True)
+    positive("config.eval.every_steps", self.every_steps, allow_zero=True, at_most=MAX_STEPS)
+    positive("config.eval.prompts", self.prompts, at_most=MAX_SAMPLES)
+    positive("config.eval.samples", self.samples, allow_zero=True, at_most=MAX_SAMPLES)
     positive("config.eval.k", self.k)
-    positive("config.eval.max_new_tokens", self.max_new_tokens, allow_zero=True)
-    positive("config.eval.batch_prompts", self.batch_prompts)
+    positive("config.eval.max_new_tokens", self.max_new_tokens, allow_zero=True, at_most=MAX_TOKENS)
+    positive("config.eval.batch_prompts", self.batch_prompts, at_most=MAX_SAMPLES)
     if self.reward:
       one_of("config.eval.reward", self.reward, tuple(REWARDS))
     if self.samples and self.k > self.samples:

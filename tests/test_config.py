@@ -48,3 +48,46 @@ def test_a_vlm_refuses_in_step_advantages(train):
 def test_unknown_arith_variant():
   with pytest.raises(ValueError, match=r"unknown variant \['pop'\]"):
     arith_tiny.get_config("ppo,pop")
+
+
+@pytest.mark.parametrize(
+  "section, field, value, match",
+  [
+    ("rollout", "group_size", 10**12, "at most 1,048,576"),
+    ("rollout", "slots", 10**12, "at most 1,048,576"),
+    ("rollout", "decode_steps", 10**12, "at most 1,048,576"),
+    ("rollout", "refill_groups", 10**12, "at most 1,048,576"),
+    ("rollout", "max_new_tokens", 10**12, "at most 1,048,576"),
+    ("rollout", "prefill_chunk", 10**12, "at most 1,048,576"),
+    ("task", "prompt_len", 10**12, "at most 1,048,576"),
+    ("mesh", "cpu_devices", 100000, "at most 1,024"),
+    ("runtime", "steps", 10**12, "at most 2,147,483,647"),
+    ("checkpoint", "every_steps", 10**12, "at most 2,147,483,647"),
+    ("eval", "prompts", 10**12, "at most 1,048,576"),
+    ("train", "micro_batches", 10**12, "at most 1,048,576"),
+    ("admission", "minibatches", 10**12, "at most 1,048,576"),
+  ],
+)
+def test_absurd_counts_are_one_sentence_with_the_limit(section, field, value, match):
+  c = _arith()
+  c[section][field] = value
+  with pytest.raises(ValueError, match=rf"^config\.{section}\.{field}={value} is not accepted; "
+                     rf"it must be {match}\.$"):  # fmt: skip
+    from_config_dict(c)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-39, -1.0])
+def test_temperatures_the_trainer_cannot_divide_by_are_refused(temperature):
+  c = _arith()
+  c.rollout.temperature = temperature
+  with pytest.raises(
+    ValueError, match=r"config\.rollout\.temperature=.* must be at least 1\.18e-38"
+  ):
+    from_config_dict(c)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.01, 0.1, 2.0])
+def test_small_temperatures_are_accepted(temperature):
+  c = _arith()
+  c.rollout.temperature = temperature
+  assert from_config_dict(c).rollout.temperature == temperature
