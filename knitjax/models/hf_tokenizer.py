@@ -298,7 +298,7 @@ class HFTokenizer:
         override the special tokens of the same name.
 
     Raises:
-      ValueError: when the tokenizer has no chat template, or the template fails.
+      ValueError: when the tokenizer has no chat template, or the template fails or renders "".
     """
     if self._template is None:
       raise ValueError(
@@ -310,6 +310,11 @@ class HFTokenizer:
       add_generation_prompt=add_generation_prompt,
       **{**self._template_vars, **kwargs},
     )
+    if not text:
+      raise ValueError(
+        f"{self._template.origin} rendered the messages as an empty prompt; a chat template must "
+        "write at least the turn it is given."
+      )
     return self.encode(text, bos=False) if tokenize else text
 
   def check_fits(self, model_vocab_size: int) -> None:
