@@ -9,6 +9,7 @@ is accepted. Library code receives these dataclasses, never the ConfigDict.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -322,6 +323,8 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
       "'gae': LoRA trains adapters only and would freeze the critic's value head; use "
       "lora_rank=0 with gae, or a group estimator (grpo, drgrpo, rloo) with LoRA."
     )
+  if init_from:
+    _check_positions(init_from, sections)
   sections["rollout"] = _resolve_engine(sections, vision)
   model = _with_value_head(model, sections["train"], vision)
   _check_class_budgets(sections)
@@ -334,6 +337,31 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     image_token=image_token,
     **sections,
   )
+
+
+def _check_positions(init_from: str, sections: dict) -> None:
+  """Token budgets within the checkpoint's positions (``max_position_embeddings`` of its
+  config.json, or of its ``text_config`` for a VLM; nothing to check when it names none)."""
+  from knitjax.models.hf_config import CONFIG_FILE, _read_json
+
+  path = os.path.join(init_from, CONFIG_FILE)
+  hf = _read_json(path)
+  positions = hf.get("max_position_embeddings")
+  if positions is None and isinstance(hf.get("text_config"), dict):
+    positions = hf["text_config"].get("max_position_embeddings")
+  if isinstance(positions, bool) or not isinstance(positions, int) or positions < 2:
+    return
+  prompt_len = sections["task"].prompt_len
+  for name, n in (
+    ("rollout.max_new_tokens", sections["rollout"].max_new_tokens),
+    ("eval.max_new_tokens", sections["eval"].max_new_tokens),
+  ):
+    if n + max(prompt_len, 1) > positions:
+      prompt = f" with config.task.prompt_len={prompt_len}" if prompt_len else ""
+      raise ValueError(
+        f"config.{name}={n} is not accepted{prompt}; prompt and response must fit the model's "
+        f"{positions} positions (max_position_embeddings in {path})."
+      )
 
 
 def _resolve_engine(sections: dict, vision: VisionConfig | None) -> RolloutConfig:

@@ -91,3 +91,24 @@ def test_small_temperatures_are_accepted(temperature):
   c = _arith()
   c.rollout.temperature = temperature
   assert from_config_dict(c).rollout.temperature == temperature
+
+
+def test_token_budgets_must_fit_the_checkpoint_positions():
+  import os
+
+  folder = os.path.join(os.path.dirname(__file__), "models", "data", "hf_llama")  # 128 positions
+  c = _arith()
+  c.init_from = folder
+  c.rollout.max_new_tokens = 127
+  assert from_config_dict(c).rollout.max_new_tokens == 127
+  c.rollout.max_new_tokens = 128
+  with pytest.raises(
+    ValueError,
+    match=r"^config.rollout.max_new_tokens=128 is not accepted; prompt and response must fit the "
+    r"model's 128 positions \(max_position_embeddings in .*hf_llama/config.json\)\.$",
+  ):
+    from_config_dict(c)
+  c.rollout.max_new_tokens = 100
+  c.task.prompt_len = 29
+  with pytest.raises(ValueError, match=r"max_new_tokens=100 is not accepted with config.task.promp"):
+    from_config_dict(c)
