@@ -234,14 +234,57 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     return wrapped
 
 
+def _filter_precheck(name: str, args: tuple, kwargs: dict) -> None:
+  """Refuses, before they run, filter calls whose result would pass `MAX_CHARS`."""
+
+  def arg(i, key, default=None):
+    return args[i] if len(args) > i else kwargs.get(key, default)
+
+  value = args[0] if args else None
+  if name == "center":
+    width = arg(1, "width", 80)
+    if isinstance(width, int) and width > MAX_CHARS:
+      raise _TooBig(f"it centers in a width of more than {MAX_CHARS:,} characters")
+  elif name == "indent" and isinstance(value, str):
+    width = arg(1, "width", 4)
+    width = len(width) if isinstance(width, str) else width
+    if isinstance(width, int) and len(value) + width * (value.count("\n") + 1) > MAX_CHARS:
+      raise _TooBig(f"it built a str of more than {MAX_CHARS:,} items")
+  elif name == "replace" and isinstance(value, str):
+    old, new = str(arg(1, "old", "")), str(arg(2, "new", ""))
+    hits = len(value) + 1 if not old else value.count(old)
+    if len(value) + hits * max(len(new) - len(old), 0) > MAX_CHARS:
+      raise _TooBig(f"it built a str of more than {MAX_CHARS:,} items")
+  elif name == "format":
+    _check_pattern(value)
+  elif name == "tojson":
+    indent = arg(2, "indent")
+    if isinstance(indent, int) and indent > 64:
+      raise _TooBig("it indents JSON by more than 64 spaces")
+
+
+def _bounded_filter(name: str, f):
+  """A filter that counts as a step, is checked before it runs, and sized after."""
+
+  @functools.wraps(f)  # keeps jinja's pass_context / pass_eval_context marks
+  def bounded(*args, **kwargs):
+    _step()
+    marked = getattr(f, "jinja_pass_arg", None) is not None
+    _filter_precheck(name, args[1:] if marked else args, kwargs)
+    return _check_size(f(*args, **kwargs))
+
+  return bounded
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str, origin: str) -> jinja2.Template:
   env = _BoundedEnvironment(
     trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
   )
+  env.filters["tojson"] = _tojson
+  env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
   env.filters[_GUARD_FILTER] = _guarded_iter
   env.filters[_CONCAT_FILTER] = _guarded_concat
-  env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
   env.globals["dict"] = _TemplateDict()

@@ -550,6 +550,15 @@ HOSTILE_TEMPLATES = {
   "huge_power": ("{{ 10 ** (10 ** 10) }}", r"stopped: it raised to a power above 10,000\.$"),
   "huge_width": ("{{ '%0999999999d' % 1 }}", r"stopped: it formats with a field width"),
   "huge_format": ("{{ '{:>999999999}'.format(1) }}", r"stopped: it formats with a field width"),
+  "huge_center": ("{{ 'x'|center(10**9) }}", r"stopped: it centers in a width of more than"),
+  "huge_replace": (
+    "{{ ('x' * 1000)|replace('x', 'y' * 100000) }}",
+    r"stopped: it built a str of more than 16,777,216 items\.$",
+  ),
+  "huge_indent": ("{{ 'a\nb'|indent(10**9) }}", r"stopped: it built a str of more than"),
+  "huge_format_filter": ("{{ '%0999999999d'|format(1) }}", r"stopped: it formats with a field"),
+  "huge_tojson_indent": ("{{ [1]|tojson(indent=10**9) }}", r"stopped: it indents JSON by more"),
+  "huge_join": ("{{ (['x' * 1000000] * 17)|join('') }}", r"stopped: it built a str of more than"),
   "big_output": (
     "{% for a in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
     r"stopped: its output passed 16,777,216 characters\.$",
