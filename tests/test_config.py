@@ -110,5 +110,5 @@ def test_token_budgets_must_fit_the_checkpoint_positions():
     from_config_dict(c)
   c.rollout.max_new_tokens = 100
   c.task.prompt_len = 29
-  with pytest.raises(ValueError, match=r"max_new_tokens=100 is not accepted with config.task.promp"):
+  with pytest.raises(ValueError, match=r"max_new_tokens=100 is not accepted with config.task"):
     from_config_dict(c)
