@@ -275,17 +275,24 @@ def test_tempered_logprobs_are_clamped_at_zero():
     assert np.isfinite(lp).all() and (np.asarray(lp) <= 0).all() and (np.asarray(lp) > -1e-5).all()
 
 
-@pytest.mark.parametrize("temperature", TEMPERATURES)
-def test_the_continuous_engine_gives_storable_logprobs_at_every_temperature(temperature):
-  from knitjax.rollout.continuous import ContinuousEngine
-  from knitjax.rollout.engine_requests import Request
-
+@pytest.fixture(scope="module")
+def engine_model():
   cfg = TransformerConfig(
     vocab_size=16, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, ffn_dim=64
   )
   engine_mesh = sharding.make_mesh((-1, 1, 1), devices=jax.devices()[:4])
   graphdef, params = sharding.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), engine_mesh)
-  params = jax.tree.map(lambda x: x * 4.0, params)
+  return graphdef, jax.tree.map(lambda x: x * 4.0, params), engine_mesh
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_the_continuous_engine_gives_storable_logprobs_at_every_temperature(
+  engine_model, temperature
+):
+  from knitjax.rollout.continuous import ContinuousEngine
+  from knitjax.rollout.engine_requests import Request
+
+  graphdef, params, engine_mesh = engine_model
   engine = ContinuousEngine(
     graphdef,
     mesh=engine_mesh,
