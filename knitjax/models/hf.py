@@ -30,6 +30,7 @@ from knitjax.models.hf_config import (
   check_model_fits,
   config_from_hf,
   config_to_hf,
+  host_memory_bytes,
 )
 from knitjax.models.safetensors_io import (
   DTYPE_NAMES,
@@ -392,13 +393,15 @@ def write_folder(
 
 
 def _check_fits_devices(config: TransformerConfig, where: str, mesh) -> None:
-  """Before tracing: the float32 params must fit the mesh's devices together (where they report
-  their memory; CPU devices do not, and the host check of `config_from_hf` covers them)."""
-  devices = jax.devices() if mesh is None else list(mesh.devices.flat)
+  """Before tracing: the float32 params must fit the devices they go to, together (GPUs and TPUs
+  report their memory), or this host's memory (CPU devices share it)."""
+  devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
   limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-  if limits and all(limits):
+  if all(limits):
     what = f"memory of the {len(devices)} {devices[0].platform} device(s)"
     check_model_fits(config, where, sum(limits), what)
+  else:
+    check_model_fits(config, where, host_memory_bytes(), "memory of this host")
 
 
 def init_from_hf(

@@ -290,8 +290,6 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
     qkv_bias=family == "qwen2",
     dtype=dtype,
   )
-  # Before anything traces or allocates the model: its params must fit this host's memory.
-  check_model_fits(config, "config.json", host_memory_bytes(), "memory of this host")
   return config
 
 
