@@ -224,8 +224,8 @@ def test_a_model_larger_than_memory_is_one_sentence_with_both_sizes(tmp_path):
   have = f"{host_memory_bytes() / 2**30:,.1f} GiB"
   with pytest.raises(
     ValueError,
-    match=rf"^{tmp_path}/config.json describes a model of [\d,]+ parameters \([\d,.]+ GiB in float32\), more "
-    rf"than the {have} of memory of this host\.$",
+    match=rf"^{tmp_path}/config.json describes a model of [\d,]+ parameters \([\d,.]+ GiB in "
+    rf"float32\), more than the {have} of memory of this host\.$",
   ):
     hf.init_from_hf(tmp_path)
 
