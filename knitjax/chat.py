@@ -31,6 +31,42 @@ DEMO_PROMPTS = (
 )
 
 
+def _positions(folder: str) -> tuple[int, str]:
+  """(the model's positions, where that comes from): ``max_position_embeddings`` of its
+  config.json, or `config_fields.MAX_TOKENS` when the file names none."""
+  from knitjax.config_fields import MAX_TOKENS
+  from knitjax.models.hf_config import CONFIG_FILE, _read_json
+
+  path = os.path.join(folder, CONFIG_FILE)
+  value = _read_json(path).get("max_position_embeddings")
+  if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+    return value, f"max_position_embeddings in {path}"
+  return MAX_TOKENS, "knitjax's bound on a sequence"
+
+
+def check_budget(folder: str, prompt_lengths: list[int], max_new_tokens: int) -> None:
+  """Refuses, in one sentence with the limit, a budget the model's positions cannot hold.
+
+  Checked before the model is loaded or anything is allocated: a KV cache for
+  ``--max_new_tokens=1000000000``, or the prefill of a 25,000-token prompt, would run for minutes
+  before failing.
+  """
+  limit, source = _positions(folder)
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} is not accepted; it must be an integer.")
+  if not 1 <= max_new_tokens <= limit - 1:
+    raise ValueError(
+      f"max_new_tokens={max_new_tokens} is not accepted; it must be in [1, {limit - 1}]: the "
+      f"model has {limit} positions ({source}), one at least for the prompt."
+    )
+  longest = max(prompt_lengths, default=0)
+  if longest + max_new_tokens > limit:
+    raise ValueError(
+      f"a prompt of {longest} tokens and max_new_tokens={max_new_tokens} pass the model's {limit} "
+      f"positions ({source}); shorten the prompt or lower max_new_tokens."
+    )
+
+
 def greedy_chat(
   folder: str, prompts: list[list[int]], *, max_new_tokens: int = 32, model=None
 ) -> list[list[int]]:
@@ -50,6 +86,7 @@ def greedy_chat(
   from knitjax.rollout.sampler import Sampler, SamplingConfig
   from knitjax.train.batch import left_pad
 
+  check_budget(folder, [len(p) for p in prompts], max_new_tokens)
   if model is None:
     mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     _, graphdef, params = hf.init_from_hf(folder, mesh)
@@ -74,8 +111,18 @@ def chat_table(init_from: str, prompts, *, max_new_tokens: int = 32) -> str:
   """A Markdown table of the greedy answers of ``init_from`` to ``prompts``."""
   from knitjax.config import resolve_init_from
   from knitjax.models.hf_tokenizer import HFTokenizer
+  from knitjax.tasks.gsm8k import MAX_CHARS_PER_TOKEN
 
   folder = resolve_init_from(init_from)
+  check_budget(folder, [], max_new_tokens)
+  limit, source = _positions(folder)
+  for i, prompt in enumerate(prompts):
+    # Before rendering and tokenizing (a 100 KB prompt went on to a 25,000-token prefill).
+    if len(prompt) > limit * MAX_CHARS_PER_TOKEN:
+      raise ValueError(
+        f"prompt {i + 1} has {len(prompt):,} characters, more than the model's {limit} positions "
+        f"({source}) can hold at {MAX_CHARS_PER_TOKEN} characters a token."
+      )
   tok = HFTokenizer.from_folder(folder)
   chats = [[{"role": "user", "content": p}] for p in prompts]
   outputs = greedy_chat(

@@ -9,6 +9,7 @@ is accepted. Library code receives these dataclasses, never the ConfigDict.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +19,16 @@ from knitjax.config_checkpoint import (
   resolve_init_from,
   vision_from_checkpoint,
 )
-from knitjax.config_fields import build_section, one_of, positive, to_plain
+from knitjax.config_fields import (
+  MAX_CPU_DEVICES,
+  MAX_SAMPLES,
+  MAX_STEPS,
+  MAX_TOKENS,
+  build_section,
+  one_of,
+  positive,
+  to_plain,
+)
 from knitjax.config_sections import (
   AdmissionConfig,
   RolloutConfig,
@@ -92,10 +102,17 @@ class RuntimeConfig:
     one_of("config.runtime.lag_unit", self.lag_unit, LAG_UNITS)
     one_of("config.runtime.adoption", self.adoption, ADOPTION)
     one_of("config.runtime.storage", self.storage, STORAGE)
-    positive("config.runtime.rollout_workers", self.rollout_workers, allow_zero=True)
+    positive(
+      "config.runtime.rollout_workers",
+      self.rollout_workers,
+      allow_zero=True,
+      at_most=MAX_CPU_DEVICES,
+    )
     positive("config.runtime.actor_restarts", self.actor_restarts, allow_zero=True)
     positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
-    positive("config.runtime.rollout_hosts", self.rollout_hosts, allow_zero=True)
+    positive(
+      "config.runtime.rollout_hosts", self.rollout_hosts, allow_zero=True, at_most=MAX_CPU_DEVICES
+    )
     positive("config.runtime.rollout_host_wait_s", self.rollout_host_wait_s)
     if self.rollout_hosts:
       _check_rollout_hosts(self)
@@ -104,10 +121,10 @@ class RuntimeConfig:
         f"config.runtime.param_slots={self.param_slots!r} is not accepted; adoption="
         f"{self.adoption!r} needs at least {1 + (self.adoption == 'new_groups')}."
       )
-    positive("config.runtime.steps", self.steps)
-    positive("config.runtime.log_every", self.log_every)
+    positive("config.runtime.steps", self.steps, at_most=MAX_STEPS)
+    positive("config.runtime.log_every", self.log_every, at_most=MAX_STEPS)
     positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
-    positive("config.runtime.prefetch", self.prefetch, allow_zero=True)
+    positive("config.runtime.prefetch", self.prefetch, allow_zero=True, at_most=MAX_SAMPLES)
     positive("config.runtime.locality_slack", self.locality_slack, allow_zero=True)
 
 
@@ -163,7 +180,7 @@ class MeshConfig:
         f"config.mesh.shape={self.shape!r} is not accepted; give 3 ints >= 1, at most one of "
         "them -1 (inferred from the device count)."
       )
-    positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True)
+    positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True, at_most=MAX_CPU_DEVICES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,8 +206,8 @@ class CheckpointConfig:
   keep: int = 2
 
   def __post_init__(self):
-    positive("config.checkpoint.every_steps", self.every_steps)
-    positive("config.checkpoint.keep", self.keep)
+    positive("config.checkpoint.every_steps", self.every_steps, at_most=MAX_STEPS)
+    positive("config.checkpoint.keep", self.keep, at_most=MAX_STEPS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -211,12 +228,12 @@ class EvalConfig:
   def __post_init__(self):
     from knitjax.tasks.rewards import REWARDS
 
-    positive("config.eval.every_steps", self.every_steps, allow_zero=True)
-    positive("config.eval.prompts", self.prompts)
-    positive("config.eval.samples", self.samples, allow_zero=True)
+    positive("config.eval.every_steps", self.every_steps, allow_zero=True, at_most=MAX_STEPS)
+    positive("config.eval.prompts", self.prompts, at_most=MAX_SAMPLES)
+    positive("config.eval.samples", self.samples, allow_zero=True, at_most=MAX_SAMPLES)
     positive("config.eval.k", self.k)
-    positive("config.eval.max_new_tokens", self.max_new_tokens, allow_zero=True)
-    positive("config.eval.batch_prompts", self.batch_prompts)
+    positive("config.eval.max_new_tokens", self.max_new_tokens, allow_zero=True, at_most=MAX_TOKENS)
+    positive("config.eval.batch_prompts", self.batch_prompts, at_most=MAX_SAMPLES)
     if self.reward:
       one_of("config.eval.reward", self.reward, tuple(REWARDS))
     if self.samples and self.k > self.samples:
@@ -319,6 +336,8 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
       "'gae': LoRA trains adapters only and would freeze the critic's value head; use "
       "lora_rank=0 with gae, or a group estimator (grpo, drgrpo, rloo) with LoRA."
     )
+  if init_from:
+    _check_positions(init_from, sections)
   sections["rollout"] = _resolve_engine(sections, vision)
   model = _with_value_head(model, sections["train"], vision)
   _check_class_budgets(sections)
@@ -331,6 +350,31 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     image_token=image_token,
     **sections,
   )
+
+
+def _check_positions(init_from: str, sections: dict) -> None:
+  """Token budgets within the checkpoint's positions (``max_position_embeddings`` of its
+  config.json, or of its ``text_config`` for a VLM; nothing to check when it names none)."""
+  from knitjax.models.hf_config import CONFIG_FILE, _read_json
+
+  path = os.path.join(init_from, CONFIG_FILE)
+  hf = _read_json(path)
+  positions = hf.get("max_position_embeddings")
+  if positions is None and isinstance(hf.get("text_config"), dict):
+    positions = hf["text_config"].get("max_position_embeddings")
+  if isinstance(positions, bool) or not isinstance(positions, int) or positions < 2:
+    return
+  prompt_len = sections["task"].prompt_len
+  for name, n in (
+    ("rollout.max_new_tokens", sections["rollout"].max_new_tokens),
+    ("eval.max_new_tokens", sections["eval"].max_new_tokens),
+  ):
+    if n + max(prompt_len, 1) > positions:
+      prompt = f" with config.task.prompt_len={prompt_len}" if prompt_len else ""
+      raise ValueError(
+        f"config.{name}={n} is not accepted{prompt}; prompt and response must fit the model's "
+        f"{positions} positions (max_position_embeddings in {path})."
+      )
 
 
 def _resolve_engine(sections: dict, vision: VisionConfig | None) -> RolloutConfig:

@@ -23,11 +23,24 @@ def one_of(path: str, value: Any, allowed: tuple[str, ...]) -> None:
     raise ValueError(f"{path}={value!r} is not accepted; choose one of: {', '.join(allowed)}.")
 
 
-def positive(path: str, value: float, *, allow_zero: bool = False) -> None:
-  """Raises a ValueError naming ``path`` unless ``value`` > 0 (>= 0 with ``allow_zero``)."""
+# Upper bounds on counts: far above any real run, far below what hangs or exhausts memory before a
+# check could speak (a group of 10**12 samples, 100,000 fake devices).
+MAX_TOKENS = 1 << 20  # tokens per sequence (prompt, response, chunk): 1M, the longest context
+MAX_SAMPLES = 1 << 20  # samples or prompts at once (group size, slots, batches)
+MAX_STEPS = (1 << 31) - 1  # steps and versions are int32 in the jitted steps (fold_in of the step)
+MAX_CPU_DEVICES = 1024  # fake CPU devices: JAX starts each one, 100,000 take minutes
+
+
+def positive(
+  path: str, value: float, *, allow_zero: bool = False, at_most: int | None = None
+) -> None:
+  """Raises a ValueError naming ``path`` unless ``value`` > 0 (>= 0 with ``allow_zero``) and, with
+  ``at_most``, ``value <= at_most``."""
   if value < 0 or (value == 0 and not allow_zero):
     bound = ">= 0" if allow_zero else "> 0"
     raise ValueError(f"{path}={value!r} is not accepted; it must be {bound}.")
+  if at_most is not None and value > at_most:
+    raise ValueError(f"{path}={value!r} is not accepted; it must be at most {at_most:,}.")
 
 
 def to_plain(x: Any) -> Any:

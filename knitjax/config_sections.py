@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from knitjax.config_fields import one_of, positive
+from knitjax.config_fields import MAX_SAMPLES, MAX_STEPS, MAX_TOKENS, one_of, positive
+from knitjax.rollout.sampler import MIN_TEMPERATURE
 from knitjax.train.kl import KL_ESTIMATORS
 from knitjax.train.logprobs import DEFAULT_CHUNK as DEFAULT_LOGPROB_CHUNK
 from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
@@ -49,7 +50,7 @@ class TaskConfig:
     if self.name in ENVIRONMENT_REWARDS:  # the environment scores; the config names its reward
       one_of("config.task.reward", self.reward, (ENVIRONMENT_REWARDS[self.name],))
     one_of("config.task.chat", self.chat, CHAT)
-    positive("config.task.prompt_len", self.prompt_len, allow_zero=True)
+    positive("config.task.prompt_len", self.prompt_len, allow_zero=True, at_most=MAX_TOKENS)
     if self.name in FILE_TASKS and not self.path:
       raise ValueError(
         f"config.task.path is empty; task {self.name!r} reads its prompts from a JSONL file."
@@ -89,14 +90,16 @@ class RolloutConfig:
   turn_tokens: int = 0
 
   def __post_init__(self):
-    positive("config.rollout.group_size", self.group_size)
-    positive("config.rollout.slots", self.slots)
-    positive("config.rollout.decode_steps", self.decode_steps)
-    positive("config.rollout.refill_groups", self.refill_groups)
-    positive("config.rollout.prefill_chunk", self.prefill_chunk, allow_zero=True)
+    positive("config.rollout.group_size", self.group_size, at_most=MAX_SAMPLES)
+    positive("config.rollout.slots", self.slots, at_most=MAX_SAMPLES)
+    positive("config.rollout.decode_steps", self.decode_steps, at_most=MAX_TOKENS)
+    positive("config.rollout.refill_groups", self.refill_groups, at_most=MAX_SAMPLES)
+    positive(
+      "config.rollout.prefill_chunk", self.prefill_chunk, allow_zero=True, at_most=MAX_TOKENS
+    )
     one_of("config.rollout.engine", self.engine, ENGINES)
-    positive("config.rollout.max_new_tokens", self.max_new_tokens)
-    positive("config.rollout.max_turns", self.max_turns)
+    positive("config.rollout.max_new_tokens", self.max_new_tokens, at_most=MAX_TOKENS)
+    positive("config.rollout.max_turns", self.max_turns, at_most=MAX_TOKENS)
     positive("config.rollout.turn_tokens", self.turn_tokens, allow_zero=True)
     if self.turn_tokens > self.max_new_tokens:
       raise ValueError(
@@ -109,7 +112,12 @@ class RolloutConfig:
           f"config.rollout.class_max_new_tokens[{cls!r}]={n!r} is not accepted; it must be an "
           f"int in [1, max_new_tokens={self.max_new_tokens}]."
         )
-    positive("config.rollout.temperature", self.temperature)
+    if not self.temperature >= MIN_TEMPERATURE:
+      raise ValueError(
+        f"config.rollout.temperature={self.temperature!r} is not accepted; it must be at least "
+        f"{MIN_TEMPERATURE:.3g} (float32's smallest normal number; 0, greedy, is for evaluation "
+        "only: the trainer divides the logits by it)."
+      )
     positive("config.rollout.top_k", self.top_k, allow_zero=True)
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(
@@ -173,8 +181,8 @@ class TrainConfig:
   def __post_init__(self):
     positive("config.train.lr", self.lr)
     one_of("config.train.reference_dtype", self.reference_dtype, ("float32", "bfloat16"))
-    positive("config.train.warmup_steps", self.warmup_steps, allow_zero=True)
-    positive("config.train.micro_batches", self.micro_batches)
+    positive("config.train.warmup_steps", self.warmup_steps, allow_zero=True, at_most=MAX_STEPS)
+    positive("config.train.micro_batches", self.micro_batches, at_most=MAX_SAMPLES)
     positive("config.train.grad_clip", self.grad_clip, allow_zero=True)
     positive("config.train.tis_cap", self.tis_cap, allow_zero=True)
     positive("config.train.kl_coef", self.kl_coef, allow_zero=True)
@@ -230,8 +238,8 @@ class TrainConfig:
         f"config.train.eps_high = {1.0 + self.eps_high}."
       )
     one_of("config.train.packing", self.packing, PACKING_MODES)
-    positive("config.train.pack_len", self.pack_len, allow_zero=True)
-    positive("config.train.pack_buckets", self.pack_buckets)
+    positive("config.train.pack_len", self.pack_len, allow_zero=True, at_most=MAX_TOKENS)
+    positive("config.train.pack_buckets", self.pack_buckets, at_most=MAX_SAMPLES)
     if self.objective == "cispo":
       for name in ("tis_cap", "eps_c"):
         if getattr(self, name):
@@ -256,9 +264,9 @@ class AdmissionConfig:
     one_of("config.admission.policy", self.policy, POLICIES)
     if not self.quotas:
       raise ValueError("config.admission.quotas is empty; give groups per train step per class.")
-    positive("config.admission.minibatches", self.minibatches)
+    positive("config.admission.minibatches", self.minibatches, at_most=MAX_SAMPLES)
     for cls, q in self.quotas.items():
-      positive(f"config.admission.quotas[{cls!r}]", q)
+      positive(f"config.admission.quotas[{cls!r}]", q, at_most=MAX_SAMPLES)
     total = sum(self.quotas.values())
     if total % self.minibatches:
       raise ValueError(

@@ -48,3 +48,67 @@ def test_a_vlm_refuses_in_step_advantages(train):
 def test_unknown_arith_variant():
   with pytest.raises(ValueError, match=r"unknown variant \['pop'\]"):
     arith_tiny.get_config("ppo,pop")
+
+
+@pytest.mark.parametrize(
+  "section, field, value, match",
+  [
+    ("rollout", "group_size", 10**12, "at most 1,048,576"),
+    ("rollout", "slots", 10**12, "at most 1,048,576"),
+    ("rollout", "decode_steps", 10**12, "at most 1,048,576"),
+    ("rollout", "refill_groups", 10**12, "at most 1,048,576"),
+    ("rollout", "max_new_tokens", 10**12, "at most 1,048,576"),
+    ("rollout", "prefill_chunk", 10**12, "at most 1,048,576"),
+    ("task", "prompt_len", 10**12, "at most 1,048,576"),
+    ("mesh", "cpu_devices", 100000, "at most 1,024"),
+    ("runtime", "steps", 10**12, "at most 2,147,483,647"),
+    ("checkpoint", "every_steps", 10**12, "at most 2,147,483,647"),
+    ("eval", "prompts", 10**12, "at most 1,048,576"),
+    ("train", "micro_batches", 10**12, "at most 1,048,576"),
+    ("admission", "minibatches", 10**12, "at most 1,048,576"),
+  ],
+)
+def test_absurd_counts_are_one_sentence_with_the_limit(section, field, value, match):
+  c = _arith()
+  c[section][field] = value
+  with pytest.raises(ValueError, match=rf"^config\.{section}\.{field}={value} is not accepted; "
+                     rf"it must be {match}\.$"):  # fmt: skip
+    from_config_dict(c)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-39, -1.0])
+def test_temperatures_the_trainer_cannot_divide_by_are_refused(temperature):
+  c = _arith()
+  c.rollout.temperature = temperature
+  with pytest.raises(
+    ValueError, match=r"config\.rollout\.temperature=.* must be at least 1\.18e-38"
+  ):
+    from_config_dict(c)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.01, 0.1, 2.0])
+def test_small_temperatures_are_accepted(temperature):
+  c = _arith()
+  c.rollout.temperature = temperature
+  assert from_config_dict(c).rollout.temperature == temperature
+
+
+def test_token_budgets_must_fit_the_checkpoint_positions():
+  import os
+
+  folder = os.path.join(os.path.dirname(__file__), "models", "data", "hf_llama")  # 128 positions
+  c = _arith()
+  c.init_from = folder
+  c.rollout.max_new_tokens = 127
+  assert from_config_dict(c).rollout.max_new_tokens == 127
+  c.rollout.max_new_tokens = 128
+  with pytest.raises(
+    ValueError,
+    match=r"^config.rollout.max_new_tokens=128 is not accepted; prompt and response must fit the "
+    r"model's 128 positions \(max_position_embeddings in .*hf_llama/config.json\)\.$",
+  ):
+    from_config_dict(c)
+  c.rollout.max_new_tokens = 100
+  c.task.prompt_len = 29
+  with pytest.raises(ValueError, match=r"max_new_tokens=100 is not accepted with config.task"):
+    from_config_dict(c)

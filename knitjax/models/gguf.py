@@ -16,6 +16,7 @@ SmolLM2-135M-Instruct GGUF used by tests and demos.
 import json
 import os
 import re
+import struct
 
 import numpy as np
 
@@ -248,6 +249,32 @@ def _special_tokens(meta: dict, tokens: list[str]) -> dict[str, str]:
   return out
 
 
+# The fewest bytes a GGUF record can take: a metadata field is a key length (8), a type (4) and a
+# value (>= 1); a tensor's info is a name length (8), a dimension count (4), a type (4), an offset.
+_MIN_FIELD_BYTES, _MIN_TENSOR_BYTES, _HEADER_BYTES = 13, 24, 24
+
+
+def _check_counts(path: str) -> None:
+  """Refuses a GGUF whose header declares more tensors or metadata fields than the file can hold
+  (the reader would otherwise index past its arrays, or loop over 10**12 records)."""
+  try:
+    with open(path, "rb") as f:
+      header = f.read(_HEADER_BYTES)
+      size = os.fstat(f.fileno()).st_size
+  except OSError as e:
+    raise ValueError(f"{path} cannot be read ({e.strerror or type(e).__name__}).") from None
+  if len(header) < _HEADER_BYTES or header[:4] != b"GGUF":
+    raise ValueError(f"{path} cannot be read as a GGUF file (no GGUF header).")
+  # Little-endian as written by llama.cpp on every common machine; a big-endian file reads as a
+  # huge count here and the reader would refuse it anyway.
+  tensors, fields = struct.unpack("<QQ", header[8:24])
+  if tensors * _MIN_TENSOR_BYTES + fields * _MIN_FIELD_BYTES > size - _HEADER_BYTES:
+    raise ValueError(
+      f"{path} declares {tensors:,} tensors and {fields:,} metadata fields, more than its "
+      f"{size:,} bytes can hold; the file is damaged or not a GGUF."
+    )
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> str:
   """Writes a Hugging Face Llama folder (float32 weights, tokenizer, configs) from a GGUF file.
 
@@ -264,15 +291,21 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> st
   import gguf
 
   path, out_dir = os.fspath(gguf_path), os.fspath(out_dir)
+  _check_counts(path)
   try:
     reader = gguf.GGUFReader(path)
-  except (OSError, ValueError) as e:
-    raise ValueError(f"{path} cannot be read as a GGUF file ({type(e).__name__}: {e}).") from None
+  except (OSError, ValueError, KeyError, IndexError, TypeError, OverflowError, MemoryError) as e:
+    reason = str(e).splitlines()[0][:200] if str(e) else "no detail"
+    raise ValueError(
+      f"{path} cannot be read as a GGUF file ({type(e).__name__}: {reason})."
+    ) from None
   meta = _metadata(reader)
   arch = meta.get("general.architecture")
   if arch != "llama":
     raise ValueError(f"{path} has general.architecture={arch!r}; accepted: 'llama'.")
   tensors = {t.name: t for t in reader.tensors}
+  if "tokenizer.ggml.tokens" not in reader.fields:
+    raise ValueError(f"{path} lacks the metadata field tokenizer.ggml.tokens (the vocabulary).")
   tokens = reader.fields["tokenizer.ggml.tokens"].contents()
   config = _hf_config(meta, path, set(tensors), len(tokens))
   heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]

@@ -24,7 +24,14 @@ from flax import nnx
 
 from knitjax import sharding as sharding_lib
 from knitjax.models import lora
-from knitjax.models.hf_config import CONFIG_FILE, _read_json, config_from_hf, config_to_hf
+from knitjax.models.hf_config import (
+  CONFIG_FILE,
+  _read_json,
+  check_model_fits,
+  config_from_hf,
+  config_to_hf,
+  host_memory_bytes,
+)
 from knitjax.models.safetensors_io import (
   DTYPE_NAMES,
   Entry,
@@ -385,6 +392,18 @@ def write_folder(
       json.dump(index, f, indent=2)
 
 
+def _check_fits_devices(config: TransformerConfig, where: str, mesh) -> None:
+  """Before tracing: the float32 params must fit the devices they go to, together (GPUs and TPUs
+  report their memory), or this host's memory (CPU devices share it)."""
+  devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+  if all(limits):
+    what = f"memory of the {len(devices)} {devices[0].platform} device(s)"
+    check_model_fits(config, where, sum(limits), what)
+  else:
+    check_model_fits(config, where, host_memory_bytes(), "memory of this host")
+
+
 def init_from_hf(
   path: str | os.PathLike,
   mesh: jax.sharding.Mesh | None = None,
@@ -405,6 +424,7 @@ def init_from_hf(
     config = config_from_hf(path, dtype=dtype)
   else:
     _check_config(path, config)
+  _check_fits_devices(config, os.path.join(path, CONFIG_FILE), mesh)
   make = lambda: Transformer(config, rngs=nnx.Rngs(seed))  # noqa: E731
   graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
   if config.lora is None:

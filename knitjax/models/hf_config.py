@@ -33,6 +33,40 @@ _REQUIRED = (
   "num_attention_heads",
 )
 _MAX = sys.float_info.max
+# Layers of the deepest released decoders: ~126 (Llama-3.1-405B). Tracing the model takes time
+# in proportion: 100,000 layers took minutes before any other check could speak.
+MAX_LAYERS = 1024
+PARAM_BYTES = 4  # params are float32, whatever the compute dtype
+
+
+def param_count(config: TransformerConfig) -> int:
+  """The decoder's parameter count (embedding, layers, head; adapters and value head aside)."""
+  d, q, kv = (
+    config.d_model,
+    config.num_heads * config.head_dim,
+    config.num_kv_heads * config.head_dim,
+  )
+  attention = (
+    d * (q + 2 * kv) + q * d + (q + 2 * kv) * config.qkv_bias + 2 * config.head_dim * config.qk_norm
+  )
+  layer = attention + 3 * d * config.ffn_dim + 2 * d
+  head = 0 if config.tie_embeddings else config.vocab_size * d
+  return config.vocab_size * d + config.num_layers * layer + d + head
+
+
+def host_memory_bytes() -> int:
+  """This machine's physical memory."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_model_fits(config: TransformerConfig, where: str, memory: int, what: str) -> None:
+  """Raises one sentence when the model's float32 params alone exceed ``memory`` bytes."""
+  need = param_count(config) * PARAM_BYTES
+  if need > memory:
+    raise ValueError(
+      f"{where} describes a model of {param_count(config):,} parameters ({need / 2**30:,.1f} GiB "
+      f"in float32), more than the {memory / 2**30:,.1f} GiB of {what}."
+    )
 
 
 def _read_json(path: str) -> dict:
@@ -212,6 +246,11 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
   if _flag(hf, "mlp_bias"):
     raise ValueError("config.json mlp_bias=true is not supported; accepted: false.")
 
+  if hf["num_hidden_layers"] > MAX_LAYERS:
+    raise ValueError(
+      f"config.json num_hidden_layers={hf['num_hidden_layers']} is not accepted; it must be at "
+      f"most {MAX_LAYERS} (the deepest released decoders have ~126)."
+    )
   heads = hf["num_attention_heads"]
   kv_heads = hf.get("num_key_value_heads")  # only a missing or null value means "as many as heads"
   kv_heads = heads if kv_heads is None else _positive_int(kv_heads, "num_key_value_heads")
@@ -235,7 +274,7 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
     rope_theta = _positive_real(
       specs["rope_parameters"]["rope_theta"], "rope_parameters.rope_theta"
     )
-  return TransformerConfig(
+  config = TransformerConfig(
     vocab_size=hf["vocab_size"],
     num_layers=hf["num_hidden_layers"],
     d_model=hf["hidden_size"],
@@ -251,6 +290,7 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
     qkv_bias=family == "qwen2",
     dtype=dtype,
   )
+  return config
 
 
 def _family(config: TransformerConfig) -> str:

@@ -91,6 +91,11 @@ def _id_list(value: Any, where: str) -> list[int]:
   return list(values)
 
 
+def _is_id(tokenizer: Tokenizer, i: int) -> bool:
+  # id_to_token raises OverflowError beyond 32 bits; no vocabulary is that large.
+  return i < 2**31 and tokenizer.id_to_token(i) is not None
+
+
 class HFTokenizer:
   """A Hugging Face fast tokenizer with the `CharTokenizer` interface.
 
@@ -198,7 +203,7 @@ class HFTokenizer:
       eos_ids.append(tokenizer.token_to_id(special["eos_token"]))
     for cfg, where in ((gen_config, gen_path), (model_config, model_path)):
       for i in _id_list(cfg.get("eos_token_id"), f"eos_token_id in {where}"):
-        if tokenizer.id_to_token(i) is None:
+        if not _is_id(tokenizer, i):
           raise ValueError(f"eos_token_id {i} in {where} is not an id of {tok_path}.")
         eos_ids.append(i)
     if not eos_ids:
@@ -210,6 +215,8 @@ class HFTokenizer:
       pad_id = tokenizer.token_to_id(special["pad_token"])
     else:
       pads = _id_list(model_config.get("pad_token_id"), f"pad_token_id in {model_path}")
+      if pads and not _is_id(tokenizer, pads[0]):
+        raise ValueError(f"pad_token_id {pads[0]} in {model_path} is not an id of {tok_path}.")
       pad_id = pads[0] if pads else eos_ids[0]
 
     # transformers also hands the template model-specific tokens such as "image_token".
@@ -298,7 +305,7 @@ class HFTokenizer:
         override the special tokens of the same name.
 
     Raises:
-      ValueError: when the tokenizer has no chat template, or the template fails.
+      ValueError: when the tokenizer has no chat template, or the template fails or renders "".
     """
     if self._template is None:
       raise ValueError(
@@ -310,6 +317,11 @@ class HFTokenizer:
       add_generation_prompt=add_generation_prompt,
       **{**self._template_vars, **kwargs},
     )
+    if not text:
+      raise ValueError(
+        f"{self._template.origin} rendered the messages as an empty prompt; a chat template must "
+        "write at least the turn it is given."
+      )
     return self.encode(text, bos=False) if tokenize else text
 
   def check_fits(self, model_vocab_size: int) -> None:

@@ -33,6 +33,7 @@ class Entry:
   shape: tuple[int, ...]
   start: int  # absolute byte offset in `file`
   nbytes: int
+  name: str = ""  # the tensor's name in the header, for messages
 
 
 _MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
@@ -76,8 +77,24 @@ def _entry(file: str, name: str, spec, data_start: int, data_size: int) -> Entry
       "(truncated?)."
     )
   return Entry(
-    file=file, dtype=DTYPES[dtype], shape=tuple(shape), start=data_start + begin, nbytes=nbytes
+    file=file,
+    dtype=DTYPES[dtype],
+    shape=tuple(shape),
+    start=data_start + begin,
+    nbytes=nbytes,
+    name=name,
   )
+
+
+def _check_overlaps(file: str, entries: dict[str, Entry]) -> None:
+  """Refuses two tensors whose bytes overlap (empty tensors take no bytes)."""
+  spans = sorted((e.start, e.start + e.nbytes, name) for name, e in entries.items() if e.nbytes)
+  for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+    if start < end:
+      raise ValueError(
+        f"tensors {first!r} and {second!r} in {file} have overlapping data_offsets; accepted: "
+        "each tensor's bytes its own."
+      )
 
 
 def read_header(file: str) -> dict[str, Entry]:
@@ -85,8 +102,9 @@ def read_header(file: str) -> dict[str, Entry]:
 
   Raises:
     ValueError: one sentence naming the file (and the tensor) for a missing or unreadable file, a
-      bad header length, a header that is not a JSON object, or an entry whose dtype, shape or
-      data offsets are malformed, disagree, or point past the end of the file.
+      bad header length, a header that is not a JSON object, an entry whose dtype, shape or
+      data offsets are malformed, disagree, or point past the end of the file, or two tensors
+      whose data offsets overlap.
   """
   try:
     size = os.path.getsize(file)
@@ -117,17 +135,31 @@ def read_header(file: str) -> dict[str, Entry]:
       f"{file} is not a safetensors file: its header is {json.dumps(header):.60}, not an object."
     )
   data_start = 8 + n
-  return {
+  entries = {
     name: _entry(file, name, spec, data_start, size - data_start)
     for name, spec in header.items()
     if name != "__metadata__"
   }
+  _check_overlaps(file, entries)
+  return entries
 
 
 def read_tensor(entry: Entry) -> np.ndarray:
-  """Reads exactly one tensor's bytes from disk."""
+  """Reads exactly one tensor's bytes from disk; NaN or inf in it is a damaged checkpoint.
+
+  Raises:
+    ValueError: one sentence naming the file and the tensor, when a value is not finite (else a
+      NaN weight would surface later as a bad log-prob payload, far from its cause).
+  """
   raw = np.fromfile(entry.file, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
-  return raw.view(entry.dtype).reshape(entry.shape)
+  array = raw.view(entry.dtype).reshape(entry.shape)
+  if not np.isfinite(array).all():
+    bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+    raise ValueError(
+      f"tensor {entry.name!r} in {entry.file} holds {bad:,} non-finite values (NaN or inf); the "
+      "checkpoint is damaged."
+    )
+  return array
 
 
 def write_streamed(file: str, items: list[tuple[str, tuple[int, ...], np.dtype, object]]) -> None:

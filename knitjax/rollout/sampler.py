@@ -12,7 +12,25 @@ distribution; ties at the threshold are kept.
 
 Log-probs: `Samples.logprobs` holds log_softmax(logits / temperature) at each sampled token, the
 distribution before top-k / top-p truncation (no renormalisation), which is what the trainer
-recomputes from its own forward pass. With `temperature == 0` (greedy) it is log_softmax(logits).
+recomputes from its own forward pass (the behaviour policy of its importance ratios is the
+tempered one). It is computed in float32 as log_softmax((logits - max logits) / temperature) and
+clamped at 0: subtracting the max first keeps every tempered logit finite or -inf however small
+the temperature (the max is exactly 0, so the argmax token's log-prob is finite; a token at -inf
+has probability 0 and is never drawn), and the clamp removes what rounding is left (XLA's exp/log
+are approximations). Dividing first, as this module once did, put the argmax token's log-prob
+above 0 inside the fused decode step (+1e-4 at temperature 0.1, +2 at 1e-6) and overflowed near
+0. So every temperature gives log-probs that are finite and <= 0, as storage requires. (The
+trainer's recomputation, knitjax.train.logprobs, stays within 3e-5 of the exact value at the
+argmax token down to 1e-6: measured with random float32 logits.)
+
+`temperature == 0` is greedy: the argmax token, reported with its log-prob under the untempered
+policy, log_softmax(logits) (clamped at 0 too). Under the greedy policy itself that token has
+probability 1 (log-prob 0), which says nothing; the untempered log-prob is the model's confidence
+and lets tests compare the cached path with a full forward. Greedy log-probs never enter a loss:
+runs that train refuse temperature 0 (`config.rollout.temperature`; the trainer recomputes
+log_softmax(logits / temperature)), evaluation and `knitjax.chat` use it. Any temperature > 0,
+however small, samples the tempered distribution and reports its log-prob (at 1e-6 that is the
+argmax unless two logits are within ~1e-5), so no threshold turns a positive temperature greedy.
 """
 
 import dataclasses
@@ -28,10 +46,15 @@ from jax.sharding import PartitionSpec
 
 from knitjax import sharding
 
+# The smallest temperature > 0 that float32 holds as a normal number: below it 1 / T is not
+# representable and the tempered logits would be NaN.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-  """How tokens are drawn. `temperature == 0` is greedy; `top_k == 0` and `top_p == 1` are off."""
+  """How tokens are drawn. `temperature == 0` is greedy (see the module docstring for its
+  log-probs); `top_k == 0` and `top_p == 1` are off."""
 
   max_new_tokens: int
   temperature: float = 1.0
@@ -43,8 +66,11 @@ class SamplingConfig:
       raise ValueError(
         f"SamplingConfig.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}."
       )
-    if not self.temperature >= 0:
-      raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature!r}.")
+    if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+      raise ValueError(
+        f"SamplingConfig.temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE:.3g}"
+        f" (float32's smallest normal number), got {self.temperature!r}."
+      )
     if not isinstance(self.top_k, int) or self.top_k < 0:
       raise ValueError(f"SamplingConfig.top_k must be an integer >= 0, got {self.top_k!r}.")
     if not 0 < self.top_p <= 1:
@@ -57,31 +83,38 @@ class Samples:
 
   tokens: np.ndarray  # [B, N] int32, pad_id after the end
   lengths: np.ndarray  # [B] int32, generated tokens including the EOS token if produced
-  logprobs: np.ndarray  # [B, N] float32, log_softmax(logits / T) at each token, 0 beyond length
+  logprobs: np.ndarray  # [B, N] float32, log_softmax(logits / T) at each token (<= 0), 0 beyond
+
+
+def _truncated(scaled_bv: jax.Array, config: SamplingConfig) -> jax.Array:
+  """The tempered logits with the tokens top-k / top-p drop set to -inf."""
+  if not config.top_k and config.top_p == 1:
+    return scaled_bv
+  vocab = scaled_bv.shape[-1]
+  k = min(config.top_k, vocab) if config.top_k else vocab
+  top_bk = jax.lax.top_k(scaled_bv, k)[0]  # sorted, descending
+  if config.top_p < 1:
+    # Smallest prefix whose mass reaches top_p; the first token is always kept.
+    probs_bk = jax.nn.softmax(top_bk, axis=-1)
+    mass_before = jnp.cumsum(probs_bk, axis=-1) - probs_bk
+    top_bk = jnp.where(mass_before < config.top_p, top_bk, jnp.inf)
+  threshold_b1 = jnp.min(top_bk, axis=-1, keepdims=True)
+  return jnp.where(scaled_bv >= threshold_b1, scaled_bv, -jnp.inf)
 
 
 def _sample(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
-  """Draws one token per row; returns (tokens [B], untruncated log-probs [B])."""
+  """Draws one token per row; returns (tokens [B], untruncated log-probs [B], each <= 0)."""
+  logits_bv = logits_bv.astype(jnp.float32)
+  # Shifted before dividing: the max is exactly 0 and the rest finite or -inf at any temperature.
+  shifted = logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)
   if config.temperature == 0:
-    tokens = jnp.argmax(logits_bv, axis=-1)
-    scaled = logits_bv
+    tokens, scaled = jnp.argmax(logits_bv, axis=-1), shifted  # untempered log-probs
   else:
-    scaled = logits_bv / config.temperature
-    masked = scaled
-    if config.top_k or config.top_p < 1:
-      vocab = scaled.shape[-1]
-      k = min(config.top_k, vocab) if config.top_k else vocab
-      top_bk = jax.lax.top_k(scaled, k)[0]  # sorted, descending
-      if config.top_p < 1:
-        # Smallest prefix whose mass reaches top_p; the first token is always kept.
-        probs_bk = jax.nn.softmax(top_bk, axis=-1)
-        mass_before = jnp.cumsum(probs_bk, axis=-1) - probs_bk
-        top_bk = jnp.where(mass_before < config.top_p, top_bk, jnp.inf)
-      threshold_b1 = jnp.min(top_bk, axis=-1, keepdims=True)
-      masked = jnp.where(scaled >= threshold_b1, scaled, -jnp.inf)
-    tokens = jax.random.categorical(key, masked, axis=-1)
+    scaled = shifted / jnp.float32(config.temperature)
+    tokens = jax.random.categorical(key, _truncated(scaled, config), axis=-1)
   logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)
-  return tokens.astype(jnp.int32), logprobs[:, 0]
+  # XLA's exp/log round: the argmax token's log-prob can come out a few ulps above 0.
+  return tokens.astype(jnp.int32), jnp.minimum(logprobs[:, 0], 0.0)
 
 
 def is_eos(token: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:

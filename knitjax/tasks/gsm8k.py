@@ -27,7 +27,8 @@ prompt to the longest one (``config.task.prompt_len=0``), so one huge question w
 prompt buffer and KV cache. `load_examples` therefore rejects, with a ``ValueError`` naming the
 file, line and lengths, any example whose prompt (BOS and template included) is longer than
 ``max_prompt_tokens`` (default `MAX_PROMPT_TOKENS`); it never cuts a question, since a cut
-question may no longer have its answer.
+question may no longer have its answer. A question of more than ``max_prompt_tokens *
+MAX_CHARS_PER_TOKEN`` characters is refused before it is rendered or tokenized.
 
 Numbers: answers are read as `knitjax.tasks.math_verifier` reads them (its module docstring says
 what counts as a number), and its rewards score completions.
@@ -58,6 +59,11 @@ INSTRUCTION = "Solve the problem step by step and give the final answer after '#
 GENERATED = "generated:"
 # Default bound on a prompt's tokens (BOS and template included) for file-backed examples.
 MAX_PROMPT_TOKENS = 4096
+# More characters than any one token of a real vocabulary covers (the longest tokens of GPT-4's
+# and Llama 3's byte-level BPE are 128 characters of a repeated symbol): a question over
+# max_prompt_tokens * MAX_CHARS_PER_TOKEN characters cannot fit, and is refused before it is
+# rendered or tokenized (a BPE tokenizer took 93 s on a 50 MB line before the count refused it).
+MAX_CHARS_PER_TOKEN = 256
 
 
 def make_tokenizer() -> CharTokenizer:
@@ -172,6 +178,17 @@ def _render(question: str, tokenizer, *, chat, template, system_prompt, instruct
   return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+def _check_text(where: str, field: str, text: str) -> None:
+  """Refuses text that is not valid Unicode (JSON's "\\ud800" escape: a lone surrogate)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(
+      f"{where}: field {field!r} holds a lone surrogate (U+{ord(text[e.start]):04X} at character "
+      f"{e.start}); accepted: valid Unicode text."
+    ) from None
+
+
 def _check_length(where: str, num_tokens: int, max_prompt_tokens: int) -> None:
   if num_tokens > max_prompt_tokens:
     raise ValueError(
@@ -211,9 +228,11 @@ def load_examples(
 
   Raises:
     ValueError: naming the file (and line or row) when the file is missing, unreadable or empty,
-      a line is not UTF-8 or not a JSON object, a field is missing or not a string, the answer
-      has no ``#### <number>``, the prompt is longer than ``max_prompt_tokens``, or the text has
-      a character outside the tokenizer's alphabet; also for ``chat=True`` without a chat
+      a line is not UTF-8 or not a JSON object, a field is missing or not a string or holds a
+      lone surrogate, the question is empty, the answer has no ``#### <number>``, the question
+      has more than ``max_prompt_tokens * MAX_CHARS_PER_TOKEN`` characters or the prompt more
+      than ``max_prompt_tokens`` tokens, or the text has a character outside the tokenizer's
+      alphabet; also for ``chat=True`` without a chat
       template, or a ``system_prompt`` without chat prompts.
   """
   if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int):
@@ -229,6 +248,15 @@ def load_examples(
     for field in ("question", "answer"):
       if not isinstance(record.get(field), str):
         raise ValueError(f"{where}: field {field!r} is missing or not a string.")
+      _check_text(where, field, record[field])
+    if not record["question"].strip():
+      raise ValueError(f"{where}: field 'question' is empty; accepted: a question to answer.")
+    if len(record["question"]) > max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+      raise ValueError(
+        f"{where}: the question is {len(record['question']):,} characters long, more than a "
+        f"prompt of {max_prompt_tokens} tokens (max_prompt_tokens) can hold at "
+        f"{MAX_CHARS_PER_TOKEN} characters a token; shorten the question or raise the limit."
+      )
     _, sep, final = record["answer"].rpartition("####")
     written = last_number_text(final) if sep else None
     if written is None:

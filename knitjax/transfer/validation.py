@@ -140,9 +140,9 @@ def _check_finite_on_mask(gid, name: str, x: np.ndarray, mask: np.ndarray) -> No
 
 
 def _check_logprobs_on_mask(gid, name: str, x: np.ndarray, mask: np.ndarray) -> None:
-  # No tolerance: log_softmax shifts by the max logit, so the largest entry is 0 - log(s) with
-  # s >= 1 exactly in floating point, and every log-prob a sampler computes that way is <= 0. A
-  # positive value is a probability, a logit or a sign error, which would skew the IS ratios.
+  # No tolerance: knitjax's sampler clamps its log-probs at 0 (XLA's exp/log can round the
+  # argmax token's a few ulps above it), so every log-prob it reports is <= 0. A positive value is
+  # a probability, a logit or a sign error, which would skew the IS ratios.
   _refuse_on_mask(gid, name, x, (x > 0) & mask, "value_range", "log-probs <= 0")
 
 

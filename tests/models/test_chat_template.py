@@ -512,3 +512,81 @@ def test_chat_template_attribute(tokenizers_):
   assert tokenizers_["qwen"][0].chat_template == QWEN25_TEMPLATE
   assert tokenizers_["llama"][0].chat_template == LLAMA31_TEMPLATE  # the file, not the config's
   assert "SmolLM" in tokenizers_["smollm2"][0].chat_template
+
+
+# Templates come with a model folder: untrusted. Each of these ends in one sentence naming the
+# template, quickly (a bound of steps, size or time), instead of a traceback or a hang.
+HOSTILE_TEMPLATES = {
+  "zero_division": (
+    "{{ 1/0 }}",
+    r"failed on the messages with ZeroDivisionError: division by zero\.$",
+  ),
+  "recursive_macro": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", r"recursed too deeply"),
+  "huge_repeat": (
+    "{{ 'x' * 10**12 }}",
+    r"stopped: it built a str of more than 16,777,216 items\.$",
+  ),
+  "huge_repeat_left": ("{{ 10**12 * ['x'] }}", r"stopped: it built a list of more than"),
+  "huge_range": (
+    "{% for i in range(10**9) %}{% endfor %}",
+    r"failed on the messages with OverflowError: Range too big",
+  ),
+  "nested_loops": (
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+    r"stopped: it took more than 10,000,000 steps",
+  ),
+  "nested_loops_output": (
+    "{% for a in range(100000) %}{% for b in range(100000) %}{{ 'xy' }}{% endfor %}{% endfor %}",
+    r"stopped: it took more than 10,000,000 steps",
+  ),
+  "doubling": (
+    "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    r"stopped: it built a str of more than",
+  ),
+  "doubling_plus": (
+    "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    r"stopped: it built a str of more than",
+  ),
+  "huge_power": ("{{ 10 ** (10 ** 10) }}", r"stopped: it raised to a power above 10,000\.$"),
+  "huge_width": ("{{ '%0999999999d' % 1 }}", r"stopped: it formats with a field width"),
+  "huge_format": ("{{ '{:>999999999}'.format(1) }}", r"stopped: it formats with a field width"),
+  "huge_center": ("{{ 'x'|center(10**9) }}", r"stopped: it centers in a width of more than"),
+  "huge_replace": (
+    "{{ ('x' * 1000)|replace('x', 'y' * 100000) }}",
+    r"stopped: it built a str of more than 16,777,216 items\.$",
+  ),
+  "huge_indent": ("{{ 'a\nb'|indent(10**9) }}", r"stopped: it built a str of more than"),
+  "huge_format_filter": ("{{ '%0999999999d'|format(1) }}", r"stopped: it formats with a field"),
+  "huge_tojson_indent": ("{{ [1]|tojson(indent=10**9) }}", r"stopped: it indents JSON by more"),
+  "huge_join": ("{{ (['x' * 1000000] * 17)|join('') }}", r"stopped: it built a str of more than"),
+  "big_output": (
+    "{% for a in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+    r"stopped: its output passed 16,777,216 characters\.$",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_hostile_templates_end_in_one_sentence(name):
+  import time
+
+  source, match = HOSTILE_TEMPLATES[name]
+  start = time.monotonic()
+  with pytest.raises(ValueError, match=r"^the chat template (failed|was stopped|refused)") as e:
+    ChatTemplate(source).render([dict(role="user", content="hi")], add_generation_prompt=True)
+  assert e.type.__name__ == "ChatTemplateError"
+  assert "\n" not in str(e.value)
+  assert __import__("re").search(match, str(e.value)), str(e.value)
+  assert time.monotonic() - start < 10
+
+
+def test_a_template_rendering_nothing_names_its_file(folders, tmp_path):
+  bad = tmp_path / "empty"
+  bad.mkdir()
+  for name in os.listdir(folders["llama"]):
+    (bad / name).write_bytes((folders["llama"] / name).read_bytes())
+  (bad / "chat_template.jinja").write_text("{% if false %}x{% endif %}")
+  tok = HFTokenizer.from_folder(bad)
+  with pytest.raises(ValueError, match=r"chat template .*empty/chat_template.jinja rendered the "
+                     r"messages as an empty prompt"):  # fmt: skip
+    tok.apply_chat_template([dict(role="user", content="hi")])

@@ -270,3 +270,29 @@ def test_unpermute_inverts_llama_cpp_permute():
   w = np.arange(3 * 8 * 5, dtype=np.float32).reshape(24, 5)
   np.testing.assert_array_equal(gguf._unpermute_rows(permute(w, 3), 3), w)
   assert not np.array_equal(permute(w, 3), w)
+
+
+@pytest.mark.parametrize(
+  "tensors, fields",
+  [(10**12, 10**12), (0, 10**12), (10**12, 0), (2**64 - 1, 1), (3, 2)],
+)
+def test_counts_beyond_the_file_size_are_one_sentence(tmp_path, tensors, fields):
+  import struct
+
+  bad = tmp_path / "x.gguf"
+  bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, tensors, fields) + b"\0" * 64)
+  with pytest.raises(
+    ValueError,
+    match=rf"x\.gguf declares {tensors:,} tensors and {fields:,} metadata fields, more than its "
+    r"88 bytes can hold",
+  ):
+    gguf.convert_gguf(bad, tmp_path / "out")
+
+
+def test_a_header_without_fields_is_one_sentence(tmp_path):
+  import struct
+
+  bad = tmp_path / "x.gguf"
+  bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + b"\0" * 64)
+  with pytest.raises(ValueError, match=r"x\.gguf has general\.architecture=None"):
+    gguf.convert_gguf(bad, tmp_path / "out")

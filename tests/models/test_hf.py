@@ -563,3 +563,37 @@ def test_config_fields_and_hugging_face_defaults():
   )
   with pytest.raises(ValueError, match="lacks the required field 'vocab_size'"):
     hf.config_from_hf({"model_type": "qwen2"})
+
+
+def test_overlapping_data_offsets_name_both_tensors(tmp_path):
+  header = {
+    "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+    "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+    "empty": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},  # no bytes: no overlap
+  }
+  blob = json.dumps(header).encode()
+  file = tmp_path / "model.safetensors"
+  file.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(16))
+  with pytest.raises(
+    ValueError,
+    match=r"^tensors 'a' and 'b' in .*model.safetensors have overlapping data_offsets; accepted",
+  ):
+    safetensors_io.read_header(str(file))
+  header["b"]["data_offsets"] = [16, 24]
+  blob = json.dumps(header).encode()
+  file.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(24))
+  assert sorted(safetensors_io.read_header(str(file))) == ["a", "b", "empty"]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_a_damaged_checkpoint(tmp_path, bad):
+  c = HF_CONFIGS["llama"]
+  tensors = _random_hf_tensors(c)
+  tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = bad
+  path = _write(tmp_path, c, tensors)
+  with pytest.raises(
+    ValueError,
+    match=r"^tensor 'model.layers.1.mlp.up_proj.weight' in .*model.safetensors holds 1 "
+    r"non-finite values \(NaN or inf\); the checkpoint is damaged\.$",
+  ):
+    hf.init_from_hf(path)

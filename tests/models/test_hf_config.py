@@ -4,6 +4,7 @@ named sentence for every refusal."""
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -199,3 +200,44 @@ def test_bad_rope_scaling_is_one_named_sentence(tmp_path, change, message):
   with pytest.raises(ValueError, match=f"^config.json .*{message}") as err:
     hf.config_from_hf(tmp_path)
   assert "\n" not in str(err.value)
+
+
+def test_absurd_depth_is_refused_before_tracing(tmp_path):
+  import time
+
+  (tmp_path / "config.json").write_text(json.dumps(dict(BASE, num_hidden_layers=100000)))
+  start = time.monotonic()
+  with pytest.raises(
+    ValueError,
+    match=r"^config.json num_hidden_layers=100000 is not accepted; it must be at most 1024",
+  ):
+    hf.init_from_hf(tmp_path)
+  assert time.monotonic() - start < 2
+
+
+def test_a_model_larger_than_memory_is_one_sentence_with_both_sizes(tmp_path):
+  from knitjax.models.hf_config import host_memory_bytes
+
+  big = dict(BASE, hidden_size=65536, intermediate_size=1 << 20, num_hidden_layers=1024)
+  big.update(num_attention_heads=512, num_key_value_heads=512, vocab_size=1 << 20)
+  (tmp_path / "config.json").write_text(json.dumps(big))
+  have = f"{host_memory_bytes() / 2**30:,.1f} GiB"
+  with pytest.raises(
+    ValueError,
+    match=rf"^{tmp_path}/config.json describes a model of [\d,]+ parameters \([\d,.]+ GiB in "
+    rf"float32\), more than the {have} of memory of this host\.$",
+  ):
+    hf.init_from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_count_is_the_models(family, tied):
+  from flax import nnx
+
+  from knitjax.models.hf_config import param_count
+  from knitjax.models.transformer import Transformer
+
+  config = hf.config_from_hf(dict(BASE, model_type=family, tie_word_embeddings=tied, head_dim=8))
+  state = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
+  assert param_count(config) == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))

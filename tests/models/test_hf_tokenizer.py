@@ -407,3 +407,25 @@ def test_token_added_only_as_added_token_keeps_normal_encoding(tmp_path):
   ids = ours.encode("a<tool>b<|endoftext|>c")
   assert ids == ref("a<tool>b<|endoftext|>c")["input_ids"]
   assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True) == "a<tool>bc"
+
+
+@pytest.mark.parametrize(
+  "file, field, value",
+  [
+    ("generation_config.json", "eos_token_id", [10**12]),
+    ("generation_config.json", "eos_token_id", 2**40),
+    ("config.json", "eos_token_id", 10**12),
+    ("config.json", "pad_token_id", 10**12),
+  ],
+)
+def test_ids_outside_the_vocabulary_name_the_file(chatml_folder, tmp_path, file, field, value):
+  def setup(d):
+    _copy(chatml_folder, d.mkdir() or d)
+    if field == "pad_token_id":  # config.json's pad id is read when the tokenizer names none
+      _edit_config(d, pad_token=None)
+    _write(d, file, {field: value})
+
+  msg = _error(tmp_path / "x", setup)
+  bad = value[0] if isinstance(value, list) else value
+  assert msg.startswith(f"{field} {bad} in ") and f"{file} is not an id of " in msg, msg
+  assert "\n" not in msg

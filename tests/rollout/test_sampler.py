@@ -221,3 +221,109 @@ def test_sampling_config_rejects_bad_values(field, value):
   kwargs = {"max_new_tokens": 4, field: value}
   with pytest.raises(ValueError, match=field):
     SamplingConfig(**kwargs)
+
+
+# Every temperature a run may be given, greedy (0) included: the log-probs the sampler and the
+# continuous engine report are finite and <= 0 (the storage's payload check refuses anything else).
+TEMPERATURES = [0.0, 1e-6, 0.01, 0.1, 0.5, 1.0, 2.0]
+
+
+def _assert_storable(tokens, lengths, logprobs, prompt_len, vocab):
+  from knitjax.transfer.validation import validate_payload
+
+  mask = np.arange(tokens.shape[1])[None] < lengths[:, None]
+  assert np.isfinite(logprobs).all() and (logprobs[mask] <= 0).all(), logprobs
+  validate_payload(
+    "g",
+    dict(
+      prompt_tokens=np.ones((len(tokens), prompt_len), np.int32),
+      response_tokens=tokens,
+      response_lengths=lengths,
+      logprobs=logprobs,
+      rewards=np.zeros(len(tokens), np.float32),
+    ),
+    0,
+    vocab_size=vocab,
+    max_seq_len=prompt_len + tokens.shape[1],
+  )
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_every_temperature_gives_storable_logprobs(model, mesh, temperature):
+  # Logits scaled up so that low temperatures push the tempered logits far apart, where float32
+  # rounding put +1e-8 on the argmax token's log-prob and 1/T overflowed.
+  graphdef, state = model
+  loud = jax.tree.map(lambda x: x * 4.0, state)
+  samples, _, _ = _sample((graphdef, loud), mesh, temperature=temperature)
+  _assert_storable(samples.tokens, samples.lengths, samples.logprobs, PROMPT_LEN, 256)
+
+
+def test_tiny_temperatures_sample_the_argmax(model, mesh):
+  greedy, _, _ = _sample(model, mesh, temperature=0.0)
+  tiny, _, _ = _sample(model, mesh, temperature=1e-6)
+  np.testing.assert_array_equal(tiny.tokens, greedy.tokens)
+
+
+def test_a_dominant_logit_is_drawn_with_log_prob_near_0_at_every_temperature():
+  from knitjax.rollout.sampler import _sample as draw
+
+  # The draw alone, outside a model (where XLA's fused exp/log put +1e-8 on such log-probs).
+  logits = jax.numpy.asarray([[30.0, -5.0, 1e-3, 2.0]] * 4, jax.numpy.float32)
+  for t in TEMPERATURES:
+    tokens, lp = draw(logits, jax.random.key(0), SamplingConfig(max_new_tokens=1, temperature=t))
+    assert (np.asarray(tokens) == 0).all()
+    assert np.isfinite(lp).all() and (np.asarray(lp) <= 0).all() and (np.asarray(lp) > -1e-5).all()
+
+
+@pytest.fixture(scope="module")
+def engine_model():
+  cfg = TransformerConfig(
+    vocab_size=16, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, ffn_dim=64
+  )
+  engine_mesh = sharding.make_mesh((-1, 1, 1), devices=jax.devices()[:4])
+  graphdef, params = sharding.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), engine_mesh)
+  return graphdef, jax.tree.map(lambda x: x * 4.0, params), engine_mesh
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_the_continuous_engine_gives_storable_logprobs_at_every_temperature(
+  engine_model, temperature
+):
+  from knitjax.rollout.continuous import ContinuousEngine
+  from knitjax.rollout.engine_requests import Request
+
+  graphdef, params, engine_mesh = engine_model
+  engine = ContinuousEngine(
+    graphdef,
+    mesh=engine_mesh,
+    sampling=SamplingConfig(max_new_tokens=6, temperature=temperature),
+    prompt_len=4,
+    eos_id=2,
+    pad_id=0,
+    slots=8,
+    refill_groups=1,
+    prefill_chunk=0,
+    decode_steps=6,
+    adoption="mid_generation",
+    param_slots=2,
+  )
+  engine.load(params, 0)
+  rng = np.random.default_rng(0)
+  pending = [
+    Request(tag=k, tokens=rng.integers(3, 16, 4).astype(np.int32), max_new_tokens=6)
+    for k in range(8)
+  ]
+  done, call = [], 0
+  while (pending or engine.live_samples) and call < 50:
+    start = pending[: engine.capacity(1)]
+    del pending[: len(start)]
+    done += engine.step(start, rng=jax.random.key(call), stop_free=4)
+    call += 1
+  assert len(done) == 8
+  tokens = np.zeros((8, 6), np.int32)
+  logprobs = np.zeros((8, 6), np.float32)
+  lengths = np.zeros(8, np.int32)
+  for i, f in enumerate(done):
+    n = len(f.tokens)
+    tokens[i, :n], logprobs[i, :n], lengths[i] = f.tokens, f.logprobs, n
+  _assert_storable(tokens, lengths, logprobs, 4, 16)

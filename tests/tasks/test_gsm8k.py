@@ -175,9 +175,65 @@ def test_huge_question_is_rejected_without_tokenizing_it(tmp_path):
   encoded = []
   encode = tok.encode
   tok.encode = lambda text, **kw: encoded.append(len(text)) or encode(text, **kw)
-  with pytest.raises(ValueError, match=r"data.jsonl:2: the prompt is 10000019 tokens long, over"):
+  with pytest.raises(
+    ValueError, match=r"data.jsonl:2: the question is 10,000,000 characters long, more than a "
+    r"prompt of 4096 tokens \(max_prompt_tokens\) can hold at 256 characters a token"
+  ):  # fmt: skip
     gsm8k.load_examples(path, tok)
   assert max(encoded) < 100  # the length is checked before the question is encoded
+  # Under the character bound, the token count decides (free for the character tokenizer).
+  path = _write(tmp_path, [json.dumps({"question": "7" * 5000, "answer": "#### 1"})])
+  with pytest.raises(ValueError, match=r"data.jsonl:1: the prompt is 5019 tokens long, over"):
+    gsm8k.load_examples(path, tok)
+
+
+class _CountingTokenizer:
+  """A chat tokenizer that records every text it is asked to render, count or encode."""
+
+  def __init__(self):
+    self.inner, self.seen = FakeChatTokenizer(), []
+    self.chat_template = self.inner.chat_template
+    self.pad_id, self.bos_id, self.eos_id, self.eos_ids = 0, 1, 2, (2, 3)
+
+  def apply_chat_template(self, messages, **kw):
+    self.seen.append(sum(len(m["content"]) for m in messages))
+    return self.inner.apply_chat_template(messages, **kw)
+
+  def num_tokens(self, text, *, bos=True):
+    self.seen.append(len(text))
+    return self.inner.num_tokens(text, bos=bos)
+
+  def encode(self, text, *, bos=True):
+    self.seen.append(len(text))
+    return self.inner.encode(text, bos=bos)
+
+
+def test_a_50_mb_question_is_refused_before_rendering_or_tokenizing(tmp_path):
+  huge = json.dumps({"question": "seven " * 9_000_000, "answer": "#### 7"})
+  path = _write(tmp_path, [json.dumps(RECORDS[0]), huge])
+  tok = _CountingTokenizer()
+  with pytest.raises(ValueError, match=r"data.jsonl:2: the question is 54,000,000 characters"):
+    gsm8k.load_examples(path, tok)
+  assert max(tok.seen) < 1000
+
+
+@pytest.mark.parametrize(
+  "line, match",
+  [
+    ('{"question": "Half of \\ud800?", "answer": "#### 1"}',
+     r"data.jsonl:2: field 'question' holds a lone surrogate \(U\+D800 at character 8\); "
+     r"accepted: valid Unicode text\.$"),
+    ('{"question": "q?", "answer": "#### 1 \\udfff"}',
+     r"data.jsonl:2: field 'answer' holds a lone surrogate \(U\+DFFF at character 7\)"),
+    ('{"question": "", "answer": "#### 1"}', r"data.jsonl:2: field 'question' is empty"),
+    ('{"question": " \\n\\t ", "answer": "#### 1"}', r"data.jsonl:2: field 'question' is empty"),
+  ],
+)  # fmt: skip
+def test_bad_questions_name_file_and_line(tmp_path, line, match):
+  path = _write(tmp_path, [json.dumps(RECORDS[0]), line])
+  for tok in (gsm8k.make_tokenizer(), FakeChatTokenizer()):
+    with pytest.raises(ValueError, match=match):
+      gsm8k.load_examples(path, tok)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "64", True])
