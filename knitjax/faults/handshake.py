@@ -154,7 +154,9 @@ def _host(address: str, out: dict) -> None:
   from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
 
   def attach(unit_id, paths):
-    unit = InProcessStorageUnit(StorageLimits(vocab_size=8, max_seq_len=8, max_bytes=1 << 20), unit_id=unit_id)
+    unit = InProcessStorageUnit(
+      StorageLimits(vocab_size=8, max_seq_len=8, max_bytes=1 << 20), unit_id=unit_id
+    )
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     specs = [jax.sharding.PartitionSpec()]
     return remote_host.Attached(_IdleRollout(), unit, mesh, specs, lambda a: lambda i: None)
