@@ -21,6 +21,7 @@ from knitjax.config_checkpoint import (
 )
 from knitjax.config_fields import (
   MAX_CPU_DEVICES,
+  MAX_DEVICES,
   MAX_SAMPLES,
   MAX_STEPS,
   MAX_TOKENS,
@@ -48,6 +49,8 @@ SYNC_DTYPES = ("auto", "bfloat16", "float32")
 SYNC_PUBLISH = ("async", "blocking")
 STORAGE = ("in_process", "ray")
 TRANSFER = ("on_demand", "centralized")
+
+MAX_PARAM_SLOTS = 64  # versions the rollout holds at once: far above any lag bound in use
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,7 +112,9 @@ class RuntimeConfig:
       at_most=MAX_CPU_DEVICES,
     )
     positive("config.runtime.actor_restarts", self.actor_restarts, allow_zero=True)
-    positive("config.runtime.rollout_devices", self.rollout_devices, allow_zero=True)
+    positive(
+      "config.runtime.rollout_devices", self.rollout_devices, allow_zero=True, at_most=MAX_DEVICES
+    )
     positive(
       "config.runtime.rollout_hosts", self.rollout_hosts, allow_zero=True, at_most=MAX_CPU_DEVICES
     )
@@ -121,6 +126,8 @@ class RuntimeConfig:
         f"config.runtime.param_slots={self.param_slots!r} is not accepted; adoption="
         f"{self.adoption!r} needs at least {1 + (self.adoption == 'new_groups')}."
       )
+    # each slot holds a whole copy of the params on the rollout devices
+    positive("config.runtime.param_slots", self.param_slots, at_most=MAX_PARAM_SLOTS)
     positive("config.runtime.steps", self.steps, at_most=MAX_STEPS)
     positive("config.runtime.log_every", self.log_every, at_most=MAX_STEPS)
     positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
@@ -236,10 +243,10 @@ class EvalConfig:
     positive("config.eval.batch_prompts", self.batch_prompts, at_most=MAX_SAMPLES)
     if self.reward:
       one_of("config.eval.reward", self.reward, tuple(REWARDS))
-    if self.samples and self.k > self.samples:
+    if self.k > max(self.samples, 1):
       raise ValueError(
         f"config.eval.k={self.k} must be <= config.eval.samples={self.samples} (pass@k draws k "
-        "of the samples)."
+        "of the samples; without samples only k=1, greedy, is measured)."
       )
 
 
@@ -338,6 +345,11 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     )
   if init_from:
     _check_positions(init_from, sections)
+  if sections["rollout"].top_k > model.vocab_size:
+    raise ValueError(
+      f"config.rollout.top_k={sections['rollout'].top_k} is not accepted; it must be at most the "
+      f"model's vocab_size {model.vocab_size} (0: off)."
+    )
   sections["rollout"] = _resolve_engine(sections, vision)
   model = _with_value_head(model, sections["train"], vision)
   _check_class_budgets(sections)

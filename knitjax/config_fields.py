@@ -29,6 +29,8 @@ MAX_TOKENS = 1 << 20  # tokens per sequence (prompt, response, chunk): 1M, the l
 MAX_SAMPLES = 1 << 20  # samples or prompts at once (group size, slots, batches)
 MAX_STEPS = (1 << 31) - 1  # steps and versions are int32 in the jitted steps (fold_in of the step)
 MAX_CPU_DEVICES = 1024  # fake CPU devices: JAX starts each one, 100,000 take minutes
+MAX_DEVICES = 1 << 16  # devices of one mesh: above the largest TPU slices
+MAX_TEXT = 1 << 16  # characters of a config string (a path, an address, a system prompt)
 
 
 def positive(
@@ -114,6 +116,10 @@ def build_section(cls: type, values: Mapping[str, Any], path: str) -> Any:
       )
     if isinstance(value, float) and not math.isfinite(value):
       raise ValueError(f"{path}.{key}={value!r} is not accepted; it must be a finite number.")
+    if isinstance(value, str) and len(value) > MAX_TEXT:
+      raise ValueError(
+        f"{path}.{key} is {len(value):,} characters long; at most {MAX_TEXT:,} are accepted."
+      )
     if isinstance(value, list):
       value = tuple(value)
     kwargs[key] = value

@@ -180,6 +180,11 @@ class TrainConfig:
 
   def __post_init__(self):
     positive("config.train.lr", self.lr)
+    if self.lr > 1.0:  # Adam moves every parameter by about lr per step
+      raise ValueError(
+        f"config.train.lr={self.lr!r} is not accepted; it must be at most 1 (Adam moves each "
+        "parameter by about lr per step)."
+      )
     one_of("config.train.reference_dtype", self.reference_dtype, ("float32", "bfloat16"))
     positive("config.train.warmup_steps", self.warmup_steps, allow_zero=True, at_most=MAX_STEPS)
     positive("config.train.micro_batches", self.micro_batches, at_most=MAX_SAMPLES)
@@ -187,6 +192,12 @@ class TrainConfig:
     positive("config.train.tis_cap", self.tis_cap, allow_zero=True)
     positive("config.train.kl_coef", self.kl_coef, allow_zero=True)
     positive("config.train.weight_decay", self.weight_decay, allow_zero=True)
+    if self.lr * self.weight_decay >= 1.0:
+      raise ValueError(
+        f"config.train.weight_decay={self.weight_decay!r} is not accepted with config.train.lr="
+        f"{self.lr!r}; decoupled decay scales each parameter by 1 - lr * weight_decay per step, "
+        "which must stay above 0."
+      )
     positive("config.train.eps_low", self.eps_low, allow_zero=True)
     if not self.eps_low < 1.0:
       raise ValueError(

@@ -392,7 +392,7 @@ def write_folder(
       json.dump(index, f, indent=2)
 
 
-def _check_fits_devices(config: TransformerConfig, where: str, mesh) -> None:
+def check_fits_devices(config: TransformerConfig, where: str, mesh) -> None:
   """Before tracing: the float32 params must fit the devices they go to, together (GPUs and TPUs
   report their memory), or this host's memory (CPU devices share it)."""
   devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
@@ -424,7 +424,7 @@ def init_from_hf(
     config = config_from_hf(path, dtype=dtype)
   else:
     _check_config(path, config)
-  _check_fits_devices(config, os.path.join(path, CONFIG_FILE), mesh)
+  check_fits_devices(config, os.path.join(path, CONFIG_FILE), mesh)
   make = lambda: Transformer(config, rngs=nnx.Rngs(seed))  # noqa: E731
   graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
   if config.lora is None:

@@ -28,6 +28,18 @@ REMAT_POLICIES = {
   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
+# Upper bounds on the shape: each far above any released model (vocabularies ~256K, d_model 16K,
+# ~126 layers), far below what takes minutes or all memory before a check could speak.
+MAX_DIMS = {
+  "vocab_size": 1 << 24,
+  "num_layers": 1024,
+  "d_model": 1 << 17,
+  "num_heads": 1 << 12,
+  "num_kv_heads": 1 << 12,
+  "ffn_dim": 1 << 20,
+}
+MAX_HEAD_DIM = 1 << 12
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
@@ -70,10 +82,21 @@ class TransformerConfig:
   scan_layers: bool = False
 
   def __post_init__(self):
-    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_dim"):
+    for name, most in MAX_DIMS.items():
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"TransformerConfig.{name} must be a positive integer, got {value!r}.")
+      if value > most:
+        raise ValueError(f"TransformerConfig.{name}={value:,} is not accepted; at most {most:,}.")
+    if self.head_dim > MAX_HEAD_DIM:
+      raise ValueError(
+        f"TransformerConfig.head_dim={self.head_dim:,} is not accepted; at most {MAX_HEAD_DIM:,}."
+      )
+    if self.num_kv_heads > self.num_heads:
+      raise ValueError(
+        f"TransformerConfig.num_kv_heads ({self.num_kv_heads}) must be at most num_heads "
+        f"({self.num_heads})."
+      )
     if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
       raise ValueError(
         f"TransformerConfig.head_dim must be a positive even integer (RoPE), got {self.head_dim!r}."
@@ -111,6 +134,11 @@ class TransformerConfig:
       self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_base_dtype
     )
     object.__setattr__(self, "lora_targets", targets)  # a list from a ConfigDict; hashable now
+    if self.lora_rank > self.d_model:
+      raise ValueError(
+        f"TransformerConfig.lora_rank={self.lora_rank:,} is not accepted; at most d_model "
+        f"({self.d_model}), the rank of a full update."
+      )
     scaling = self.rope_scaling
     if isinstance(scaling, Mapping):
       known = {f.name for f in dataclasses.fields(layers.RopeScaling)}

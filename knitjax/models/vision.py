@@ -25,6 +25,11 @@ from flax import nnx
 
 from knitjax.models import dtypes, layers
 
+# Upper bounds on the encoder's shape, far above any released one (SigLIP-so400m: 27 layers, width
+# 1152, 384-pixel images): what is larger would take minutes or all memory before a check spoke.
+MAX_DIMS = {"image_size": 1 << 14, "channels": 16, "num_layers": 1024, "num_heads": 1 << 12}
+MAX_WIDTH = 1 << 17  # d_model, head_dim, mlp_dim, projector_dim, patch_size
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionConfig:
@@ -72,10 +77,13 @@ class VisionConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"VisionConfig.{name} must be a positive integer, got {value!r}.")
+      most = MAX_DIMS.get(name, MAX_WIDTH)
+      if value > most:
+        raise ValueError(f"VisionConfig.{name}={value:,} is not accepted; at most {most:,}.")
     if self.image_size < self.patch_size:
       raise ValueError(
-        f"VisionConfig.image_size ({self.image_size}) must be at least patch_size "
-        f"({self.patch_size})."
+        f"VisionConfig.patch_size ({self.patch_size}) must be at most image_size "
+        f"({self.image_size})."
       )
     for name in ("mlp_act", "projector_act"):
       if getattr(self, name) not in ACTIVATIONS:

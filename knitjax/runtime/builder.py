@@ -226,6 +226,9 @@ def _build_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
     if config.model.value_head:
       return _add_value_head(config, params, mesh)
     return graphdef, params
+  from knitjax.models import hf
+
+  hf.check_fits_devices(config.model, "config.model", mesh)  # before tracing (init_from: there)
   if config.vision is not None:
     image_id = count_images.image_token_id(count_images.make_tokenizer())
     return sharding.init_sharded(
