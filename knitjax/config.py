@@ -302,6 +302,12 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   for key in config:
     if key not in known:
       raise ValueError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}.")
+  for name in ("model", "vision"):  # merged with defaults below: a mapping or nothing
+    value = to_plain(config.get(name))
+    if value is not None and not isinstance(value, Mapping):
+      raise ValueError(
+        f"config.{name}={value!r:.80} is not accepted; it must be a mapping of fields."
+      )
   sections = {
     name: build_section(cls, config.get(name, {}), f"config.{name}")
     for name, cls in SECTIONS.items()

@@ -20,7 +20,7 @@ _MAX_PROMPT_TOKENS = 64  # small, so an over-long question stays cheap; good que
 _PRINTABLE = "".join(chr(c) for c in range(32, 127))
 _RECORD = st.fixed_dictionaries(
   {
-    "question": st.text(alphabet=_PRINTABLE, min_size=1, max_size=20),
+    "question": st.text(alphabet=_PRINTABLE, min_size=1, max_size=20).filter(str.strip),
     "answer": st.builds(
       lambda work, n: f"{work} #### {n}",
       st.text(alphabet=_PRINTABLE, max_size=20),
