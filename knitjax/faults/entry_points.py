@@ -298,7 +298,13 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
   )
 
   # knitjax.main --role=rollout: tokens that must not authenticate anyone
-  rollout = lambda w: main("--role=rollout", "--workdir", w, config="configs/arith_disagg.py:quick")
+  rollout = lambda w: main(
+    "--role=rollout",
+    "--workdir",
+    w,
+    "--config.runtime.rollout_hosts=1",
+    config="configs/arith_disagg.py:quick",
+  )
   for what, token, mode in (
     ("empty", "", 0o600),
     ("short", "abc", 0o600),

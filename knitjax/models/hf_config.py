@@ -274,7 +274,31 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
     rope_theta = _positive_real(
       specs["rope_parameters"]["rope_theta"], "rope_parameters.rope_theta"
     )
-  config = TransformerConfig(
+  try:
+    return _decoder_config(hf, family, heads, kv_heads, head_dim, rope_theta, rope_scaling, dtype)
+  except ValueError as e:  # a shape knitjax refuses (too deep, too wide): in config.json's words
+    message = str(e)
+    if not message.startswith("TransformerConfig."):
+      raise
+    for ours, theirs in _HF_NAMES.items():
+      message = message.replace(f"TransformerConfig.{ours}", theirs)
+    raise ValueError(f"config.json: {message}") from None
+
+
+# TransformerConfig's field -> config.json's key
+_HF_NAMES = {
+  "vocab_size": "vocab_size",
+  "num_layers": "num_hidden_layers",
+  "d_model": "hidden_size",
+  "num_heads": "num_attention_heads",
+  "num_kv_heads": "num_key_value_heads",
+  "head_dim": "head_dim",
+  "ffn_dim": "intermediate_size",
+}
+
+
+def _decoder_config(hf, family, heads, kv_heads, head_dim, rope_theta, rope_scaling, dtype):
+  return TransformerConfig(
     vocab_size=hf["vocab_size"],
     num_layers=hf["num_hidden_layers"],
     d_model=hf["hidden_size"],
@@ -290,7 +314,6 @@ def config_from_hf(path_or_dict: str | os.PathLike | Mapping, *, dtype: str = "f
     qkv_bias=family == "qwen2",
     dtype=dtype,
   )
-  return config
 
 
 def _family(config: TransformerConfig) -> str:
