@@ -166,11 +166,11 @@ def _du(path: str) -> int:
 
 
 def disk_full(workdir: str, reference: str) -> list[str]:
-  """The workdir on a tmpfs with room for about two checkpoints (of the four a run writes)."""
-  per_checkpoint = _du(os.path.join(reference, "checkpoints")) // max(
-    1, len(_checkpoints(reference))
-  )
-  size = _du(reference) - 2 * per_checkpoint
+  """The workdir on a tmpfs with room for everything but the checkpoints and one and a half
+  checkpoints: the first fits, the second (the first is still kept) does not."""
+  checkpoints = _du(os.path.join(reference, "checkpoints"))
+  per_checkpoint = checkpoints // max(1, len(_checkpoints(reference)))
+  size = _du(reference) - checkpoints + 3 * per_checkpoint // 2
   if not _tmpfs(workdir, size):
     return ["skipped: no tmpfs mount (needs root and mount)"]
   try:
