@@ -180,6 +180,13 @@ def _hf_folder(path: str, **config_changes) -> str:
   return path
 
 
+def _endpoint(workdir: str) -> None:
+  """A trainer's endpoint file (nothing listens there): the host reads its token next."""
+  os.makedirs(workdir, exist_ok=True)
+  record = {"address": "127.0.0.1:9", "pid": 1, "time": time.time()}
+  _write(os.path.join(workdir, "rollout_endpoint.json"), json.dumps(record))
+
+
 def _read(path: str) -> str | None:
   try:
     with open(path) as f:
@@ -313,9 +320,10 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
     w = s("w", f"token_{what}")
     os.makedirs(w, exist_ok=True)
     token_file = _write(os.path.join(w, "rollout_token"), token, mode)
-    _write(os.path.join(w, "rollout_address"), "127.0.0.1:9")
+    _endpoint(w)
     names = (token_file, "rollout_token")
     out.append(Case(f"rollout/token_{what}", rollout(w), names, timeout_s=60))
+  _endpoint(s("w", "token_env"))
   out.append(
     Case(
       "rollout/env_token_short",
