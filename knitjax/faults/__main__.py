@@ -1,8 +1,13 @@
 """``python -m knitjax.faults --workdir DIR``: the fault suite; writes ``DIR/faults.json``.
 
 Parts (``--parts``): ``kill`` (SIGKILL at fault points and resume, both runtime modes), ``actors``
-(a Ray storage unit and a rollout actor killed mid-run), ``inputs`` (generated bad inputs), and
-``backpressure`` (10x over-production against the storage byte budget). See docs/reliability.md.
+(a Ray storage unit and a rollout actor killed mid-run), ``inputs`` (generated bad inputs: configs
+and their extremes, payloads, records, prompt files, checkpoints, hostile model folders),
+``entry_points`` (every command fed a hostile command line), ``workdir`` (two runs on one workdir,
+SIGINT / SIGTERM, SIGKILL during a resume, a full disk), ``handshake`` (hostile peers at the
+rollout endpoint), and ``backpressure`` (10x over-production against the storage byte budget).
+The ``entry_points`` and ``workdir`` parts mount (a read-only bind, a small tmpfs) when run as
+root and skip those cases otherwise. See docs/reliability.md.
 """
 
 from __future__ import annotations
