@@ -396,10 +396,12 @@ def check_fits_devices(config: TransformerConfig, where: str, mesh) -> None:
   """Before tracing: the float32 params must fit the devices they go to, together (GPUs and TPUs
   report their memory), or this host's memory (CPU devices share it)."""
   devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
-  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-  if all(limits):
+  # only this process's devices report their memory; the others of the mesh are taken as alike
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
+  if local and all(limits):
     what = f"memory of the {len(devices)} {devices[0].platform} device(s)"
-    check_model_fits(config, where, sum(limits), what)
+    check_model_fits(config, where, sum(limits) * len(devices) // len(local), what)
   else:
     check_model_fits(config, where, host_memory_bytes(), "memory of this host")
 

@@ -41,8 +41,9 @@ COUNTERS = (
   "hangs",
   "accepted",
 )
-# An isolated input runs in a forked child with this much address space: an input that makes the
-# code allocate without bound (a template's ``'x' * 10**12``) fails there, not in the suite.
+# An isolated input runs in a forked child with this much address space beyond what the parent
+# had mapped at the fork: an input that makes the code allocate without bound (a template's
+# ``'x' * 10**12``) fails there, not in the suite.
 ISOLATED_MEMORY_BYTES = 4 << 30
 MAX_FAILURES = 40  # failures listed: the first of each (kind, case, outcome, exception type)
 
@@ -82,6 +83,12 @@ class _ChildError(Exception):
     self.mro = mro  # the names of the exception's type and its bases
 
 
+def _mapped_bytes() -> int:
+  """This process's mapped address space (what RLIMIT_AS counts)."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _isolated(call: Callable[[], Any], timeout_s: float) -> None:
   """Runs ``call`` in a forked child; re-raises what it raised (as `_ChildError`) or `Hang`."""
   read, write = os.pipe()
@@ -91,7 +98,8 @@ def _isolated(call: Callable[[], Any], timeout_s: float) -> None:
   if pid == 0:  # the child: report one JSON line, then leave without running any cleanup
     os.close(read)
     try:
-      resource.setrlimit(resource.RLIMIT_AS, (ISOLATED_MEMORY_BYTES, ISOLATED_MEMORY_BYTES))
+      limit = _mapped_bytes() + ISOLATED_MEMORY_BYTES
+      resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
       call()
       out = {"ok": True}
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which classifies it
