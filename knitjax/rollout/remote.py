@@ -107,8 +107,11 @@ def split_address(address: str) -> tuple[str, int]:
   return host.strip("[]"), int(port)
 
 
-def _cut(conn: mpc.Connection) -> None:
-  """Shuts ``conn``'s socket down, waking a read blocked on it (the handshake's watchdog)."""
+def _cut(conn: mpc.Connection, cut: threading.Event) -> None:
+  """Shuts ``conn``'s socket down, waking a read blocked on it (the handshake's watchdog). Sets
+  ``cut`` first, so the woken reader knows the watchdog did it (the timer thread itself may still
+  be running when the read returns)."""
+  cut.set()
   with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
     sock.shutdown(socket.SHUT_RDWR)
 
@@ -292,7 +295,8 @@ class RemoteRollout:
     ``(None, reason, peer)`` into ``inbox``. The handshake is the one
     ``multiprocessing.connection.Listener.accept`` runs, cut off after `_HANDSHAKE_S`."""
     conn = mpc.Connection(raw.detach())
-    watchdog = threading.Timer(_HANDSHAKE_S, _cut, args=(conn,))
+    cut = threading.Event()
+    watchdog = threading.Timer(_HANDSHAKE_S, _cut, args=(conn, cut))
     watchdog.start()
     try:
       mpc.deliver_challenge(conn, self._authkey)
@@ -305,7 +309,7 @@ class RemoteRollout:
     except (EOFError, OSError):
       reason = (
         f"said nothing within {_HANDSHAKE_S:g} s"
-        if not watchdog.is_alive()
+        if cut.is_set()
         else "closed the connection during the handshake"
       )
     else:
