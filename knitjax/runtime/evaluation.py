@@ -4,7 +4,9 @@ Every ``config.eval.every_steps`` train steps (and before the first, and after t
 policy answers held-out prompts that training never sees: once greedily (accuracy) and ``samples``
 times at the rollout temperature (pass@k by the unbiased estimator of Chen et al., 2021). A
 prompt counts as solved when the eval reward (``config.eval.reward``, default the task's) is at
-least 1. Results go to ``eval.jsonl``, ``metrics.jsonl`` (keys ``eval_*``), TensorBoard and
+least 1. Greedy accuracy comes with its 95% Wilson score interval (``eval_greedy_accuracy_low`` /
+``_high``): with 200 prompts a 10-point change is about what the intervals can separate. Results
+go to ``eval.jsonl``, ``metrics.jsonl`` (keys ``eval_*``), TensorBoard and
 ``eval.png``; ``python -m knitjax.eval`` runs the same evaluation on a saved checkpoint.
 """
 
@@ -36,6 +38,22 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   if n - c < k:
     return 1.0
   return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+  """The Wilson score interval of a binomial proportion ``successes / n`` (95% at the default z).
+
+  Unlike the normal approximation (p +- z sqrt(p(1-p)/n)) it stays inside [0, 1] and does not
+  collapse to a point at 0 or n successes (Wilson, 1927; Brown, Cai and DasGupta, 2001 recommend
+  it for small n and extreme p).
+  """
+  if not 0 <= successes <= n or n < 1:
+    raise ValueError(f"a Wilson interval needs 0 <= successes <= n and n >= 1, got {successes}/{n}.")
+  p = successes / n
+  denom = 1.0 + z * z / n
+  centre = (p + z * z / (2 * n)) / denom
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+  return max(0.0, centre - half), min(1.0, centre + half)
 
 
 class Evaluator:
@@ -101,7 +119,13 @@ class Evaluator:
   def __call__(self, params, rng: jax.Array) -> tuple[dict[str, float], list[dict]]:
     """Returns (metrics, one record per prompt with its greedy answer)."""
     greedy, texts = self._solved(self._greedy, params, 1, jax.random.fold_in(rng, 0))
-    metrics = {"eval_greedy_accuracy": float(greedy.mean()), "eval_prompts": len(self.prompts)}
+    low, high = wilson_interval(int(greedy.sum()), greedy.size)
+    metrics = {
+      "eval_greedy_accuracy": float(greedy.mean()),
+      "eval_greedy_accuracy_low": low,
+      "eval_greedy_accuracy_high": high,
+      "eval_prompts": len(self.prompts),
+    }
     if self._sampled is not None:
       hits, _ = self._solved(self._sampled, params, self.samples, jax.random.fold_in(rng, 1))
       n = self.samples
@@ -157,7 +181,8 @@ def read_eval(workdir: str) -> list[dict]:
 
 
 def plot_eval(workdir: str) -> str | None:
-  """Writes ``workdir/eval.png``: held-out greedy accuracy and pass@k against the train step."""
+  """Writes ``workdir/eval.png``: held-out greedy accuracy (with its 95% interval where the rows
+  have one) and pass@k against the train step."""
   rows = read_eval(workdir)
   if not rows:
     return None
@@ -171,7 +196,13 @@ def plot_eval(workdir: str) -> str | None:
   for key in sorted({k for r in rows for k in r if k.startswith("eval_pass_at_")}) + [
     "eval_greedy_accuracy"
   ]:
-    ax.plot(steps, [r.get(key, math.nan) for r in rows], marker="o", label=key[len("eval_") :])
+    values = [r.get(key, math.nan) for r in rows]
+    bounds = [(r.get(f"{key}_low"), r.get(f"{key}_high")) for r in rows]
+    if all(lo is not None and hi is not None for lo, hi in bounds):
+      err = np.array([[v - lo, hi - v] for v, (lo, hi) in zip(values, bounds, strict=True)]).T
+      ax.errorbar(steps, values, yerr=err, marker="o", capsize=3, label=f"{key[5:]} (95% CI)")
+    else:
+      ax.plot(steps, values, marker="o", label=key[len("eval_") :])
   ax.set_xlabel("train step")
   ax.set_ylabel("held-out accuracy")
   ax.set_ylim(-0.02, 1.02)
@@ -183,6 +214,19 @@ def plot_eval(workdir: str) -> str | None:
     fig.savefig(f, format="png", dpi=120)
   plt.close(fig)
   return str(path)
+
+
+def _summary(metrics: dict[str, float]) -> str:
+  """``greedy_accuracy 0.310 [0.249, 0.378]  pass_at_4 ...`` for the log."""
+  parts = []
+  for k, v in metrics.items():
+    if k == "eval_prompts" or k.endswith(("_low", "_high")):
+      continue
+    text = f"{k[len('eval_') :]} {v:.3f}"
+    if f"{k}_low" in metrics:
+      text += f" [{metrics[f'{k}_low']:.3f}, {metrics[f'{k}_high']:.3f}]"
+    parts.append(text)
+  return "  ".join(parts) + f"  ({metrics.get('eval_prompts', 0)} prompts)"
 
 
 class PeriodicEval:
@@ -204,6 +248,6 @@ class PeriodicEval:
     logging.info(
       "eval at step %d: %s",
       step,
-      "  ".join(f"{k[len('eval_') :]} {v:.3f}" for k, v in metrics.items() if k != "eval_prompts"),
+      _summary(metrics),
     )
     return metrics

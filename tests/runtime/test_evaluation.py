@@ -11,6 +11,7 @@ import pytest
 from configs import arith_tiny
 from knitjax.config import from_config_dict
 from knitjax.rollout.sampler import Samples
+from knitjax.runtime import evaluation
 from knitjax.runtime.evaluation import Evaluator, pass_at_k, read_eval
 from knitjax.tasks.prompts import Prompt
 
@@ -122,3 +123,19 @@ def test_eval_config_is_checked():
     _eval_config(k=5)
   with pytest.raises(ValueError, match="config.eval.reward"):
     _eval_config(reward="nope")
+
+
+@pytest.mark.parametrize(
+  "successes,n,low,high",
+  [(5, 10, 0.2366, 0.7634), (0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0), (62, 200, 0.2500, 0.3772)],
+)
+def test_wilson_interval_matches_the_textbook_values(successes, n, low, high):
+  lo, hi = evaluation.wilson_interval(successes, n)
+  assert lo == pytest.approx(low, abs=1e-4) and hi == pytest.approx(high, abs=1e-4)
+  assert lo <= successes / n <= hi
+
+
+@pytest.mark.parametrize("successes,n", [(-1, 10), (11, 10), (0, 0)])
+def test_wilson_interval_refuses_impossible_counts(successes, n):
+  with pytest.raises(ValueError, match="Wilson interval"):
+    evaluation.wilson_interval(successes, n)
