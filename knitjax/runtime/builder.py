@@ -20,7 +20,7 @@ from knitjax.models.layers import ValueHead
 from knitjax.models.transformer import Transformer
 from knitjax.models.vlm import VLM
 from knitjax.runtime.learner import Learner
-from knitjax.tasks import count_images
+from knitjax.tasks import count_images, gsm8k
 from knitjax.tasks.prompts import Prompt, PromptSource
 from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.streams import ClassStreams
@@ -127,8 +127,9 @@ def _heldout_path(config: Config) -> str:
   """Where held-out prompts come from: ``config.eval.path``, else the task's held-out split."""
   if config.eval.path:
     return config.eval.path
-  if config.task.path.startswith("generated:"):
-    return "generated:heldout"
+  if config.task.path.startswith(gsm8k.GENERATED):
+    family, _ = gsm8k.generated_path(config.task.path)
+    return f"{gsm8k.GENERATED}{family}:heldout"
   return ""
 
 

@@ -12,7 +12,9 @@ Each example is ``{"question": str, "answer": str}`` where the answer ends in ``
 - ``"generated:train"`` or ``"generated:heldout"``: the generated word problems of
   `knitjax.tasks.word_problems` (fixed data seed ``word_problems.DATA_SEED``, 4096 training and
   512 held-out problems that share no question), built in memory; evaluate on
-  ``"generated:heldout"`` a policy trained on ``"generated:train"``.
+  ``"generated:heldout"`` a policy trained on ``"generated:train"``. ``"generated:one_step:train"``
+  / ``"generated:one_step:heldout"`` are the one-step family (one operation each), and
+  ``"generated:mixed:<split>"`` is the default family spelled out.
 
 Prompts: with the character tokenizer (``tokenizer=None`` in `make_source`) or ``chat=False`` the
 prompt is the plain text `TEMPLATE` (``"Question: ...\nAnswer:"``) encoded with BOS, for base
@@ -136,18 +138,24 @@ def _is_parquet(path: str) -> bool:
 def _records(path: str) -> Iterator[tuple[str, Any]]:
   """Yields (where, record) from a JSONL or parquet file or a ``generated:<split>`` path."""
   if path.startswith(GENERATED):
-    split = path[len(GENERATED) :]
-    if split not in word_problems.SPLITS:
-      raise ValueError(
-        f"unknown generated data {path!r}; choose one of: "
-        f"{', '.join(GENERATED + s for s in word_problems.SPLITS)}."
-      )
-    for row, record in enumerate(word_problems.fixed_split(split)):
+    family, split = generated_path(path)
+    for row, record in enumerate(word_problems.fixed_split(split, family)):
       yield f"{path}:row {row}", record
     return
   if not os.path.isfile(path):
     raise ValueError(f"GSM8K file {path!r} does not exist (or is not a regular file).")
   yield from (_parquet_records if _is_parquet(path) else _jsonl_records)(path)
+
+
+def generated_path(path: str) -> tuple[str, str]:
+  """(family, split) of a ``"generated:[<family>:]<split>"`` path; a ``ValueError`` naming the
+  choices otherwise."""
+  parts = path[len(GENERATED) :].split(":")
+  family, split = ("mixed", parts[0]) if len(parts) == 1 else (parts[0], parts[-1])
+  if len(parts) > 2 or family not in word_problems.FAMILIES or split not in word_problems.SPLITS:
+    choices = [f"{GENERATED}{f}:{s}" for f in word_problems.FAMILIES for s in word_problems.SPLITS]
+    raise ValueError(f"unknown generated data {path!r}; choose one of: {', '.join(choices)}.")
+  return family, split
 
 
 def _use_chat(tokenizer, chat: bool | None, system_prompt: str | None) -> bool:

@@ -20,19 +20,30 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from knitjax.tasks.one_step_templates import ONE_STEP
 from knitjax.tasks.word_problem_draws import Draw
-from knitjax.tasks.word_problem_templates import TEMPLATES
+from knitjax.tasks.word_problem_templates import TEMPLATES, Template
 
 # The data of the "generated:<split>" task paths; changing any of these changes those prompts.
 DATA_SEED = 20240607
 TRAIN_SIZE = 4096
 HELDOUT_SIZE = 512
 SPLITS = ("train", "heldout")
+# Template families: "mixed" (1-3 steps, the default) and "one_step" (one operation).
+FAMILIES: dict[str, dict[str, Template]] = {"mixed": TEMPLATES, "one_step": ONE_STEP}
 
 
-def _draw_unique(rng: np.random.Generator, n: int, exclude: frozenset[str]) -> list[dict]:
+def _templates(family: str) -> dict[str, Template]:
+  if family not in FAMILIES:
+    raise ValueError(f"unknown word-problem family {family!r}; choose one of: {', '.join(FAMILIES)}.")
+  return FAMILIES[family]
+
+
+def _draw_unique(
+  rng: np.random.Generator, n: int, exclude: frozenset[str], templates: dict[str, Template]
+) -> list[dict]:
   """Draws ``n`` records with distinct questions, none of them in ``exclude``."""
-  draw, names = Draw(rng), list(TEMPLATES)
+  draw, names = Draw(rng), list(templates)
   records, seen = [], set(exclude)
   attempts = 0
   while len(records) < n:
@@ -42,7 +53,7 @@ def _draw_unique(rng: np.random.Generator, n: int, exclude: frozenset[str]) -> l
         f"could draw only {len(records)} distinct word problems of the {n} asked for; "
         "ask for fewer."
       )
-    question, steps, answer = TEMPLATES[names[int(rng.integers(len(names)))]](draw)
+    question, steps, answer = templates[names[int(rng.integers(len(names)))]](draw)
     if question in seen:
       continue
     seen.add(question)
@@ -55,13 +66,15 @@ def _check_count(name: str, n) -> None:
     raise ValueError(f"{name} must be an integer >= 0, got {n!r}.")
 
 
-def generate(n: int, *, seed: int) -> list[dict]:
+def generate(n: int, *, seed: int, family: str = "mixed") -> list[dict]:
   """Returns ``n`` word-problem records with distinct questions; the same seed, the same records."""
   _check_count("n", n)
-  return _draw_unique(np.random.default_rng(seed), n, frozenset())
+  return _draw_unique(np.random.default_rng(seed), n, frozenset(), _templates(family))
 
 
-def splits(*, seed: int, train: int, heldout: int) -> tuple[list[dict], list[dict]]:
+def splits(
+  *, seed: int, train: int, heldout: int, family: str = "mixed"
+) -> tuple[list[dict], list[dict]]:
   """Returns (train records, held-out records) with no question text in both.
 
   The two draw from independent streams of one seed (``SeedSequence(seed).spawn(2)``), so the
@@ -70,23 +83,25 @@ def splits(*, seed: int, train: int, heldout: int) -> tuple[list[dict], list[dic
   """
   _check_count("train", train)
   _check_count("heldout", heldout)
+  templates = _templates(family)
   train_seq, heldout_seq = np.random.SeedSequence(seed).spawn(2)
-  train_records = _draw_unique(np.random.default_rng(train_seq), train, frozenset())
+  train_records = _draw_unique(np.random.default_rng(train_seq), train, frozenset(), templates)
   seen = frozenset(r["question"] for r in train_records)
-  heldout_records = _draw_unique(np.random.default_rng(heldout_seq), heldout, seen)
+  heldout_records = _draw_unique(np.random.default_rng(heldout_seq), heldout, seen, templates)
   assert seen.isdisjoint(r["question"] for r in heldout_records)
   return train_records, heldout_records
 
 
-def fixed_split(name: str) -> list[dict]:
-  """Returns split ``name`` (``"train"`` or ``"heldout"``) of the generated task data.
+def fixed_split(name: str, family: str = "mixed") -> list[dict]:
+  """Returns split ``name`` (``"train"`` or ``"heldout"``) of the generated task data of
+  ``family``.
 
   Both come from ``splits(seed=DATA_SEED, train=TRAIN_SIZE, heldout=HELDOUT_SIZE)``, so training
   on ``"train"`` never sees a ``"heldout"`` question.
   """
   if name not in SPLITS:
     raise ValueError(f"unknown generated split {name!r}; choose one of: {', '.join(SPLITS)}.")
-  train, heldout = splits(seed=DATA_SEED, train=TRAIN_SIZE, heldout=HELDOUT_SIZE)
+  train, heldout = splits(seed=DATA_SEED, train=TRAIN_SIZE, heldout=HELDOUT_SIZE, family=family)
   return train if name == "train" else heldout
 
 
