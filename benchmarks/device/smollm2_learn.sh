@@ -7,7 +7,8 @@
 # Environment: CONFIG (default configs/smollm2_learn.py:gpu), RUN_ARGS (extra flags for it),
 #   BENCH_CONFIG (default configs/bench/real_model.py:gpu), BENCH_ARGS, RUN_LIMIT / BENCH_LIMIT
 #   (seconds, default 420 / 150), RUN_DIR (the run's workdir, default /tmp/knitjax_smollm2_learn,
-#   emptied first), KNITJAX_CACHE (default ./.device_cache), ALLOW_CPU=1 (run without a GPU: tests).
+#   emptied first), KNITJAX_CACHE (default ./.device_cache), WHEELS (default ./.whl), ALLOW_CPU=1
+#   (run without a GPU: tests).
 #
 # OUT_DIR receives at most 8 files (what a device call brings back): eval.jsonl, eval.png and
 # metrics.jsonl of the run, real_model.json and real_model.png of the benchmark, run.log,
@@ -37,13 +38,14 @@ BENCH_CONFIG="${BENCH_CONFIG:-configs/bench/real_model.py:gpu}"
 RUN_DIR="${RUN_DIR:-/tmp/knitjax_smollm2_learn}"
 export KNITJAX_CACHE="${KNITJAX_CACHE:-$PWD/.device_cache}"
 PY="${PYTHON:-python3}"
+WHEELS="${WHEELS:-.whl}"
 fail() { echo "error: $1" >&2; exit 2; }
 mkdir -p "$OUT"
 
 "$PY" -c 'import sys, platform; print("python", sys.version.split()[0], platform.machine())' \
   | tee "$OUT/env.txt"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" - .whl/*.whl <<'PYEOF' || exit 2
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  "$PY" - "$WHEELS"/*.whl <<'PYEOF' || exit 2
 import os, sys
 from packaging.tags import sys_tags
 from packaging.utils import parse_wheel_filename
@@ -52,16 +54,16 @@ bad = [os.path.basename(w) for w in sys.argv[1:]
        if not set(parse_wheel_filename(os.path.basename(w))[3]) & fits]
 if bad:
   v = f"{sys.version_info[0]}.{sys.version_info[1]}"
-  sys.exit(f"error: .whl/ holds wheels for another python than this {v}: {', '.join(bad)}; "
+  sys.exit(f"error: the wheels folder holds wheels for another python than this {v}: {', '.join(bad)}; "
            f"run benchmarks/device/prepare_carry.sh {v} where pip reaches the registry.")
 PYEOF
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site "$WHEELS"/*.whl
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 for module in ml_collections grain gguf; do
   "$PY" -c "import $module" 2>/dev/null \
-    || fail "python module $module is missing; carry its wheel in .whl/ (benchmarks/device/prepare_carry.sh)."
+    || fail "python module $module is missing; carry its wheel in $WHEELS/ (benchmarks/device/prepare_carry.sh)."
 done
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 

@@ -22,6 +22,9 @@ def _run(tmp_path, cache, timeout=60, **env):
     "PYTHON": sys.executable,
     "KNITJAX_CACHE": str(cache),
     "RUN_DIR": str(tmp_path / "run"),
+    "WHEELS": str(
+      tmp_path / "no-wheels"
+    ),  # this venv has the packages; a checkout's .whl/ is for the GPU
     **env,
   }
   out = tmp_path / "out"
@@ -38,6 +41,17 @@ def test_a_missing_model_is_one_line(tmp_path):
     f"error: SmolLM2-135M-Instruct is not in {tmp_path / 'empty'}: put gguf/{GGUF} (or its .part0 "
     "and .part1, benchmarks/device/prepare_carry.sh) there."
   ]
+
+
+def test_wheels_for_another_python_are_refused_in_one_line(tmp_path):
+  wheels = tmp_path / "wheels"
+  wheels.mkdir()
+  (wheels / "grain-0.2.18-cp27-cp27m-manylinux1_x86_64.whl").write_bytes(b"")
+  done, _ = _run(tmp_path, tmp_path / "empty", WHEELS=str(wheels))
+  assert done.returncode == 2
+  (line,) = done.stderr.strip().splitlines()
+  assert line.startswith("error: the wheels folder holds wheels for another python than this ")
+  assert "grain-0.2.18-cp27-cp27m-manylinux1_x86_64.whl" in line
 
 
 def test_parts_are_joined_only_when_complete_and_matching(tmp_path):
