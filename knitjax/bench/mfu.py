@@ -75,7 +75,7 @@ def _rows(rng, rows: int, seq_len: int, prompt_len: int, vocab: int):
   return batch
 
 
-def _timed(fn, warmup: int, steps: int) -> tuple[float, list[float]]:
+def timed(fn, warmup: int, steps: int) -> tuple[float, list[float]]:
   """(seconds of the first call, which may compile; the timed calls' seconds)."""
   t0 = time.perf_counter()
   jax.block_until_ready(fn())
@@ -90,9 +90,15 @@ def _timed(fn, warmup: int, steps: int) -> tuple[float, list[float]]:
   return compile_s, times
 
 
-def measure_train(model: TransformerConfig, mesh, config, seq_len: int) -> dict:
-  """Tokens/s, FLOP/s, MFU and compiled memory of the train step at one sequence length."""
-  graphdef, params = sharding.init_sharded(lambda: Transformer(model, rngs=nnx.Rngs(0)), mesh)
+def measure_train(model: TransformerConfig, mesh, config, seq_len: int, weights=None) -> dict:
+  """Tokens/s, FLOP/s, MFU and compiled memory of the train step at one sequence length.
+
+  ``weights``: ``(graphdef, params)`` to train (e.g. a checkpoint's, `hf.init_from_hf`; the
+  params are donated to the step); by default a random init of ``model``.
+  """
+  if weights is None:
+    weights = sharding.init_sharded(lambda: Transformer(model, rngs=nnx.Rngs(0)), mesh)
+  graphdef, params = weights
   optimizer = make_optimizer(_Opt())
   state, shardings = init_train_state(params, optimizer, mesh)
   hparams = StepHParams(
@@ -117,7 +123,7 @@ def measure_train(model: TransformerConfig, mesh, config, seq_len: int) -> dict:
       box["state"], metrics = step(box["state"], batch)
     return metrics["loss"]
 
-  first_s, times = _timed(one, config.warmup, config.steps)
+  first_s, times = timed(one, config.warmup, config.steps)
   seconds = float(np.median(times))
   tokens = config.rows * seq_len
   flops = train_flops_per_token(model, seq_len) * tokens / seconds
@@ -167,7 +173,7 @@ def measure_sampler(model: TransformerConfig, mesh, config) -> dict:
     out["samples"] = sampler(params, prompts, lens, key)
     return out["samples"].lengths
 
-  first_s, times = _timed(one, config.warmup, config.steps)
+  first_s, times = timed(one, config.warmup, config.steps)
   generated = int(np.sum(out["samples"].lengths))
   seconds = float(np.median(times))
   return {

@@ -17,13 +17,8 @@ from knitjax.config import from_config_dict
 
 
 @pytest.fixture(scope="module")
-def folder():
-  from knitjax.models import gguf_cache
-
-  try:
-    return gguf_cache.smollm2_folder()
-  except ValueError as e:
-    pytest.skip(f"SmolLM2-135M-Instruct cannot be had here: {e}")
+def folder(smollm2_folder):
+  return smollm2_folder
 
 
 def test_the_recipe_reads_the_checkpoints_tokenizer_and_chat_template(folder):
