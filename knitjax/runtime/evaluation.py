@@ -48,7 +48,9 @@ def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tup
   it for small n and extreme p).
   """
   if not 0 <= successes <= n or n < 1:
-    raise ValueError(f"a Wilson interval needs 0 <= successes <= n and n >= 1, got {successes}/{n}.")
+    raise ValueError(
+      f"a Wilson interval needs 0 <= successes <= n and n >= 1, got {successes}/{n}."
+    )
   p = successes / n
   denom = 1.0 + z * z / n
   centre = (p + z * z / (2 * n)) / denom

@@ -35,7 +35,9 @@ FAMILIES: dict[str, dict[str, Template]] = {"mixed": TEMPLATES, "one_step": ONE_
 
 def _templates(family: str) -> dict[str, Template]:
   if family not in FAMILIES:
-    raise ValueError(f"unknown word-problem family {family!r}; choose one of: {', '.join(FAMILIES)}.")
+    raise ValueError(
+      f"unknown word-problem family {family!r}; choose one of: {', '.join(FAMILIES)}."
+    )
   return FAMILIES[family]
 
 

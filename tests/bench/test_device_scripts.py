@@ -1,7 +1,8 @@
 """benchmarks/device/smollm2_learn.sh on the CPU: the tiny recipe and benchmark, and its refusals.
 
 The full run uses the real SmolLM2-135M-Instruct from the knitjax cache (skipped when it cannot
-be had) with configs/smollm2_math.py:quick and configs/bench/real_model.py:quick, ALLOW_CPU=1.
+be had) with configs/smollm2_learn.py:tiny (two steps of the learning recipe) and
+configs/bench/real_model.py:quick, ALLOW_CPU=1.
 """
 
 import hashlib
@@ -9,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+
+import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "device", "smollm2_learn.sh")
@@ -73,7 +76,7 @@ def test_the_tiny_recipe_and_benchmark_on_the_cpu(tmp_path, smollm2_folder):
     tmp_path,
     os.environ.get("KNITJAX_CACHE") or os.path.expanduser("~/.cache/knitjax"),
     timeout=900,
-    CONFIG="configs/smollm2_math.py:quick",
+    CONFIG="configs/smollm2_learn.py:tiny",
     BENCH_CONFIG="configs/bench/real_model.py:quick",
   )
   assert done.returncode == 0, done.stderr[-2000:]
@@ -89,7 +92,18 @@ def test_the_tiny_recipe_and_benchmark_on_the_cpu(tmp_path, smollm2_folder):
     "real_model.png",
   }  # at most 8: what a device call brings back
   assert "exit codes: run 0, bench 0" in (out / "env.txt").read_text()
-  steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-  assert steps[-1] == 2
+  # Two steps of the learning recipe's tiny variant, as the test of the recipe: the per-step
+  # figures the recipe reports, and held-out accuracy with its interval before and after.
+  rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    assert np.isfinite(r["loss"]) and 0.0 <= r["reward_mean"] <= 1.0
+    assert 0.0 <= r["frac_groups_with_signal"] <= 1.0 and 1 <= r["response_len_mean"] <= 8
+  evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in evals] == [0, 2]
+  for r in evals:
+    assert r["eval_prompts"] == 4
+    assert r["eval_greedy_accuracy_low"] <= r["eval_greedy_accuracy"]
+    assert r["eval_greedy_accuracy"] <= r["eval_greedy_accuracy_high"]
   result = json.loads((out / "real_model.json").read_text())
   assert result["generation"]["rounds"] and result["train"]["rounds"]

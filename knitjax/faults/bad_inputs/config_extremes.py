@@ -36,6 +36,7 @@ ACCEPTED: dict[tuple[str, str], dict[object, str]] = {
   ("task", "path"): {"": "no file: generated tasks read none, file tasks refuse it"},
   ("task", "prompt_len"): {0: "the task's own longest prompt"},
   ("task", "system_prompt"): {"": "no system message"},
+  ("task", "instruction"): {"": "the question alone, no instruction after it"},
   ("rollout", "temperature"): {_BIG: "near-uniform sampling: a valid policy, log-probs finite"},
   ("rollout", "top_k"): {0: "off: the whole vocabulary"},
   ("rollout", "prefill_chunk"): {0: "the whole prompt in one prefill"},

@@ -1,0 +1,43 @@
+"""The learning recipe (configs/smollm2_learn.py): its training and held-out prompts never meet.
+
+Two steps of its tiny variant run in tests/bench/test_device_scripts.py, through the device script
+that runs the GPU variant (one run of the real model for both checks)."""
+
+import pytest
+
+from configs import smollm2_learn
+from knitjax.config import from_config_dict
+from knitjax.tasks import gsm8k, word_problems
+
+
+@pytest.mark.parametrize("family", sorted(word_problems.FAMILIES))
+def test_generated_splits_share_no_question(family):
+  train = word_problems.fixed_split("train", family)
+  heldout = word_problems.fixed_split("heldout", family)
+  assert len(train) == word_problems.TRAIN_SIZE and len(heldout) == word_problems.HELDOUT_SIZE
+  train_q = {r["question"] for r in train}
+  assert len(train_q) == len(train) and not train_q & {r["question"] for r in heldout}
+
+
+def test_generated_paths_name_family_and_split():
+  assert gsm8k.generated_path("generated:train") == ("mixed", "train")
+  assert gsm8k.generated_path("generated:one_step:heldout") == ("one_step", "heldout")
+  for bad in ("generated:", "generated:one_step", "generated:hard:train", "generated:a:b:train"):
+    with pytest.raises(ValueError, match=r"unknown generated data .* choose one of: generated:"):
+      gsm8k.generated_path(bad)
+
+
+def test_the_recipe_never_evaluates_on_what_it_trains_on(smollm2_folder):
+  from knitjax.runtime import builder
+
+  config = from_config_dict(smollm2_learn.get_config())
+  assert config.init_from == smollm2_folder and config.eval.prompts >= 200
+  assert config.task.reward == "numeric_match"  # accuracy and train reward count the same thing
+  prompts = builder.build_prompts(config)
+  source = prompts.sources["gsm8k"]
+  train_texts = {p.text for p in source.next(source.num_examples)}
+  heldout = builder.build_eval_prompts(config, prompts)
+  assert len(heldout) == config.eval.prompts
+  assert len({p.text for p in heldout}) == len(heldout)
+  assert not {p.text for p in heldout} & train_texts
+  assert heldout[0].text.endswith("<|im_end|>\n<|im_start|>assistant\n")
