@@ -29,16 +29,18 @@ def get_config(arg=None):
   c.seed = 0
   c.init_from = "gguf:smollm2-135m-instruct"
   c.model = dict(dtype="auto", lora_rank=16, lora_alpha=32)
-  c.task = dict(name="gsm8k", reward="numeric_match", path="generated:one_step:train", chat="on")
+  c.task = dict(
+    name="gsm8k", reward="numeric_match", path="generated:one_step:train", chat="on", instruction=""
+  )
   c.rollout = dict(group_size=8, max_new_tokens=64, temperature=0.7, top_p=1.0)
   c.train = common.grpo_train(
-    lr=2e-4, warmup_steps=0, micro_batches=4, entropy_coef=0.0, grad_clip=1.0
+    lr=2e-4, warmup_steps=0, micro_batches=2, entropy_coef=0.0, grad_clip=1.0
   )
-  c.admission = dict(policy="minibatch", quotas={"gsm8k": 16}, minibatches=1)
-  c.runtime = dict(mode="colocated", steps=24, log_every=1, prefetch=1)
+  c.admission = dict(policy="minibatch", quotas={"gsm8k": 8}, minibatches=1)
+  c.runtime = dict(mode="colocated", steps=20, log_every=1, prefetch=1)
   c.mesh = dict(shape=(1, -1, 1), cpu_devices=1)
-  c.checkpoint = dict(every_steps=8, keep=2)
-  c.eval = dict(every_steps=8, prompts=256, samples=0, k=1, batch_prompts=64)
+  c.checkpoint = dict(every_steps=10, keep=2)
+  c.eval = dict(every_steps=10, prompts=256, samples=0, k=1, batch_prompts=64)
   variant, _, rest = (arg or "").partition(",")
   if variant == "tiny":
     # Two steps at the smallest sizes: what the test runs.

