@@ -55,7 +55,10 @@ def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tup
   denom = 1.0 + z * z / n
   centre = (p + z * z / (2 * n)) / denom
   half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-  return max(0.0, centre - half), min(1.0, centre + half)
+  # At 0 or n successes the bound is exactly 0 or 1; the arithmetic above may miss it by an ulp.
+  low = 0.0 if successes == 0 else max(0.0, centre - half)
+  high = 1.0 if successes == n else min(1.0, centre + half)
+  return low, high
 
 
 class Evaluator:

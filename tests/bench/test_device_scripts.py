@@ -98,7 +98,7 @@ def test_the_tiny_recipe_and_benchmark_on_the_cpu(tmp_path, smollm2_folder):
   assert [r["step"] for r in rows] == [1, 2]
   for r in rows:
     assert np.isfinite(r["loss"]) and 0.0 <= r["reward_mean"] <= 1.0
-    assert 0.0 <= r["frac_groups_with_signal"] <= 1.0 and 1 <= r["response_len_mean"] <= 8
+    assert 0.0 <= r["signal_groups"] <= 1.0 and 1 <= r["response_len_mean"] <= 8
   evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
   assert [r["step"] for r in evals] == [0, 2]
   for r in evals:
