@@ -39,7 +39,7 @@ from knitjax.models.safetensors_io import (
   read_tensor,
   write_streamed,
 )
-from knitjax.models.transformer import Transformer, TransformerConfig
+from knitjax.models.transformer import EXECUTION_FIELDS, Transformer, TransformerConfig
 
 __all__ = [
   "CONFIG_FILE",
@@ -169,8 +169,9 @@ def _value(variable):
 def _check_config(path: str, config: TransformerConfig) -> None:
   if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
     return
-  # The compute dtype and LoRA adapters are the run's choice; the folder fixes the rest.
-  chosen = {f: getattr(config, f) for f in ("dtype", *lora.CONFIG_FIELDS)}
+  # How the model runs (dtype, attention kernel, remat, layer scan) and its LoRA adapters are
+  # the run's choice; the folder fixes the rest.
+  chosen = {f: getattr(config, f) for f in (*EXECUTION_FIELDS, *lora.CONFIG_FIELDS)}
   want = dataclasses.replace(config_from_hf(path), **chosen)
   for field in dataclasses.fields(TransformerConfig):
     got, expected = getattr(config, field.name), getattr(want, field.name)

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint tests: an independent NumPy forward, golden logits of real transformers,
 bitwise round trips, sharded layouts, bf16, and a clear error for every bad input."""
 
+import dataclasses
 import json
 import os
 import struct
@@ -274,6 +275,20 @@ def test_init_from_hf_places_params_on_the_mesh(tmp_path):
   down = state["blocks"][1]["mlp"]["down_kernel"].get_value()
   np.testing.assert_array_equal(down, tensors["model.layers.1.mlp.down_proj.weight"].T)
   assert nnx.merge(graphdef, state).config == config
+
+
+def test_init_from_hf_takes_the_runs_execution_fields(tmp_path):
+  # config.model may set how the model runs (Config's contract for init_from); the shapes stay
+  # the folder's.
+  c = HF_CONFIGS["qwen2"]
+  path = _write(tmp_path, c, _random_hf_tensors(c))
+  chosen = dataclasses.replace(
+    hf.config_from_hf(path), remat="block", scan_layers=True, attention="dense"
+  )
+  config, graphdef, state = hf.init_from_hf(path, config=chosen)
+  assert (config.remat, config.scan_layers, config.attention) == ("block", True, "dense")
+  with pytest.raises(ValueError, match="d_model=.* but .* says"):
+    hf.init_from_hf(path, config=dataclasses.replace(chosen, d_model=chosen.d_model * 2))
 
 
 def test_tied_head_copy_is_accepted_and_a_different_one_rejected(tmp_path):
