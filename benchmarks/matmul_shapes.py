@@ -8,10 +8,12 @@ against these figures (m = 2048: a micro-batch of 8 rows x 256 tokens; m = 32: o
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from knitjax.bench import mfu
 
 SHAPES = (
   ((2048, 2048, 2048), "the ceiling"),
@@ -29,13 +31,8 @@ def gflops(m: int, k: int, n: int, calls: int) -> float:
   """Median GFLOP/s of ``calls`` timed [m, k] x [k, n] float32 products."""
   a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
   f = jax.jit(lambda a, b: a @ b)
-  f(a, b).block_until_ready()
-  times = []
-  for _ in range(calls):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * m * k * n / sorted(times)[calls // 2] / 1e9
+  _, times = mfu.timed(lambda: f(a, b), warmup=0, steps=calls)
+  return 2 * m * k * n / float(np.median(times)) / 1e9
 
 
 def main() -> None:

@@ -26,12 +26,11 @@ import jax
 import numpy as np
 
 from knitjax import sharding
+from knitjax.chat import sample_chat
 from knitjax.models import gguf_cache, hf
 from knitjax.models.hf_tokenizer import HFTokenizer
-from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.tasks import gsm8k, word_problems
 from knitjax.tasks.math_verifier import answer_number
-from knitjax.train.batch import left_pad
 
 
 def _split(family):
@@ -96,20 +95,15 @@ def main():
     return tok.apply_chat_template(messages, tokenize=True)
 
   def answers(prompts, temperature, seed):
-    width = max(map(len, prompts))
-    tokens, lengths = left_pad([np.asarray(p) for p in prompts], width, tok.pad_id)
-    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=temperature)
-    sampler = Sampler(
-      graphdef,
-      mesh=mesh,
-      sampling=sampling,
-      eos_id=tok.eos_ids,
-      pad_id=tok.pad_id,
-      prompt_len=width,
+    ids = sample_chat(
+      folder,
+      prompts,
+      max_new_tokens=args.max_new_tokens,
+      temperature=temperature,
+      seed=seed,
+      model=(mesh, graphdef, params),
     )
-    out = sampler(params, tokens, lengths, jax.random.key(seed))
-    texts = [tok.decode(row[:n].tolist()) for row, n in zip(out.tokens, out.lengths, strict=True)]
-    return texts, np.asarray(out.lengths)
+    return [tok.decode(row) for row in ids], np.array([len(row) for row in ids])
 
   for task in args.tasks.split(","):
     family, _, prompt = task.partition(":")

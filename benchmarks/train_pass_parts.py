@@ -13,7 +13,6 @@ event, so the parts are timed apart instead).
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +23,6 @@ from knitjax import sharding
 from knitjax.bench import mfu
 from knitjax.models import gguf_cache, hf
 from knitjax.train import step
-
-
-def median_s(fn, arg, calls: int) -> float:
-  jax.block_until_ready(fn(arg))
-  times = []
-  for _ in range(calls):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(arg))
-    times.append(time.perf_counter() - t)
-  return sorted(times)[calls // 2]
 
 
 def main() -> None:
@@ -71,7 +60,8 @@ def main() -> None:
   print(f"one micro-batch: {args.rows} rows x {args.seq_len} tokens, float32")
   with jax.set_mesh(mesh):
     for name, fn, flops_per_token in parts:
-      s = median_s(jax.jit(fn), params, args.calls)
+      f = jax.jit(fn)
+      s = float(np.median(mfu.timed(lambda f=f: f(params), warmup=0, steps=args.calls)[1]))
       print(f"{name}: {s:.2f} s, {flops_per_token * tokens / s / 1e9:.1f} GFLOP/s")
 
 

@@ -70,12 +70,28 @@ def check_budget(folder: str, prompt_lengths: list[int], max_new_tokens: int) ->
 def greedy_chat(
   folder: str, prompts: list[list[int]], *, max_new_tokens: int = 32, model=None
 ) -> list[list[int]]:
-  """Greedy continuations (ending with EOS when produced) by knitjax's `Sampler`.
+  """Greedy continuations (ending with EOS when produced) by knitjax's `Sampler`
+  (`sample_chat` at temperature 0)."""
+  return sample_chat(folder, prompts, max_new_tokens=max_new_tokens, temperature=0.0, model=model)
+
+
+def sample_chat(
+  folder: str,
+  prompts: list[list[int]],
+  *,
+  max_new_tokens: int = 32,
+  temperature: float = 0.0,
+  seed: int = 0,
+  model=None,
+) -> list[list[int]]:
+  """Continuations (ending with EOS when produced) by knitjax's `Sampler`, the prompts
+  left-padded in one batch.
 
   Args:
     folder: a Hugging Face checkpoint folder with its tokenizer files.
     prompts: token ids of each prompt (e.g. `HFTokenizer.apply_chat_template(..., tokenize=True)`).
     max_new_tokens: generation budget.
+    temperature: 0 for greedy; else sampling at this temperature with ``jax.random.key(seed)``.
     model: ``(mesh, graphdef, params)`` to reuse; by default the folder is loaded on one device.
   """
   import jax
@@ -98,12 +114,12 @@ def greedy_chat(
   sampler = Sampler(
     graphdef,
     mesh=mesh,
-    sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0),
+    sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature),
     eos_id=tok.eos_ids,
     pad_id=tok.pad_id,
     prompt_len=width,
   )
-  samples = sampler(params, tokens, lengths, jax.random.key(0))
+  samples = sampler(params, tokens, lengths, jax.random.key(seed))
   return [row[:n].tolist() for row, n in zip(samples.tokens, samples.lengths, strict=True)]
 
 
