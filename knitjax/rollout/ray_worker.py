@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -34,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from knitjax.rollout.contract import Rollout, RolloutStats
+from knitjax.rollout.weight_parts import ShardedWeights, WireLayout, assemble
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.ray_storage import NodeAffinitySchedulingStrategy, RayStorageUnit, ray
@@ -74,6 +76,10 @@ class _RolloutActor:
     state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, h.params))
     h.rollout.adopt(state, version)
 
+  def adopt_parts(self, version: int, layout: WireLayout, refs: list) -> None:
+    """Adopts a version sent as every trainer process's own shards (`weight_parts`)."""
+    self.adopt(version, assemble(layout, ray.get(list(refs))))
+
   def generate(self, items: Sequence[tuple[Prompt, int]], key_data: np.ndarray) -> list[GroupMeta]:
     """Generates the given ``(prompt, group id)``s to completion; payloads stay on this node."""
     h = self._hosted
@@ -93,6 +99,13 @@ class _RolloutActor:
 
   def pid(self) -> int:
     return os.getpid()
+
+
+def _send_version(actor, version: int, weights) -> None:
+  if isinstance(weights, ShardedWeights):
+    actor.adopt_parts.remote(version, weights.layout, list(weights.refs))
+  else:
+    actor.adopt.remote(version, weights)
 
 
 def publish(params: nnx.State) -> ray.ObjectRef:
@@ -136,11 +149,16 @@ class RayRollout:
     self._factory, self._node_ids, self._num_cpus = factory, node_ids, num_cpus
     self._max_restarts = max_restarts
     self._actors, self._units, self._pids = [], {}, {}
+    run = uuid.uuid4().hex[:12]
+    # Named, so every trainer process of a multi-process trainer reaches them (`unit_names`).
+    self.unit_names = {i: f"knitjax-storage-{run}-{i}" for i in range(workers)}
     for i in range(workers):
       actor = self._spawn(i)
       node = ray.get(actor.node_id.remote())
       # payloads are written where they are made
-      unit = RayStorageUnit(limits, i, node_id=node, max_restarts=max_restarts)
+      unit = RayStorageUnit(
+        limits, i, node_id=node, max_restarts=max_restarts, name=self.unit_names[i]
+      )
       ray.get(actor.attach.remote(unit))
       self._actors.append(actor)
       self._units[i] = unit
@@ -175,7 +193,7 @@ class RayRollout:
     # stored before the death, remade below (release skips ids the unit does not hold)
     self._units[i].release([gid for _, gid in share])
     if self._published is not None:
-      actor.adopt.remote(*self._published)
+      _send_version(actor, *self._published)
     self._actors[i] = actor
     self._pending[:0] = share
     self._stats.groups_regenerated += len(share)
@@ -193,12 +211,14 @@ class RayRollout:
     return len(self._pending) + sum(len(share) for _, share in self._running.values())
 
   def adopt(self, params, version: int) -> None:
+    """Hands ``version`` to every actor: ``params`` on this process's devices (copied once into
+    the object store), or a multi-process trainer's `ShardedWeights`."""
     if version == self._version:
       return
-    ref = publish(params)
+    weights = params if isinstance(params, ShardedWeights) else publish(params)
     for a in self._actors:
-      a.adopt.remote(version, ref)
-    self._version, self._published = version, (version, ref)
+      _send_version(a, version, weights)
+    self._version, self._published = version, (version, weights)
 
   def _idle(self) -> list[int]:
     busy = {a for a, _ in self._running.values()}

@@ -393,7 +393,7 @@ def pack_spec(config: Config, mesh, prompt_len: int) -> packing.PackSpec | None:
   )
 
 
-def build_preparer(config: Config, storage, mesh, prompts: ClassStreams):
+def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan_for=None):
   """This consumer's access to released mini-batches: on demand (fetch its groups, lay out,
   place on the train mesh, one mini-batch at a time) or the centralized baseline (a whole step
   gathered by one driver)."""
@@ -415,4 +415,5 @@ def build_preparer(config: Config, storage, mesh, prompts: ClassStreams):
     micro_batches=config.train.micro_batches,
     pack=pack,
     locality_slack=config.runtime.locality_slack,
+    plan_for=plan_for,
   )

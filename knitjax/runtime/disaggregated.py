@@ -26,7 +26,7 @@ from absl import logging
 
 from knitjax import sharding
 from knitjax.config import Config
-from knitjax.runtime import builder, rollout_builder, rollout_hosts
+from knitjax.runtime import builder, rollout_builder, rollout_hosts, trainer_group
 from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.metrics import MetricsWriter, mean_rows, plot_reward
 from knitjax.runtime.pipeline import Pipeline
@@ -44,6 +44,22 @@ def split_devices(config: Config, devices=None) -> tuple[list, list]:
       f"one side of {len(devices)}; choose 1..{len(devices) - 1} (0: half)."
     )
   return devices[:r], devices[r:]
+
+
+def _check_group(config: Config) -> None:
+  """What a trainer spread over processes needs of the config (one sentence if not met)."""
+  r = config.runtime
+  if not r.rollout_workers or r.rollout_hosts:
+    raise ValueError(
+      f"a disaggregated trainer of {jax.process_count()} processes takes its rollout from Ray "
+      "workers: set config.runtime.rollout_workers > 0 (rollout hosts and in-process rollout "
+      "serve a one-process trainer)."
+    )
+  if config.transfer.mode != "on_demand":
+    raise ValueError(
+      f"config.transfer.mode={config.transfer.mode!r} gathers whole steps on one driver; a "
+      "multi-process trainer fetches on demand (transfer.mode='on_demand')."
+    )
 
 
 def run(
@@ -65,40 +81,52 @@ def run(
   Returns:
     The last step's metrics.
   """
-  if jax.process_count() > 1:
-    raise ValueError(
-      f"disaggregated mode runs its trainer in one process ({jax.process_count()} found): put "
-      "the rollout in rollout hosts (config.runtime.rollout_hosts, `--role=rollout`) or Ray "
-      "workers and the trainer on one host; a multi-process trainer would need the one admission "
-      "index to feed every train process, which knitjax does not do yet."
-    )
+  group = jax.process_count() > 1  # a trainer spread over processes (`trainer_group`)
+  leader = jax.process_index() == 0
+  if group:
+    _check_group(config)
   hosts = config.runtime.rollout_hosts
-  if hosts:  # the rollout runs in other processes: every device here trains
+  if hosts or group:  # the rollout runs in other processes: every device here trains
     rollout_devices, train_devices = [], list(jax.devices())
   else:
     rollout_devices, train_devices = split_devices(config)
   train_mesh = builder.build_mesh(config, devices=train_devices)
   prompts = builder.build_prompts(config)
   graphdef, learner = builder.build_learner(config, train_mesh, workdir)
+  rollout = admission = None
   if hosts:
     # Versions are staged on the train mesh; the hosts pull them from there.
     rollout_mesh = train_mesh
     rollout = rollout_hosts.remote_rollout(config, train_mesh, learner.state.params, workdir)
-  else:
-    rollout_mesh = sharding.make_mesh((-1, 1, 1), devices=rollout_devices)
+  elif leader:
+    rollout_mesh = train_mesh if group else sharding.make_mesh((-1, 1, 1), devices=rollout_devices)
     rollout = rollout_builder.build_rollout(config, graphdef, rollout_mesh, prompts)
-  admission = builder.build_admission(
-    config, on_reject=lambda g: release_groups(rollout.storage, [g])
-  )
+  if rollout is not None:
+    admission = builder.build_admission(
+      config, on_reject=lambda g: release_groups(rollout.storage, [g])
+    )
   resumed = learner.restore()
-  if resumed is not None:
+  if resumed is not None and rollout is not None:
     prompts.load_state_dict(resumed.prompts)
     admission.load_state_dict(resumed.admission)
     if resumed.payloads is not None:
       restore_groups(rollout.storage, resumed.payloads)
   m, total = config.admission.minibatches, config.runtime.steps
   start = learner.version // m
-  pipe = Pipeline(config, workdir, learner, rollout, admission, prompts, rollout_mesh, resumed)
+  if group:
+    pipe, storage = trainer_group.join(
+      config,
+      workdir,
+      learner,
+      prompts,
+      start,
+      rollout=rollout,
+      admission=admission,
+      resumed=resumed,
+    )
+  else:
+    pipe = Pipeline(config, workdir, learner, rollout, admission, prompts, rollout_mesh, resumed)
+    storage = rollout.storage
   writer = MetricsWriter(
     workdir,
     total_steps=total,
@@ -108,7 +136,11 @@ def run(
   )
   logging.info(
     "disaggregated: rollout on %s, training steps %d..%d on %d devices",
-    f"{hosts} rollout hosts" if hosts else f"{len(rollout_devices)} devices",
+    f"{hosts} rollout hosts"
+    if hosts
+    else f"{config.runtime.rollout_workers} Ray workers"
+    if group
+    else f"{len(rollout_devices)} devices",
     start + 1,
     total,
     len(train_devices),
@@ -116,7 +148,9 @@ def run(
   feed = builder.build_feed(
     config,
     pipe.take,
-    builder.build_preparer(config, rollout.storage, train_mesh, prompts),
+    builder.build_preparer(
+      config, storage, train_mesh, prompts, plan_for=pipe.plans.plan_for if group else None
+    ),
     count=(total - start) * m,
   )
   # Evaluation runs on the train mesh in this thread, with the trainer's current parameters.

@@ -60,7 +60,20 @@ class Pipeline:
   rollout side of a checkpoint, consistent because it is taken under the rollout lock.
   """
 
-  def __init__(self, config, workdir, learner: Learner, rollout, admission, prompts, mesh, resumed):
+  def __init__(
+    self,
+    config,
+    workdir,
+    learner: Learner,
+    rollout,
+    admission,
+    prompts,
+    mesh,
+    resumed,
+    *,
+    weights=None,
+    plans=None,
+  ):
     restarts = 0 if resumed is None else resumed.restarts + 1
     resumed = resumed or RunState()
     self.config, self.learner, self.rollout = config, learner, rollout
@@ -77,12 +90,14 @@ class Pipeline:
       max_lag_steps=config.runtime.max_lag_steps,
       lag_unit=config.runtime.lag_unit,
     )
-    self.weights = WeightSync(
+    # A multi-process trainer passes its own (`weight_shards.ShardPublisher`) and plan book.
+    self.weights = weights or WeightSync(
       sharding.state_shardings(learner.state.params, mesh),
       base=self._rollout_base(mesh),
       sync_dtype=resolve_sync_dtype(config.runtime.sync_dtype, config.model.dtype),
       publish=config.runtime.sync_publish,
     )
+    self.plans = plans
     # The first version is complete before the rollout starts, so it never idles waiting for it.
     self.weights.publish(learner.state.params, learner.version, block=True)
     # consumed.jsonl: one row per consumed mini-batch; offered.jsonl: one row per offered group.
@@ -141,6 +156,8 @@ class Pipeline:
     """The feed's source: the next released mini-batch, or an error if rollout is gone."""
     mb = self.queue.get(timeout=timeout)
     if mb is not None:
+      if self.plans is not None:  # every trainer process hears it before this one fetches
+        self.plans.announce(mb)
       return mb
     if self.thread.error is not None:
       raise RuntimeError(f"the rollout thread failed: {self.thread.error!r}") from self.thread.error
@@ -162,6 +179,8 @@ class Pipeline:
     if (mb.step, mb.index) != (step, j):
       raise RuntimeError(f"released mini-batch {(mb.step, mb.index)} came before {(step, j)}.")
     row = self.learner.consume(p)
+    if self.plans is not None:
+      self.plans.record(mb, p.info.get("fetched_bytes", 0.0))
     version = self.learner.version
     released_at = self.queue.ack(mb)  # consumed: no longer part of a checkpoint's queue
     self.log.write(_consumed_row(mb, version - 1))
@@ -201,6 +220,8 @@ class Pipeline:
   def snapshot(self) -> RunState:
     """The rollout side of a checkpoint (the Learner adds version and staleness)."""
     self.log.flush()  # the logs hold at least what the checkpoint covers
+    if self.plans is not None:
+      self.plans.flush()
     with self.lock:
       self.offered.flush()
       queued = tuple(self.queue.items())
@@ -226,6 +247,8 @@ class Pipeline:
     self.rollout.close()
     self.log.close()
     self.offered.close()
+    if self.plans is not None:
+      self.plans.close()
 
   def write_timings(self, workdir: str) -> None:
     """``timings.json``: measured service times (the simulator's calibration) and lengths.

@@ -91,6 +91,7 @@ def fetch_minibatch(
   )
   if any(g.image_hashes for g in minibatch.groups):
     batch["images"], batch["image_index"] = _fetch_images(minibatch, fetched, storage)
+  info["fetched_bytes"] = float(sum(p.nbytes for p in fetched.values()))
   if "images" in batch:
     info["unique_images"] = float(len(batch["images"]))
     info["image_bytes"] = float(batch["images"].nbytes)
@@ -155,6 +156,7 @@ def consumer_batch(
   num_consumers: int,
   locality_slack: float = 0.5,
   image_multiple: int = 1,
+  plan: ConsumerPlan | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """This consumer's rows of the mini-batch (``[rows / num_consumers, ...]``, unsplit).
 
@@ -171,8 +173,21 @@ def consumer_batch(
     num_consumers: consumers sharing the mini-batch (``jax.process_count()``).
     locality_slack: see :func:`knitjax.transfer.consumer.plan_consumers`.
     image_multiple: ``S`` is rounded up to a multiple of this (a consumer's image shards).
+    plan: the mini-batch's consumer plan as announced to every consumer (None: planned here,
+      deterministically, as every consumer would).
   """
-  plan = plan_consumers(minibatch, num_consumers, locality_slack=locality_slack)
+  if plan is None:
+    plan = plan_consumers(minibatch, num_consumers, locality_slack=locality_slack)
+  elif (plan.step, plan.index, plan.num_consumers) != (
+    minibatch.step,
+    minibatch.index,
+    num_consumers,
+  ):
+    raise ValueError(
+      f"the consumer plan of mini-batch {(plan.step, plan.index)} for {plan.num_consumers} "
+      f"consumers does not fit mini-batch {(minibatch.step, minibatch.index)} and "
+      f"{num_consumers} consumers."
+    )
   batch, info = fetch_minibatch(plan.minibatch_for(consumer), storage, layout)
   if any(g.image_hashes for g in minibatch.groups):
     slots = image_slots(plan, multiple=image_multiple)

@@ -11,7 +11,8 @@ train step's micro-batches and places them on the train mesh. Text batches becom
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 
 import jax
 
@@ -21,7 +22,7 @@ from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import batch_shardings
 from knitjax.transfer.access import BatchLayout, consumer_batch, to_global
 from knitjax.transfer.admission import MiniBatch
-from knitjax.transfer.consumer import plan_consumers
+from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
 from knitjax.transfer.storage import StorageUnit
 
 
@@ -41,6 +42,9 @@ class MiniBatchPreparer:
       consumer's rows need, which every consumer computes alike from the consumer plan and the
       groups' metadata (their prompt and response lengths); the packing metrics are then the
       whole mini-batch's, from that plan.
+    plan_for: ``plan_for(minibatch)``, the consumer plan announced for a mini-batch (a
+      multi-process trainer's, `knitjax.runtime.trainer_group`); None: every consumer plans
+      alike (`knitjax.transfer.consumer.plan_consumers`).
   """
 
   def __init__(
@@ -54,12 +58,16 @@ class MiniBatchPreparer:
     num_consumers: int | None = None,
     locality_slack: float = 0.5,
     pack: packing.PackSpec | None = None,
+    plan_for: Callable[[MiniBatch], ConsumerPlan] | None = None,
   ):
     self._storage, self._layout, self._mesh = storage, layout, mesh
     self._k = micro_batches
     self._consumer = jax.process_index() if consumer is None else consumer
     self._consumers = jax.process_count() if num_consumers is None else num_consumers
     self._slack = locality_slack
+    self._plan_for = plan_for or functools.partial(
+      plan_consumers, num_consumers=self._consumers, locality_slack=locality_slack
+    )
     if pack is not None and self._consumers > 1:
       if pack.multiple % self._consumers:
         raise ValueError(
@@ -72,6 +80,7 @@ class MiniBatchPreparer:
     self._shardings = batch_shardings(mesh, packed=pack is not None)
 
   def __call__(self, minibatch: MiniBatch) -> tuple[dict[str, jax.Array], dict[str, float]]:
+    plan = self._plan_for(minibatch)
     local, info = consumer_batch(
       minibatch,
       self._storage,
@@ -80,6 +89,7 @@ class MiniBatchPreparer:
       num_consumers=self._consumers,
       locality_slack=self._slack,
       image_multiple=max(1, mm_step.batch_shards(self._mesh) // self._consumers),
+      plan=plan,
     )
     faultpoints.point("fetch")
     if "images" in local:  # this consumer's unique images, padded to the same count everywhere
@@ -90,7 +100,7 @@ class MiniBatchPreparer:
       info = {**info, **pack_info}
     elif self._pack is not None:
       row_len = self._layout.prompt_len + self._layout.max_new_tokens
-      count, pack_info = self._pack.plan_parts(self._consumer_lengths(minibatch), row_len=row_len)
+      count, pack_info = self._pack.plan_parts(_consumer_lengths(plan), row_len=row_len)
       try:
         local = self._pack(local, count=count)
       except ValueError as e:
@@ -101,12 +111,12 @@ class MiniBatchPreparer:
       info = {**info, **pack_info}  # the whole mini-batch's, from the plan
     return to_global(split_micro_batches(local, self._k), self._shardings), info
 
-  def _consumer_lengths(self, minibatch: MiniBatch) -> list[list[int]]:
-    """Per consumer, the tokens of each of its rows, from the groups' metadata. The consumer plan
-    is deterministic, so every consumer computes the same lists, and from them the same count
-    of packed sequences (`knitjax.train.packing.plan_parts`)."""
-    plan = plan_consumers(minibatch, self._consumers, locality_slack=self._slack)
-    return [
-      [p + r for g in groups for p, r in zip(g.prompt_tokens, g.response_tokens, strict=True)]
-      for groups in plan.groups
-    ]
+
+def _consumer_lengths(plan: ConsumerPlan) -> list[list[int]]:
+  """Per consumer, the tokens of each of its rows, from the groups' metadata. Every consumer
+  holds the same plan, so every one computes the same lists, and from them the same count of
+  packed sequences (`knitjax.train.packing.plan_parts`)."""
+  return [
+    [p + r for g in groups for p, r in zip(g.prompt_tokens, g.response_tokens, strict=True)]
+    for groups in plan.groups
+  ]

@@ -47,6 +47,9 @@ except ImportError as e:  # pragma: no cover - exercised only without ray instal
   ) from e
 
 
+NAMESPACE = "knitjax"  # named actors (units a trainer process connects to) live here
+
+
 class _StorageActor:
   """The actor body: an in-process unit, the node it runs on, and the optional spill folder."""
 
@@ -169,6 +172,8 @@ class RayStorageUnit(StorageUnit):
     max_concurrency: actor threads, so blocked puts do not block releases and gets.
     max_restarts: times Ray restarts a dead actor (0: a death loses the unit); > 0 also spills
       each stored group to node-local disk so the restarted actor holds the same groups.
+    name: a Ray actor name, so another driver of the cluster (a trainer process) reaches the
+      unit with :meth:`connect`; None: unnamed.
   """
 
   def __init__(
@@ -179,6 +184,7 @@ class RayStorageUnit(StorageUnit):
     node_id: str | None = None,
     max_concurrency: int = 8,
     max_restarts: int = 0,
+    name: str | None = None,
   ):
     if not ray.is_initialized():
       raise RuntimeError(
@@ -187,6 +193,8 @@ class RayStorageUnit(StorageUnit):
     self.limits = limits
     self.unit_id = unit_id
     options: dict = {"num_cpus": 0, "max_concurrency": max_concurrency}
+    if name is not None:
+      options.update(name=name, namespace=NAMESPACE)
     if node_id is not None:
       options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     token = None
@@ -194,6 +202,23 @@ class RayStorageUnit(StorageUnit):
       options.update(max_restarts=max_restarts, max_task_retries=max_restarts)
       token = f"{uuid.uuid4().hex}-unit-{unit_id}"
     self._actor = ray.remote(_StorageActor).options(**options).remote(limits, unit_id, token)
+
+  @classmethod
+  def connect(cls, name: str, limits: StorageLimits, unit_id: int) -> RayStorageUnit:
+    """The unit another driver created under ``name`` (reads and releases; not closed here).
+
+    Raises:
+      ValueError: no actor of that name is alive in the cluster (one sentence).
+    """
+    try:
+      actor = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+      raise ValueError(
+        f"storage unit {unit_id} ({name!r}) is not alive in the Ray cluster this process joined."
+      ) from None
+    unit = cls.__new__(cls)
+    unit.limits, unit.unit_id, unit._actor = limits, unit_id, actor
+    return unit
 
   @property
   def node_id(self) -> str:

@@ -1,0 +1,299 @@
+"""A disaggregated trainer spread over processes: one admission index, every process told alike.
+
+With ``jax.process_count() > 1`` the train mesh spans every process's devices and the rollout
+runs in Ray actors. Process 0 (the *leader*) runs the rollout thread and the admission index,
+as one process does. Each mini-batch it releases is planned over the consumers (one per
+process, `knitjax.transfer.consumer`) and announced, mini-batch and plan together, through the
+coordination service of JAX's distributed runtime (its key-value store) before the leader
+fetches its own share. The other processes (*followers*) read the announcements in (step,
+index) order, each fetches exactly the groups the plan gives it from their storage units (Ray
+actors, reached by name), and all processes run the same update on the one global mesh.
+
+A follower that hears nothing for ``PLAN_TIMEOUT_S`` stops with one sentence: it never trains
+on a mini-batch the others do not. ``fetched.p<k>.jsonl`` records, per process and
+mini-batch, the announced plan, the groups this process fetched and their payload bytes.
+
+Nothing here opens a socket: the key-value store is the one JAX's runtime already holds open,
+and payloads and weights move through Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+
+import jax
+
+from knitjax import records
+from knitjax import workdir as wd
+from knitjax.runtime.local_ray import ensure_ray
+from knitjax.runtime.pipeline import Pipeline
+from knitjax.runtime.rollout_builder import build_storage_limits
+from knitjax.runtime.weight_shards import ShardPublisher, connect_board, create_board
+from knitjax.runtime.weight_sync import resolve_sync_dtype
+from knitjax.transfer.admission import MiniBatch
+from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
+
+PLAN_TIMEOUT_S = 300.0  # a follower waits this long for the next plan before it gives up
+_PREFIX = "knitjax/"
+
+
+def _client():
+  from jax._src import distributed
+
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError(
+      "a multi-process trainer needs JAX's distributed runtime: run with --distributed."
+    )
+  return client
+
+
+def announce(key: str, value) -> None:
+  """Sets ``key`` to ``value`` (JSON) in the coordination service's key-value store."""
+  _client().key_value_set(_PREFIX + key, json.dumps(value))
+
+
+def hear(key: str, timeout_s: float):
+  """The JSON value of ``key``, waiting up to ``timeout_s``; None if it did not come in time."""
+  try:
+    raw = _client().blocking_key_value_get(_PREFIX + key, max(1, int(timeout_s * 1000)))
+  except Exception as e:  # the runtime raises its own error types for a deadline and a lost peer
+    if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+      return None
+    raise RuntimeError(
+      f"trainer process {jax.process_index()} lost the coordination service (process 0) while "
+      f"waiting for {key!r}: {str(e).splitlines()[0]}"
+    ) from e
+  return json.loads(raw)
+
+
+def forget(key: str) -> None:
+  # a key already gone, or the service going down at the end
+  with contextlib.suppress(Exception):
+    _client().key_value_delete(_PREFIX + key)
+
+
+def _plan_key(step: int, index: int) -> str:
+  return f"plan/{step}/{index}"
+
+
+class PlanBook:
+  """The consumer plans of one process: announced (leader) or heard (follower), then used once.
+
+  Args:
+    workdir: the run's folder (``fetched.p<k>.jsonl`` goes there).
+    minibatches: mini-batches per train step.
+    start_step: the first train step this run consumes (a resumed run's).
+    locality_slack: see :func:`knitjax.transfer.consumer.plan_consumers`.
+    timeout_s: how long a follower waits for the next announcement.
+  """
+
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    minibatches: int,
+    start_step: int,
+    locality_slack: float,
+    timeout_s: float = PLAN_TIMEOUT_S,
+  ):
+    self.process, self.processes = jax.process_index(), jax.process_count()
+    self._m, self._slack, self._timeout = minibatches, locality_slack, timeout_s
+    self._next = (start_step, 0)  # the next (step, index) a follower expects
+    self._plans: dict[tuple[int, int], ConsumerPlan] = {}  # announced or heard, not fetched
+    self._used: dict[tuple[int, int], ConsumerPlan] = {}  # fetched, not yet recorded
+    self._waited = 0.0
+    name = f"fetched.p{self.process}.jsonl"
+    path = wd.path(workdir, name)
+    rows = [json.loads(line) for line in wd.read_lines(path) if line.strip()]
+    self._log = wd.JsonlFile(path, [r for r in rows if r["step"] < start_step])
+
+  @property
+  def leader(self) -> bool:
+    return self.process == 0
+
+  def announce(self, mb: MiniBatch) -> None:
+    """Leader: plans ``mb`` over the processes and announces mini-batch and plan together."""
+    plan = plan_consumers(mb, self.processes, locality_slack=self._slack)
+    value = {"minibatch": records.to_json(mb), "plan": records.to_json(plan)}
+    announce(_plan_key(mb.step, mb.index), value)
+    self._plans[(mb.step, mb.index)] = plan
+    if mb.index == 0 and mb.step >= 2:  # every follower has fetched these long ago
+      for j in range(self._m):
+        forget(_plan_key(mb.step - 2, j))
+
+  def take(self, timeout: float) -> MiniBatch | None:
+    """Follower: the next announced mini-batch, waiting up to ``timeout`` (None: not yet).
+
+    Raises:
+      TimeoutError: nothing was announced for ``timeout_s`` in all (one sentence).
+    """
+    step, index = self._next
+    t0 = time.perf_counter()
+    value = hear(_plan_key(step, index), timeout)
+    if value is None:
+      self._waited += time.perf_counter() - t0
+      if self._waited >= self._timeout:
+        raise TimeoutError(
+          f"trainer process {self.process} heard no plan for mini-batch {index} of step {step} "
+          f"from process 0 within {self._timeout:.0f} s: process 0 stopped or is stalled."
+        )
+      return None
+    self._waited = 0.0
+    mb = records.from_json(MiniBatch, value["minibatch"])
+    plan = records.from_json(ConsumerPlan, value["plan"])
+    if (mb.step, mb.index) != (step, index) or plan.num_consumers != self.processes:
+      raise RuntimeError(
+        f"trainer process {self.process} expected mini-batch {(step, index)} for "
+        f"{self.processes} consumers but heard {(mb.step, mb.index)} for {plan.num_consumers}."
+      )
+    self._plans[(step, index)] = plan
+    self._next = (step, index + 1) if index + 1 < self._m else (step + 1, 0)
+    return mb
+
+  def plan_for(self, mb: MiniBatch) -> ConsumerPlan:
+    """The announced plan of ``mb`` (the consumer's ``prepare`` asks once per mini-batch)."""
+    plan = self._plans.pop((mb.step, mb.index), None)
+    if plan is None:
+      raise RuntimeError(f"no plan was announced for mini-batch {(mb.step, mb.index)}.")
+    self._used[(mb.step, mb.index)] = plan
+    return plan
+
+  def record(self, mb: MiniBatch, payload_bytes: float) -> None:
+    """One row of ``fetched.p<k>.jsonl``: the plan used and what this process fetched."""
+    plan = self._used.pop((mb.step, mb.index))
+    self._log.write(
+      {
+        "step": plan.step,
+        "index": plan.index,
+        "plan": [[g.group_id for g in groups] for groups in plan.groups],
+        "fetched": [g.group_id for g in plan.groups[self.process]],
+        "bytes": int(payload_bytes),
+      }
+    )
+
+  def flush(self) -> None:
+    self._log.flush()
+
+  def close(self) -> None:
+    self._log.close()
+
+
+class FollowerPipe:
+  """A follower's side of the disaggregated loop: the leader's `Pipeline` interface without a
+  rollout. It takes the announced mini-batches, runs the same updates on the global mesh and
+  publishes its shards of each version; the run state lives in process 0's checkpoint meta."""
+
+  def __init__(self, config, learner, weights, plans: PlanBook):
+    self.config, self.learner, self.weights, self.plans = config, learner, weights, plans
+    self.mb_seconds: list = []
+    self.weights.publish(learner.state.params, learner.version, block=True)
+    self.t_start = self._t0 = time.time()
+
+  def start(self) -> None:
+    pass
+
+  def take(self, timeout: float) -> MiniBatch | None:
+    return self.plans.take(timeout)
+
+  def step_begins(self) -> None:
+    self._t0 = time.time()
+
+  def consume(self, feed, step: int, j: int) -> dict:
+    from knitjax.transfer.feed import exposed_transfer
+
+    t_wait = time.perf_counter()
+    p = next(feed)
+    t_got = time.perf_counter()
+    mb = p.minibatch
+    if (mb.step, mb.index) != (step, j):
+      raise RuntimeError(f"announced mini-batch {(mb.step, mb.index)} came before {(step, j)}.")
+    row = self.learner.consume(p)
+    self.plans.record(mb, p.info.get("fetched_bytes", 0.0))
+    if self.config.runtime.weight_sync == "minibatch" or j == self.config.admission.minibatches - 1:
+      self.weights.publish(self.learner.state.params, self.learner.version)
+    self.mb_seconds.append((time.time(), time.perf_counter() - t_got))
+    return {**row, **p.info, **exposed_transfer(p, t_wait, t_got)}
+
+  def step_metrics(self) -> dict:
+    now = time.time()
+    return {"step_s": now - self._t0, "wall_s": now - self.t_start}
+
+  def snapshot(self):
+    from knitjax.runtime.learner import RunState
+
+    self.plans.flush()
+    return RunState()  # only process 0 writes the checkpoint's meta (orbax's JSON handler)
+
+  def stop(self) -> None:
+    pass
+
+  def close(self) -> None:
+    self.weights.close()
+    self.plans.close()
+
+  def write_timings(self, workdir: str) -> None:
+    pass
+
+
+def join(config, workdir: str, learner, prompts, start: int, *, rollout, admission, resumed):
+  """This process's place in a trainer spread over processes: ``(pipe, storage units)``.
+
+  Process 0 (which built the Ray rollout and the admission index) creates the weights board and
+  announces how to reach the cluster (Ray's address, the board, the storage units' names);
+  the others hear it, join Ray and connect to the units by name.
+  """
+  plans = PlanBook(
+    workdir,
+    minibatches=config.admission.minibatches,
+    start_step=start,
+    locality_slack=config.runtime.locality_slack,
+  )
+  sync = {
+    "sync_dtype": resolve_sync_dtype(config.runtime.sync_dtype, config.model.dtype),
+    "publish": config.runtime.sync_publish,
+  }
+  if plans.leader:
+    import ray
+
+    run = uuid.uuid4().hex[:12]
+    board = create_board(run, plans.processes)
+    units = {str(i): name for i, name in rollout.unit_names.items()}
+    address = ray.get_runtime_context().gcs_address
+    local = not config.runtime.ray_address  # the Ray process 0 started, token-authenticated
+    announce("ray", {"address": address, "local": local, "run": run, "units": units})
+    weights = ShardPublisher(board, **sync)
+    pipe = Pipeline(
+      config,
+      workdir,
+      learner,
+      rollout,
+      admission,
+      prompts,
+      None,
+      resumed,
+      weights=weights,
+      plans=plans,
+    )
+    return pipe, rollout.storage
+  cluster = hear("ray", PLAN_TIMEOUT_S)
+  if cluster is None:
+    raise TimeoutError(
+      f"trainer process {plans.process} heard nothing from process 0 within "
+      f"{PLAN_TIMEOUT_S:.0f} s of starting: process 0 did not start its rollout."
+    )
+  if cluster["local"]:  # join it with the token process 0's Ray was started with (same user)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+  ensure_ray(cluster["address"], needed_by="a multi-process disaggregated trainer")
+  from knitjax.transfer.ray_storage import RayStorageUnit
+
+  limits = build_storage_limits(config, prompts)
+  storage = {
+    int(i): RayStorageUnit.connect(name, limits, int(i)) for i, name in cluster["units"].items()
+  }
+  weights = ShardPublisher(connect_board(cluster["run"]), **sync)
+  return FollowerPipe(config, learner, weights, plans), storage

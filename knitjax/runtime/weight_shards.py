@@ -1,0 +1,217 @@
+"""Weight sync out of a train mesh that spans processes: each process sends its own shards.
+
+Every trainer process runs the same :class:`ShardPublisher`. A publish casts the params to the
+wire dtype on the devices (a fresh copy, so the next update may donate the trainer's state),
+then, in a publisher thread, copies this process's first-hand shards to host memory, puts them
+in Ray's object store (one object per process and version) and posts the reference to the run's
+*board*, a small named Ray actor. Process 0 waits on the board until every process has posted
+the version, and only then makes it visible to ``take_newer``: the rollout adopts a
+`ShardedWeights` (a layout and one reference per process), and each Ray rollout actor
+reassembles the leaves from the parts (`knitjax.rollout.weight_parts`). No process ever holds
+another's shards; the whole parameter set exists on a host only inside the rollout actors.
+
+Counters per process: versions published, seconds from dispatch to visible (process 0) or posted
+(the others), seconds the trainer's thread was held, bytes this process put on the wire, and
+``whole_leaves``: leaves this process sent whole although they are sharded across processes
+(0 by construction: the test of "no host gather").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from knitjax import faultpoints
+from knitjax.rollout.weight_parts import ShardedWeights, layout_of, own_parts, parts_bytes
+from knitjax.runtime.weight_sync import SYNC_DTYPES, wire_dtype
+
+COLLECT_TIMEOUT_S = 300.0  # process 0 waits this long for every process's part of a version
+
+
+class _Board:
+  """Ray actor: each version's parts, one reference per trainer process (threaded)."""
+
+  def __init__(self, processes: int):
+    self._n = processes
+    self._parts: dict[int, dict[int, object]] = {}
+    self._cv = threading.Condition()
+
+  def post(self, version: int, process: int, refs: list) -> None:
+    with self._cv:
+      self._parts.setdefault(version, {})[process] = refs[0]
+      self._cv.notify_all()
+
+  def collect(self, version: int, timeout_s: float) -> list | None:
+    """Every process's reference of ``version`` in process order (None: not all in time);
+    older versions are dropped."""
+    with self._cv:
+      done = self._cv.wait_for(lambda: len(self._parts.get(version, {})) == self._n, timeout_s)
+      for v in [v for v in self._parts if v < version]:
+        del self._parts[v]
+      if not done:
+        return None
+      return [self._parts[version][k] for k in range(self._n)]
+
+
+def board_name(run: str) -> str:
+  return f"knitjax-weights-{run}"
+
+
+def create_board(run: str, processes: int):
+  """Process 0: the run's board, named so the other trainer processes find it."""
+  import ray
+
+  from knitjax.transfer.ray_storage import NAMESPACE
+
+  return (
+    ray.remote(_Board)
+    .options(name=board_name(run), namespace=NAMESPACE, num_cpus=0, max_concurrency=4)
+    .remote(processes)
+  )
+
+
+def connect_board(run: str):
+  import ray
+
+  from knitjax.transfer.ray_storage import NAMESPACE
+
+  return ray.get_actor(board_name(run), namespace=NAMESPACE)
+
+
+class ShardPublisher:
+  """The publishing side of every trainer process; process 0 also the taking side.
+
+  Has `knitjax.runtime.weight_sync.WeightSync`'s interface (``publish``, ``wait``,
+  ``take_newer``, ``close`` and its counters), so the pipeline and the rollout thread use it alike.
+
+  Args:
+    board: the run's board actor.
+    sync_dtype: wire dtype, ``"bfloat16"`` or ``"float32"``.
+    publish: ``"async"`` (host copy and object-store put in a thread) or ``"blocking"``.
+  """
+
+  def __init__(self, board, *, sync_dtype: str = "float32", publish: str = "async"):
+    if sync_dtype not in SYNC_DTYPES:
+      raise ValueError(f"sync_dtype={sync_dtype!r} is not accepted; choose one of {SYNC_DTYPES}.")
+    self._board = board
+    self.process, self.processes = jax.process_index(), jax.process_count()
+    self.sync_dtype, self.mode, self.route = sync_dtype, publish, "process_shards"
+    self._stage = None
+    self._layout = None
+    self._refs: dict[int, object] = {}  # this process's recent parts (kept alive for the rollout)
+    self._ready = threading.Condition()
+    self._latest: tuple[int, ShardedWeights] | None = None
+    self._inflight: tuple[int, list, float] | None = None
+    self._error: BaseException | None = None
+    self._closed = False
+    self.published = 0
+    self.publish_s = self.blocked_s = self.last_publish_s = 0.0
+    self.published_bytes = 0
+    self.whole_leaves = 0
+    self._thread = None
+    if publish == "async":
+      self._thread = threading.Thread(target=self._loop, name="weight-shards", daemon=True)
+      self._thread.start()
+
+  def publish(self, params, version: int, *, block: bool = False) -> float:
+    t0 = time.perf_counter()
+    with self._ready:
+      while self._inflight is not None and self._error is None:
+        self._ready.wait()
+      self._raise_error()
+    layout, leaves = layout_of(nnx.to_pure_dict(params))
+    if self._stage is None:
+      dtypes = [wire_dtype(x.dtype, self.sync_dtype) for x in leaves]
+      self._layout = layout.__class__(layout.paths, layout.shapes, tuple(map(str, dtypes)))
+      self._stage = jax.jit(
+        lambda xs: [jnp.array(x.astype(t), copy=True) for x, t in zip(xs, dtypes, strict=True)],
+        out_shardings=[x.sharding for x in leaves],
+      )
+      self.whole_leaves = sum(
+        not x.is_fully_addressable and any(s.data.size == x.size for s in x.addressable_shards)
+        for x in leaves
+      )
+    staged = self._stage(leaves)
+    if self._thread is None or block:
+      self._send(version, staged, t0)
+    else:
+      with self._ready:
+        self._inflight = (version, staged, t0)
+        self._ready.notify_all()
+    held = time.perf_counter() - t0
+    self.blocked_s += held
+    return held
+
+  def _send(self, version: int, staged: list, t0: float) -> None:
+    import ray
+
+    jax.block_until_ready(staged)
+    parts = own_parts(staged)
+    ref = ray.put(parts)
+    self._refs[version] = ref
+    for v in [v for v in self._refs if v < version - 2]:
+      del self._refs[v]  # the rollout holds what it adopted; Ray frees the rest
+    ray.get(self._board.post.remote(version, self.process, [ref]))
+    faultpoints.point("weight_sync")
+    latest = None
+    if self.process == 0:
+      refs = ray.get(self._board.collect.remote(version, COLLECT_TIMEOUT_S))
+      if refs is None:
+        raise TimeoutError(
+          f"the trainer processes did not all send their shards of version {version} within "
+          f"{COLLECT_TIMEOUT_S:.0f} s: a trainer process stopped."
+        )
+      latest = (version, ShardedWeights(self._layout, tuple(refs)))
+    seconds = time.perf_counter() - t0
+    with self._ready:
+      if latest is not None:
+        self._latest = latest
+      self.published += 1
+      self.publish_s += seconds
+      self.last_publish_s = seconds
+      self.published_bytes += parts_bytes(parts)
+
+  def _loop(self) -> None:
+    while True:
+      with self._ready:
+        while self._inflight is None and not self._closed:
+          self._ready.wait()
+        if self._inflight is None:
+          return
+        job = self._inflight
+      try:
+        self._send(*job)
+      except BaseException as e:  # surfaced by the next publish or wait
+        with self._ready:
+          self._error = e
+      with self._ready:
+        self._inflight = None
+        self._ready.notify_all()
+
+  def _raise_error(self) -> None:
+    if self._error is not None:
+      raise RuntimeError(f"a weight publish failed: {self._error}") from self._error
+
+  def wait(self) -> None:
+    with self._ready:
+      while self._inflight is not None and self._error is None:
+        self._ready.wait()
+      self._raise_error()
+
+  def take_newer(self, version: int | None) -> tuple[int, ShardedWeights] | None:
+    with self._ready:
+      latest = self._latest
+    if latest is None or (version is not None and latest[0] <= version):
+      return None
+    return latest
+
+  def close(self) -> None:
+    with self._ready:
+      self._closed = True
+      self._ready.notify_all()
+    if self._thread is not None:
+      self._thread.join(timeout=60)
