@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Launch knitjax training on a Cloud TPU VM slice. Every worker runs the same command: the trainer
-# is one multi-host JAX program, started with --distributed. A disaggregated trainer with
-# --config.runtime.rollout_hosts=N (on a single-host VM) takes its rollout from N rollout hosts:
-# `rollout` starts one on every worker of another TPU VM.
+# is one multi-host JAX program, started with --distributed. A disaggregated trainer takes its
+# rollout from other VMs in one of two ways:
+# - rollout hosts, for a one-process trainer (--config.runtime.rollout_hosts=N, a single-host
+#   VM): `rollout` starts one on every worker of another TPU VM;
+# - Ray rollout workers, for a trainer of any number of processes
+#   (--config.runtime.rollout_workers=N): `ray-head` starts a Ray cluster on the trainer VM,
+#   `ray-workers` joins every worker of a rollout VM to it (one rollout actor each), and `run`
+#   is given --config.runtime.ray_address=HEAD_IP:6379.
 #
 # Usage: launch/tpu_vm.sh [--dry-run] COMMAND NAME ZONE [ARGS...]
 #   up     NAME ZONE TYPE CONFIG WORKDIR [FLAGS...]   create (if missing), setup, run
@@ -14,6 +19,12 @@
 #   rollout NAME ZONE CONFIG WORKDIR [FLAGS...]  start a rollout host (--role=rollout) on every
 #                                          worker, detached, same log; give the trainer's config,
 #                                          workdir and flags (rollout_listen: its internal IP)
+#   ray-head NAME ZONE                     start a Ray head on worker 0 (no actors there: the
+#                                          trainer holds its TPU), join the other workers to it,
+#                                          print the address HEAD_IP:6379
+#   ray-workers NAME ZONE HEAD_IP:PORT     join every worker of rollout VM NAME to that Ray
+#                                          head, one rollout actor per worker
+#   ray-stop NAME ZONE                     `ray stop` on every worker
 #   logs   NAME ZONE [WORKER]              follow a worker's log (default 0; "all": every worker)
 #   stop   NAME ZONE                       stop the trainer on every worker (the VM stays up)
 #   delete NAME ZONE                       delete the TPU VM (gcloud asks to confirm)
@@ -23,7 +34,8 @@
 #
 # --dry-run (or DRY_RUN=1) prints each gcloud command, one per line, ready to paste; runs none.
 # Environment: TPU_SOFTWARE_VERSION (default v2-alpha-tpuv5-lite), KNITJAX_REPO (a git URL the
-# workers can clone; default: this checkout's origin).
+# workers can clone; default: this checkout's origin), KNITJAX_RAY_TOKEN_FILE (the Ray cluster's
+# token, made by ray-head if missing, mode 0600; default ~/.config/knitjax/ray_auth_token).
 # Needs: gcloud authenticated with a project that has TPU quota. WORKDIR should be a gs:// path
 # (orbax and the metrics writer see the same directory from every host).
 
@@ -33,7 +45,7 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-COMMANDS="up, create, setup, run, rollout, logs, stop, delete"
+COMMANDS="up, create, setup, run, rollout, ray-head, ray-workers, ray-stop, logs, stop, delete"
 VERSION=${TPU_SOFTWARE_VERSION:-v2-alpha-tpuv5-lite}
 DRY_RUN=${DRY_RUN:-0}
 if [[ ${1:-} == --dry-run ]]; then
@@ -72,13 +84,49 @@ setup_command() {  # $1: the git URL to clone
     'pip install -q -e ".[gcs]"'
 }
 
+# A worker that holds a Ray token (ray-head, ray-workers) talks to Ray with it: an explicit
+# ray_address (host:port) does not turn Ray's token authentication on by itself.
+RAY_TOKEN_MODE='if [ -s ~/.ray/auth_token ]; then export RAY_AUTH_MODE=token; fi'
+
 run_command() {  # $1: --distributed (trainer) or --role=rollout, $2: config, $3: workdir, flags
   local args
   args=$(printf '%q ' "$1" --config "$2" --workdir "$3" --config.mesh.cpu_devices=0 "${@:4}")
-  join "set -e" "$LIVE" "$BUSY" 'cd ~/knitjax' '. .venv/bin/activate' \
+  join "set -e" "$LIVE" "$BUSY" 'cd ~/knitjax' '. .venv/bin/activate' "$RAY_TOKEN_MODE" \
     "nohup python -m knitjax.main $args>> ~/knitjax-run.log 2>&1 < /dev/null & echo \$! > ~/knitjax-run.pid" \
     'echo "knitjax started on $(hostname) (pid $!), log ~/knitjax-run.log"'
 }
+
+# The Ray cluster. The token is one file on this machine (made once, owner-only), copied by scp
+# to ~/$STAGED on each worker and moved from there to ~/.ray/auth_token (0600, in a 0700
+# folder) by the worker's ray command, whose EXIT trap removes what is left; it never appears on
+# a command line. Ray runs from knitjax's venv in ~/knitjax (the rollout actors import knitjax).
+RAY_PORT=6379
+TOKEN_FILE=${KNITJAX_RAY_TOKEN_FILE:-${XDG_CONFIG_HOME:-$HOME/.config}/knitjax/ray_auth_token}
+STAGED=.knitjax-ray-token
+TOKEN_MAKE=(python3 -c 'import secrets; print(secrets.token_hex(32), end="")')
+
+# $1: --head (then $2: the head's IP) or --join (then $2: the head's IP:PORT, $3: CPUs the node
+# offers Ray). Each rollout actor takes one CPU: one actor per worker, as each owns its worker's
+# TPU chips. The head takes none: the trainer holds its TPU. A joining worker that is itself the
+# head is left alone.
+ray_command() {
+  local ip start steps=("set -e" "trap 'rm -f ~/$STAGED' EXIT")
+  ip=$(printf '%q' "${2%:*}")
+  if [[ $1 == --head ]]; then
+    # As knitjax.runtime.local_ray does: no dashboard, no unauthenticated metrics server.
+    start="AUTOSCALER_METRIC_PORT=-1 ray start --head --port=$RAY_PORT --node-ip-address=$ip"
+    start+=" --num-cpus=0 --include-dashboard=false --disable-usage-stats"
+    start+=" --system-config='{\"enable_metrics_collection\": false}'"
+  else
+    steps+=("case \" \$(hostname -I) \" in *\" $ip \"*) echo \"\$(hostname) is the Ray head\"; exit 0 ;; esac")
+    start="ray start --address=$(printf '%q' "$2") --num-cpus=$3 --disable-usage-stats"
+  fi
+  join "${steps[@]}" "$LIVE" "$BUSY" \
+    'mkdir -p ~/.ray' 'chmod 700 ~/.ray' "chmod 600 ~/$STAGED" "mv -f ~/$STAGED ~/.ray/auth_token" \
+    'cd ~/knitjax' '. .venv/bin/activate' 'pip install -q -e ".[ray]"' \
+    'export RAY_AUTH_MODE=token' "$start"
+}
+RAY_STOP_COMMAND='if [ -x ~/knitjax/.venv/bin/ray ]; then ~/knitjax/.venv/bin/ray stop; else echo "no Ray on $(hostname)"; fi'
 
 STOP_COMMAND=$(join "$LIVE" \
   'if live; then kill "$pid"; echo "stopped knitjax on $(hostname) (pid $pid)"; else echo "knitjax is not running on $(hostname)"; fi' \
@@ -137,6 +185,55 @@ setup() {
   on_workers all "$(setup_command "$url")"
 }
 
+# The token file, made owner-only if missing (in a dry run: the line that would make it).
+make_token() {
+  if [[ -s $TOKEN_FILE ]]; then
+    if [[ $DRY_RUN != 1 ]]; then chmod 600 "$TOKEN_FILE"; fi
+    return
+  fi
+  local dir
+  dir=$(dirname "$TOKEN_FILE")
+  if [[ $DRY_RUN == 1 ]]; then
+    printf '(umask 077 && mkdir -p %s && %s > %s)\n' "$(shell_word "$dir")" "$(show "${TOKEN_MAKE[@]}")" \
+      "$(shell_word "$TOKEN_FILE")"
+  else
+    (umask 077 && mkdir -p "$dir" && "${TOKEN_MAKE[@]}" > "$TOKEN_FILE.new" && mv -f "$TOKEN_FILE.new" "$TOKEN_FILE")
+  fi
+}
+
+push_token() {  # to ~/$STAGED on every worker of $NAME
+  gcloud_ compute tpus tpu-vm scp "$TOKEN_FILE" "$NAME:$STAGED" --zone "$ZONE" --worker=all
+}
+
+# The head's internal IP (worker 0's, as gcloud ssh --worker=0 reaches it) into $HEAD_IP. A dry
+# run prints `HEAD_IP=$(gcloud ... describe ...)` and leaves $HEAD_IP in the lines after it.
+HEAD_MARK=__HEAD_IP__
+head_ip() {
+  local describe=(compute tpus tpu-vm describe "$NAME" --zone "$ZONE"
+    '--format=value(networkEndpoints[0].ipAddress)')
+  if [[ $DRY_RUN == 1 ]]; then
+    printf 'HEAD_IP=$(%s)\n' "$(show gcloud "${describe[@]}")"
+    HEAD_IP=$HEAD_MARK
+    return
+  fi
+  HEAD_IP=$(gcloud "${describe[@]}")
+  local ipv4='^[0-9]+[.][0-9]+[.][0-9]+[.][0-9]+$'
+  if [[ ! $HEAD_IP =~ $ipv4 ]]; then
+    echo "error: gcloud gave '$HEAD_IP' as worker 0's internal IP of $NAME; expected an IPv4 address." >&2
+    exit 1
+  fi
+}
+
+on_head_workers() {  # on_workers, with $HEAD_IP as a dry run prints it: "$HEAD_IP" for the mark
+  if [[ $DRY_RUN == 1 ]]; then
+    local line
+    line=$(on_workers "$1" "$2")
+    printf '%s\n' "${line//$HEAD_MARK/\'\"\$HEAD_IP\"\'}"
+  else
+    on_workers "$1" "$2"
+  fi
+}
+
 need() {  # $1: how many arguments the command needs, $2: its usage, then the arguments
   local n=$1 line=$2
   shift 2
@@ -182,6 +279,42 @@ case $CMD in
     NAME=$1 ZONE=$2
     shift 2
     on_workers all "$(run_command --role=rollout "$@")"
+    ;;
+  ray-head)
+    need 2 "ray-head NAME ZONE" "$@"
+    NAME=$1 ZONE=$2
+    head_ip
+    make_token
+    push_token
+    on_head_workers 0 "$(ray_command --head "$HEAD_IP")"
+    on_head_workers all "$(ray_command --join "$HEAD_IP:$RAY_PORT" 0)"
+    next="ray_address: \$HEAD_IP:$RAY_PORT (ray-workers ROLLOUT_VM ZONE \$HEAD_IP:$RAY_PORT, then run with --config.runtime.ray_address=\$HEAD_IP:$RAY_PORT)"
+    if [[ $DRY_RUN == 1 ]]; then
+      printf 'echo "%s"\n' "$next"
+    else
+      echo "${next//\$HEAD_IP/$HEAD_IP}"
+    fi
+    ;;
+  ray-workers)
+    need 3 "ray-workers NAME ZONE HEAD_IP:PORT" "$@"
+    NAME=$1 ZONE=$2 HEAD=$3
+    address='^[0-9]+[.][0-9]+[.][0-9]+[.][0-9]+:[0-9]+$'
+    if [[ ! $HEAD =~ $address ]]; then
+      echo "error: HEAD_IP:PORT='$HEAD' is not accepted; give what ray-head printed, e.g. 10.164.0.5:$RAY_PORT." >&2
+      exit 2
+    fi
+    if [[ ! -s $TOKEN_FILE ]]; then
+      echo "error: no Ray token at $TOKEN_FILE; run ray-head first (it makes one), or set KNITJAX_RAY_TOKEN_FILE to the head's." >&2
+      exit 2
+    fi
+    make_token
+    push_token
+    on_workers all "$(ray_command --join "$HEAD" 1)"
+    ;;
+  ray-stop)
+    need 2 "ray-stop NAME ZONE" "$@"
+    NAME=$1 ZONE=$2
+    on_workers all "$RAY_STOP_COMMAND"
     ;;
   logs)
     need 2 "logs NAME ZONE [WORKER]" "$@"

@@ -83,8 +83,10 @@ def run(
   """
   group = jax.process_count() > 1  # a trainer spread over processes (`trainer_group`)
   leader = jax.process_index() == 0
+  watch = None
   if group:
     _check_group(config)
+    watch = trainer_group.GroupWatch()  # a trainer process lost ends the others (one sentence)
   hosts = config.runtime.rollout_hosts
   if hosts or group:  # the rollout runs in other processes: every device here trains
     rollout_devices, train_devices = [], list(jax.devices())
@@ -181,6 +183,8 @@ def run(
         learner.maybe_save(step + 1, total, pipe.snapshot)
         if on_step is not None:
           on_step(step + 1, metrics)
+    if watch is not None:
+      watch.done()
   finally:
     feed.close()
     pipe.close()
