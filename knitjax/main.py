@@ -99,7 +99,8 @@ def main(argv):
       raise
     sys.exit(f"error: {host}")
   # Every process reports what it holds (param_norm is read from its own replica of the params).
-  summary = {k: final[k] for k in ("step", "version", "loss", "param_norm") if k in final}
+  keys = ("step", "version", "loss", "param_norm", "weight_publish_bytes")
+  summary = {k: final[k] for k in keys if k in final}
   logging.info(
     "process %d of %d finished: %s", jax.process_index(), jax.process_count(), json.dumps(summary)
   )

@@ -226,12 +226,17 @@ head_ip() {
 
 on_head_workers() {  # on_workers, with $HEAD_IP as a dry run prints it: "$HEAD_IP" for the mark
   if [[ $DRY_RUN == 1 ]]; then
-    local line
+    local line quoted="'\"\$HEAD_IP\"'"  # leaves the single-quoted --command for "$HEAD_IP"
     line=$(on_workers "$1" "$2")
-    printf '%s\n' "${line//$HEAD_MARK/\'\"\$HEAD_IP\"\'}"
+    printf '%s\n' "${line//$HEAD_MARK/$quoted}"
   else
     on_workers "$1" "$2"
   fi
+}
+
+ray_next() {  # $1: the head's IP
+  printf 'ray_address: %s (ray-workers ROLLOUT_VM ZONE %s, then run with --config.runtime.ray_address=%s)' \
+    "$1:$RAY_PORT" "$1:$RAY_PORT" "$1:$RAY_PORT"
 }
 
 need() {  # $1: how many arguments the command needs, $2: its usage, then the arguments
@@ -288,11 +293,11 @@ case $CMD in
     push_token
     on_head_workers 0 "$(ray_command --head "$HEAD_IP")"
     on_head_workers all "$(ray_command --join "$HEAD_IP:$RAY_PORT" 0)"
-    next="ray_address: \$HEAD_IP:$RAY_PORT (ray-workers ROLLOUT_VM ZONE \$HEAD_IP:$RAY_PORT, then run with --config.runtime.ray_address=\$HEAD_IP:$RAY_PORT)"
     if [[ $DRY_RUN == 1 ]]; then
-      printf 'echo "%s"\n' "$next"
+      printf 'echo "%s"\n' "$(ray_next '$HEAD_IP')"
     else
-      echo "${next//\$HEAD_IP/$HEAD_IP}"
+      ray_next "$HEAD_IP"
+      echo
     fi
     ;;
   ray-workers)

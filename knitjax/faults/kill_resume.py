@@ -6,11 +6,16 @@ offered = consumed + rejected + pending as sets of group ids, no group consumed 
 train step logged once, quotas exact. ``rollout_hosts`` is a disaggregated run whose rollout is
 a rollout host process: a kill in the trainer ends the host too (its connection closes); a kill
 in the host (``rollout_host`` point) ends the trainer with one sentence; either way a new
-trainer and a new host resume.
+trainer and a new host resume. ``trainer_group`` is a disaggregated trainer of two processes
+(``--distributed``, `knitjax.runtime.trainer_group`) with two Ray rollout actors: trials kill
+trainer process 0 and 1 in turn (the other must stop with one sentence, and both resume), and
+one more kills a rollout actor's process mid-run (survived: Ray replaces it, its groups are
+generated again).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -55,7 +60,18 @@ RUNS = {
       "runtime.rollout_host_wait_s": 120,
     },
   ),
+  "trainer_group": (
+    "configs/arith_disagg.py",
+    "quick",
+    {
+      "runtime.steps": 4,
+      "checkpoint.every_steps": 1,
+      "mesh.cpu_devices": 2,
+      "runtime.rollout_workers": 2,
+    },
+  ),
 }
+PROCESSES = {"trainer_group": 2}  # trainer processes per run (--distributed); others: 1
 
 # Where each point is passed: the trainer's process, or (rollout_hosts) the host's.
 HOST_POINTS = ("rollout_host",)
@@ -138,6 +154,139 @@ def _main(
   return proc
 
 
+def _group(args: list[str], workdir: str, envs: list[dict], timeout: float = 900, on_start=None):
+  """Runs a trainer of ``len(envs)`` processes (``--distributed`` on a free local port),
+  process ``k`` with ``envs[k]``; returns each process's ``(exit code, stderr)``."""
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  cmd = [sys.executable, "-m", "knitjax.main", *args, f"--workdir={workdir}", "--distributed"]
+  cmd += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={len(envs)}"]
+  procs, errs = [], []
+  os.makedirs(workdir, exist_ok=True)
+  for k, env in enumerate(envs):
+    err = open(os.path.join(workdir, f"stderr.p{k}.{time.time_ns()}"), "w+")  # noqa: SIM115
+    errs.append(err)
+    procs.append(
+      subprocess.Popen(
+        [*cmd, f"--process_id={k}"],
+        cwd=REPO,
+        env=_env(env, own_devices=True),
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+      )
+    )
+  try:
+    if on_start is not None:
+      on_start()
+    deadline = time.time() + timeout
+    codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  out = []
+  for code, err in zip(codes, errs, strict=True):
+    err.seek(0)
+    out.append((code, err.read()))
+    err.close()
+  return out
+
+
+def _last_line(text: str) -> str:
+  lines = [line for line in text.strip().splitlines() if line.strip()]
+  return lines[-1] if lines else ""
+
+
+def _kill_rollout_actor_after_first_step(workdir: str, killed: list) -> None:
+  """A thread: once the run logged a train step, SIGKILLs one Ray rollout actor process."""
+  import threading
+
+  from knitjax.faults.actor_loss import _actor_pids
+
+  def loop():
+    deadline = time.time() + 600
+    while time.time() < deadline and not killed:
+      if _jsonl(os.path.join(workdir, "metrics.jsonl")):
+        pids = _actor_pids("_RolloutActor")
+        if pids:
+          os.kill(pids[0], signal.SIGKILL)
+          killed.append(pids[0])
+          return
+      time.sleep(0.2)
+
+  threading.Thread(target=loop, daemon=True).start()
+
+
+def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
+  """Kill-resume trials of a trainer spread over processes (see the module docstring)."""
+  args, steps = _argv(RUNS[mode]), RUNS[mode][2]["runtime.steps"]
+  n = PROCESSES[mode]
+  ref = os.path.join(workdir, mode, "reference")
+  files = [os.path.join(workdir, mode, f"counts.p{k}.json") for k in range(n)]
+  t0 = time.time()
+  result = _group(args, ref, [{"KNITJAX_FAULT_COUNTS": f} for f in files])
+  if any(code != 0 for code, _ in result):
+    raise RuntimeError(f"the {mode} reference run failed: {[_last_line(e) for _, e in result]}")
+  counts = []
+  for f in files:
+    with open(f) as fh:
+      counts.append(json.load(fh))
+  log(f"[kill-resume] {mode}: reference run {time.time() - t0:.0f} s, points passed {counts}")
+  trials = []
+  for k in range(kills + 1):
+    t0 = time.time()
+    wd = os.path.join(workdir, mode, f"kill{k}")
+    if k == kills:  # the last trial: a rollout actor's process
+      killed: list = []
+      first = _group(
+        args,
+        wd,
+        [{}] * n,
+        on_start=functools.partial(_kill_rollout_actor_after_first_step, wd, killed),
+      )
+      point, target, n_at = "rollout_actor", -1, 1
+      problems = [] if killed else ["no rollout actor process was found to kill"]
+      if any(code != 0 for code, _ in first):
+        problems.append(f"the run did not survive it: {[_last_line(e) for _, e in first]}")
+      else:
+        problems += check_disaggregated(wd, steps)
+    else:
+      target = k % n
+      points = [p for p in faultpoints.POINTS if counts[target].get(p) and p not in HOST_POINTS]
+      point = points[(k // n) % len(points)]
+      n_at = int(rng.integers(1, counts[target][point] + 1))
+      envs = [{"KNITJAX_KILL_AT": f"{point}:{n_at}"} if j == target else {} for j in range(n)]
+      first = _group(args, wd, envs)
+      problems = []
+      if first[target][0] != -signal.SIGKILL:
+        problems.append(f"process {target} was not killed as planned (exit {first[target][0]})")
+      for j, (code, err) in enumerate(first):
+        if j != target and not (code == 1 and _last_line(err).startswith("error: trainer process")):
+          problems.append(f"process {j} did not stop with one sentence: {code} {_last_line(err)!r}")
+      second = _group(args, wd, [{}] * n)
+      if any(code != 0 for code, _ in second):
+        problems.append(f"resume failed: {[_last_line(e) for _, e in second]}")
+      else:
+        problems += check_disaggregated(wd, steps)
+    ok = not problems
+    trials.append(
+      {
+        "point": point,
+        "process": target,
+        "n": n_at,
+        "ok": ok,
+        "problems": problems,
+        "seconds": time.time() - t0,
+      }
+    )
+    where = "a rollout actor" if target < 0 else f"process {target} at {point}:{n_at}"
+    log(f"[kill-resume] {mode} #{k}: kill {where} -> {'ok' if ok else problems}")
+  return {"ok": sum(t["ok"] for t in trials), "trials": trials, "points_passed": counts}
+
+
 def _jsonl(path: str) -> list[dict]:
   if not os.path.exists(path):
     return []
@@ -214,6 +363,9 @@ def run(
   rng = np.random.default_rng(seed)
   out = {}
   for mode in modes:
+    if mode in PROCESSES:
+      out[mode] = run_group(workdir, mode, kills=kills, rng=rng, log=log)
+      continue
     args, steps = _argv(RUNS[mode]), RUNS[mode][2]["runtime.steps"]
     hosts = RUNS[mode][2].get("runtime.rollout_hosts", 0)
     ref = os.path.join(workdir, mode, "reference")

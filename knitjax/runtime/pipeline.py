@@ -167,7 +167,7 @@ class Pipeline:
 
   def step_begins(self) -> None:
     self._t0, self._busy0, self._idle0 = time.time(), self.busy_s, self.idle_s
-    self._w0 = _publish_counters(self.weights)
+    self._w0 = publish_counters(self.weights)
 
   def consume(self, feed, step: int, j: int) -> dict:
     """Takes mini-batch ``j`` of ``step`` from the feed, applies it, publishes, releases."""
@@ -180,7 +180,7 @@ class Pipeline:
       raise RuntimeError(f"released mini-batch {(mb.step, mb.index)} came before {(step, j)}.")
     row = self.learner.consume(p)
     if self.plans is not None:
-      self.plans.record(mb, p.info.get("fetched_bytes", 0.0))
+      self.plans.record(p)
     version = self.learner.version
     released_at = self.queue.ack(mb)  # consumed: no longer part of a checkpoint's queue
     self.log.write(_consumed_row(mb, version - 1))
@@ -210,7 +210,7 @@ class Pipeline:
       **_queue_metrics(
         self.admission, self.queue, self.thread, self.rollout, self.consumed, self.lock
       ),
-      **_publish_metrics(self._w0, _publish_counters(self.weights)),
+      **publish_metrics(self._w0, publish_counters(self.weights)),
       "step_s": step_s,
       "wall_s": now - self.t_start,
     }
@@ -294,11 +294,11 @@ def _rollout_counters(rollout: RolloutThread, now: float) -> dict:
   }
 
 
-def _publish_counters(w: WeightSync) -> tuple[int, float, float, int]:
+def publish_counters(w: WeightSync) -> tuple[int, float, float, int]:
   return w.published, w.publish_s, w.blocked_s, w.published_bytes
 
 
-def _publish_metrics(prev: tuple, cur: tuple) -> dict:
+def publish_metrics(prev: tuple, cur: tuple) -> dict:
   """Per version completed during the step: seconds from dispatch until the rollout can adopt
   it, seconds the trainer's thread was held by the publish, and bytes on the wire."""
   n = max(cur[0] - prev[0], 1)

@@ -30,7 +30,7 @@ import jax
 from knitjax import records
 from knitjax import workdir as wd
 from knitjax.runtime.local_ray import ensure_ray
-from knitjax.runtime.pipeline import Pipeline
+from knitjax.runtime.pipeline import Pipeline, publish_counters, publish_metrics
 from knitjax.runtime.rollout_builder import build_storage_limits
 from knitjax.runtime.weight_shards import ShardPublisher, connect_board, create_board
 from knitjax.runtime.weight_sync import resolve_sync_dtype
@@ -77,6 +77,25 @@ def forget(key: str) -> None:
   # a key already gone, or the service going down at the end
   with contextlib.suppress(Exception):
     _client().key_value_delete(_PREFIX + key)
+
+
+DUMP_ENV = "KNITJAX_DUMP_BATCHES"
+
+
+def _dump_shards(folder: str, process: int, mb: MiniBatch, batch) -> None:
+  """``<folder>/<step>-<index>.p<k>.npz``: per key, this process's first-hand shards and where
+  they sit in the global array (``<key>|<shard>|index`` holds (start, stop) per dimension)."""
+  import numpy as np
+
+  arrays = {}
+  for key, x in batch.items():
+    for n, shard in enumerate(s for s in x.addressable_shards if s.replica_id == 0):
+      dims = zip(shard.index, x.shape, strict=True)
+      arrays[f"{key}|{n}|index"] = np.array([(s.start or 0, s.stop or d) for s, d in dims])
+      arrays[f"{key}|{n}|data"] = np.asarray(shard.data)
+      arrays[f"{key}|shape"] = np.array(x.shape)
+  os.makedirs(folder, exist_ok=True)
+  np.savez(os.path.join(folder, f"{mb.step}-{mb.index}.p{process}.npz"), **arrays)
 
 
 class GroupWatch:
@@ -240,9 +259,15 @@ class PlanBook:
     self._used[(mb.step, mb.index)] = plan
     return plan
 
-  def record(self, mb: MiniBatch, payload_bytes: float) -> None:
-    """One row of ``fetched.p<k>.jsonl``: the plan used and what this process fetched."""
+  def record(self, prepared) -> None:
+    """One row of ``fetched.p<k>.jsonl``: the plan used and what this process fetched (and,
+    with ``KNITJAX_DUMP_BATCHES=<folder>``, this process's shards of the train batch, which a
+    test's one-process reference replays)."""
+    mb = prepared.minibatch
+    payload_bytes = prepared.info.get("fetched_bytes", 0.0)
     plan = self._used.pop((mb.step, mb.index))
+    if folder := os.environ.get(DUMP_ENV):
+      _dump_shards(folder, self.process, mb, prepared.batch)
     self._log.write(
       {
         "step": plan.step,
@@ -279,6 +304,7 @@ class FollowerPipe:
 
   def step_begins(self) -> None:
     self._t0 = time.time()
+    self._w0 = publish_counters(self.weights)
 
   def consume(self, feed, step: int, j: int) -> dict:
     from knitjax.transfer.feed import exposed_transfer
@@ -290,7 +316,7 @@ class FollowerPipe:
     if (mb.step, mb.index) != (step, j):
       raise RuntimeError(f"announced mini-batch {(mb.step, mb.index)} came before {(step, j)}.")
     row = self.learner.consume(p)
-    self.plans.record(mb, p.info.get("fetched_bytes", 0.0))
+    self.plans.record(p)
     if self.config.runtime.weight_sync == "minibatch" or j == self.config.admission.minibatches - 1:
       self.weights.publish(self.learner.state.params, self.learner.version)
     self.mb_seconds.append((time.time(), time.perf_counter() - t_got))
@@ -298,7 +324,11 @@ class FollowerPipe:
 
   def step_metrics(self) -> dict:
     now = time.time()
-    return {"step_s": now - self._t0, "wall_s": now - self.t_start}
+    return {
+      **publish_metrics(self._w0, publish_counters(self.weights)),
+      "step_s": now - self._t0,
+      "wall_s": now - self.t_start,
+    }
 
   def snapshot(self):
     from knitjax.runtime.learner import RunState

@@ -11,9 +11,9 @@ reassembles the leaves from the parts (`knitjax.rollout.weight_parts`). No proce
 another's shards; the whole parameter set exists on a host only inside the rollout actors.
 
 Counters per process: versions published, seconds from dispatch to visible (process 0) or posted
-(the others), seconds the trainer's thread was held, bytes this process put on the wire, and
-``whole_leaves``: leaves this process sent whole although they are sharded across processes
-(0 by construction: the test of "no host gather").
+(the others), seconds the trainer's thread was held, and the bytes this process put on the wire:
+over the processes they add up to one copy of the params (a leaf replicated across processes is
+sent by the process holding its replica 0), which tests/runtime/test_trainer_group.py checks.
 """
 
 from __future__ import annotations
@@ -111,7 +111,6 @@ class ShardPublisher:
     self.published = 0
     self.publish_s = self.blocked_s = self.last_publish_s = 0.0
     self.published_bytes = 0
-    self.whole_leaves = 0
     self._thread = None
     if publish == "async":
       self._thread = threading.Thread(target=self._loop, name="weight-shards", daemon=True)
@@ -130,10 +129,6 @@ class ShardPublisher:
       self._stage = jax.jit(
         lambda xs: [jnp.array(x.astype(t), copy=True) for x, t in zip(xs, dtypes, strict=True)],
         out_shardings=[x.sharding for x in leaves],
-      )
-      self.whole_leaves = sum(
-        not x.is_fully_addressable and any(s.data.size == x.size for s in x.addressable_shards)
-        for x in leaves
       )
     staged = self._stage(leaves)
     if self._thread is None or block:
