@@ -38,8 +38,13 @@ def get_config(arg=None):
 '''
 
 
-def launch(config: mc.ConfigDict, root: str, name: str, *, in_process: bool = False) -> dict:
+def launch(
+  config: mc.ConfigDict, root: str, name: str, *, in_process: bool = False, write_only: bool = False
+) -> dict:
   """Runs ``config`` from scratch in ``root/runs/<name>``; returns ``{"workdir", "command"}``.
+
+  ``write_only``: only writes the config file (``root/configs/<name>.py``) and clears the
+  workdir, for a caller that starts the run itself (e.g. as several processes).
 
   Raises:
     RuntimeError: the run failed (its last output lines are in the message).
@@ -51,6 +56,8 @@ def launch(config: mc.ConfigDict, root: str, name: str, *, in_process: bool = Fa
   with open(path, "w") as f:
     f.write(_CONFIG_FILE.format(name=name, payload=json.dumps(config.to_dict())))
   command = [sys.executable, "-m", "knitjax.main", "--config", path, "--workdir", workdir]
+  if write_only:
+    return {"workdir": workdir, "command": " ".join(command)}
   if in_process and config.runtime.get("rollout_hosts", 0):
     raise ValueError(
       f"run {name!r} has config.runtime.rollout_hosts > 0, which needs its runs as processes: "

@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from knitjax import faultpoints
+from knitjax.runtime import local_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -154,47 +155,6 @@ def _main(
   return proc
 
 
-def _group(args: list[str], workdir: str, envs: list[dict], timeout: float = 900, on_start=None):
-  """Runs a trainer of ``len(envs)`` processes (``--distributed`` on a free local port),
-  process ``k`` with ``envs[k]``; returns each process's ``(exit code, stderr)``."""
-  import socket
-
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  cmd = [sys.executable, "-m", "knitjax.main", *args, f"--workdir={workdir}", "--distributed"]
-  cmd += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={len(envs)}"]
-  procs, errs = [], []
-  os.makedirs(workdir, exist_ok=True)
-  for k, env in enumerate(envs):
-    err = open(os.path.join(workdir, f"stderr.p{k}.{time.time_ns()}"), "w+")  # noqa: SIM115
-    errs.append(err)
-    procs.append(
-      subprocess.Popen(
-        [*cmd, f"--process_id={k}"],
-        cwd=REPO,
-        env=_env(env, own_devices=True),
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-      )
-    )
-  try:
-    if on_start is not None:
-      on_start()
-    deadline = time.time() + timeout
-    codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  out = []
-  for code, err in zip(codes, errs, strict=True):
-    err.seek(0)
-    out.append((code, err.read()))
-    err.close()
-  return out
-
-
 def _last_line(text: str) -> str:
   lines = [line for line in text.strip().splitlines() if line.strip()]
   return lines[-1] if lines else ""
@@ -227,7 +187,7 @@ def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
   ref = os.path.join(workdir, mode, "reference")
   files = [os.path.join(workdir, mode, f"counts.p{k}.json") for k in range(n)]
   t0 = time.time()
-  result = _group(args, ref, [{"KNITJAX_FAULT_COUNTS": f} for f in files])
+  result = local_group.launch(args, ref, [{"KNITJAX_FAULT_COUNTS": f} for f in files])
   if any(code != 0 for code, _ in result):
     raise RuntimeError(f"the {mode} reference run failed: {[_last_line(e) for _, e in result]}")
   counts = []
@@ -241,7 +201,7 @@ def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
     wd = os.path.join(workdir, mode, f"kill{k}")
     if k == kills:  # the last trial: a rollout actor's process
       killed: list = []
-      first = _group(
+      first = local_group.launch(
         args,
         wd,
         [{}] * n,
@@ -257,16 +217,17 @@ def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
       target = k % n
       points = [p for p in faultpoints.POINTS if counts[target].get(p) and p not in HOST_POINTS]
       point = points[(k // n) % len(points)]
-      n_at = int(rng.integers(1, counts[target][point] + 1))
+      # The first half of the passes: a rerun passes the rollout's points a varying number of times.
+      n_at = int(rng.integers(1, max(1, counts[target][point] // 2) + 1))
       envs = [{"KNITJAX_KILL_AT": f"{point}:{n_at}"} if j == target else {} for j in range(n)]
-      first = _group(args, wd, envs)
+      first = local_group.launch(args, wd, envs)
       problems = []
       if first[target][0] != -signal.SIGKILL:
         problems.append(f"process {target} was not killed as planned (exit {first[target][0]})")
       for j, (code, err) in enumerate(first):
         if j != target and not (code == 1 and _last_line(err).startswith("error: trainer process")):
           problems.append(f"process {j} did not stop with one sentence: {code} {_last_line(err)!r}")
-      second = _group(args, wd, [{}] * n)
+      second = local_group.launch(args, wd, [{}] * n)
       if any(code != 0 for code, _ in second):
         problems.append(f"resume failed: {[_last_line(e) for _, e in second]}")
       else:

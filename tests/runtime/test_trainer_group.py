@@ -21,9 +21,8 @@ from flax import nnx
 
 from configs import arith_disagg
 from knitjax.config import from_config_dict
-from knitjax.faults.kill_resume import _group
 from knitjax.rollout.weight_parts import layout_of
-from knitjax.runtime import builder
+from knitjax.runtime import builder, local_group
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import batch_shardings
 from tests.runtime.test_disaggregated import check_run, read_jsonl
@@ -77,7 +76,7 @@ def test_two_trainer_processes_share_one_admission_index(tmp_path):
   args = ["--config=configs/arith_disagg.py:quick"] + [
     f"--config.{k}={v}" for k, v in OVERRIDES.items()
   ]
-  result = _group(args, workdir, [{"KNITJAX_DUMP_BATCHES": dumps}] * 2, timeout=600)
+  result = local_group.launch(args, workdir, [{"KNITJAX_DUMP_BATCHES": dumps}] * 2, timeout=600)
   assert [code for code, _ in result] == [0, 0], [err[-3000:] for _, err in result]
   s0, s1 = (_summary(err, k) for k, (_, err) in enumerate(result))
   for key in ("step", "version", "loss", "param_norm"):
