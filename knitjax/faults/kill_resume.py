@@ -155,6 +155,23 @@ def _main(
   return proc
 
 
+# How a surviving trainer process stops when another dies: a follower lost is noticed by the
+# others' pulse watch (`knitjax.runtime.trainer_group.GroupWatch`, one sentence, exit 1); process
+# 0 lost takes the coordination service with it, and JAX's runtime in the others aborts at once
+# with its own line (and a stack trace; jaxlib 0.10 gives Python no way to replace it).
+JAX_ABORT = "Terminating process because the JAX distributed service detected fatal errors"
+
+
+def _stopped_by(code: int, err: str) -> str | None:
+  """``"pulse"`` or ``"jax_runtime"``: how a surviving trainer process stopped (None: it did not
+  stop as either)."""
+  if code == 1 and _last_line(err).startswith("error: trainer process"):
+    return "pulse"
+  if code == -signal.SIGABRT and JAX_ABORT in err:
+    return "jax_runtime"
+  return None
+
+
 def _last_line(text: str) -> str:
   lines = [line for line in text.strip().splitlines() if line.strip()]
   return lines[-1] if lines else ""
@@ -207,7 +224,7 @@ def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
         [{}] * n,
         on_start=functools.partial(_kill_rollout_actor_after_first_step, wd, killed),
       )
-      point, target, n_at = "rollout_actor", -1, 1
+      point, target, n_at, survivors = "rollout_actor", -1, 1, []
       problems = [] if killed else ["no rollout actor process was found to kill"]
       if any(code != 0 for code, _ in first):
         problems.append(f"the run did not survive it: {[_last_line(e) for _, e in first]}")
@@ -225,8 +242,9 @@ def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
       if first[target][0] != -signal.SIGKILL:
         problems.append(f"process {target} was not killed as planned (exit {first[target][0]})")
       for j, (code, err) in enumerate(first):
-        if j != target and not (code == 1 and _last_line(err).startswith("error: trainer process")):
-          problems.append(f"process {j} did not stop with one sentence: {code} {_last_line(err)!r}")
+        if j != target and _stopped_by(code, err) is None:
+          problems.append(f"process {j} did not stop as planned: {code} {_last_line(err)!r}")
+      survivors = [_stopped_by(c, e) for j, (c, e) in enumerate(first) if j != target]
       second = local_group.launch(args, wd, [{}] * n)
       if any(code != 0 for code, _ in second):
         problems.append(f"resume failed: {[_last_line(e) for _, e in second]}")
@@ -238,6 +256,7 @@ def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
         "point": point,
         "process": target,
         "n": n_at,
+        "survivors_stopped_by": survivors,
         "ok": ok,
         "problems": problems,
         "seconds": time.time() - t0,
