@@ -12,21 +12,9 @@ import os
 import signal
 import time
 
-from knitjax.faults.kill_resume import _config, check_disaggregated
+from knitjax.faults.kill_resume import _config, actor_pids, check_disaggregated
 
 RUN = ("configs/arith_disagg.py", "quick", {"runtime.steps": 4, "checkpoint.every_steps": 1})
-
-
-def _actor_pids(kind: str) -> list[int]:
-  """Processes of Ray actors of class ``kind`` (Ray titles them ``ray::<Class>...``)."""
-  import psutil
-
-  out = []
-  for p in psutil.process_iter(["pid", "cmdline"]):
-    cmd = " ".join(p.info["cmdline"] or [])
-    if cmd.startswith(f"ray::{kind}"):
-      out.append(p.info["pid"])
-  return sorted(out)
 
 
 def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
@@ -44,7 +32,7 @@ def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
   def on_step(step: int, metrics: dict) -> None:
     if step == kill_after_step and not killed:
       for kind in ("_StorageActor", "_RolloutActor"):
-        pids = _actor_pids(kind)
+        pids = actor_pids(kind)
         if pids:
           os.kill(pids[0], signal.SIGKILL)
           killed[kind] = pids[0]

@@ -177,17 +177,27 @@ def _last_line(text: str) -> str:
   return lines[-1] if lines else ""
 
 
+def actor_pids(kind: str) -> list[int]:
+  """Processes of Ray actors of class ``kind`` (Ray titles them ``ray::<Class>...``)."""
+  import psutil
+
+  out = []
+  for p in psutil.process_iter(["pid", "cmdline"]):
+    cmd = " ".join(p.info["cmdline"] or [])
+    if cmd.startswith(f"ray::{kind}"):
+      out.append(p.info["pid"])
+  return sorted(out)
+
+
 def _kill_rollout_actor_after_first_step(workdir: str, killed: list) -> None:
   """A thread: once the run logged a train step, SIGKILLs one Ray rollout actor process."""
   import threading
-
-  from knitjax.faults.actor_loss import _actor_pids
 
   def loop():
     deadline = time.time() + 600
     while time.time() < deadline and not killed:
       if _jsonl(os.path.join(workdir, "metrics.jsonl")):
-        pids = _actor_pids("_RolloutActor")
+        pids = actor_pids("_RolloutActor")
         if pids:
           os.kill(pids[0], signal.SIGKILL)
           killed.append(pids[0])
