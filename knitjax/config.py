@@ -70,7 +70,8 @@ class RuntimeConfig:
   # How depth capacity comes back: "step" (once a step's last mini-batch is consumed) or
   # "minibatch" (each consumed mini-batch frees its B/M groups; version-granular).
   lag_unit: str = "step"
-  # Disaggregated only: the first `rollout_devices` devices form the rollout mesh (0: half).
+  # Disaggregated only: the first `rollout_devices` devices form the rollout mesh (0: half);
+  # a trainer of several processes trains on every device (its rollout is in Ray actors).
   rollout_devices: int = 0
   adoption: str = "new_groups"  # or "mid_generation" (partial rollout)
   param_slots: int = 2  # versions the rollout holds at once with adoption="new_groups"
@@ -83,7 +84,9 @@ class RuntimeConfig:
   storage: str = "in_process"
   ray_address: str = ""
   # Generate in this many Ray actors (each writing to a Ray storage unit on its own node)
-  # instead of in process; 0: in process.
+  # instead of in process; 0: in process. A disaggregated trainer of several processes
+  # (--distributed) needs them: process 0 runs the admission index, every process trains on
+  # the one global mesh and fetches its own share (knitjax.runtime.trainer_group).
   rollout_workers: int = 0
   # Ray actor deaths (rollout actors, storage units) a run survives; one more ends it.
   actor_restarts: int = 3
