@@ -13,6 +13,10 @@ A follower that hears nothing for ``PLAN_TIMEOUT_S`` stops with one sentence: it
 on a mini-batch the others do not. ``fetched.p<k>.jsonl`` records, per process and
 mini-batch, the announced plan, the groups this process fetched and their payload bytes.
 
+Every process publishes its own shards of each version (`knitjax.runtime.weight_shards`), and
+watches the others' pulse in the same store (`GroupWatch`): a lost process ends the rest with one
+sentence, and a restart of all resumes from process 0's checkpoint of the run state.
+
 Nothing here opens a socket: the key-value store is the one JAX's runtime already holds open,
 and payloads and weights move through Ray.
 """
