@@ -543,6 +543,7 @@ def _ray_stubs(tmp_path, host_ip):
   (home / STAGED).write_text(TOKEN)
   (home / STAGED).chmod(0o644)
   env = {**os.environ, "HOME": str(home), "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}"}
+  env.pop("RAY_AUTH_MODE", None)  # a worker's login shell has none (Ray sets it in its drivers)
   return home, env
 
 

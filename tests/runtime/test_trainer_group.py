@@ -31,7 +31,7 @@ from tests.runtime.test_multihost_main import _gloo_available
 pytest.importorskip("ray")
 pytestmark = pytest.mark.skipif(not _gloo_available(), reason="jaxlib without gloo collectives")
 
-STEPS = 2
+STEPS = 3
 OVERRIDES = {
   "runtime.steps": STEPS,
   "runtime.log_every": 1,
