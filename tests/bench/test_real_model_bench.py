@@ -6,7 +6,6 @@ installed, and say so when it is not.
 """
 
 import importlib.util
-import json
 import sys
 
 import numpy as np
@@ -29,12 +28,11 @@ def test_agreement_counts_rows_and_the_agreeing_prefix():
   assert got["mean_agreeing_prefix"] == pytest.approx((3 + 1 + 0) / 3)
 
 
-def test_quick_run_writes_rounds_ratios_and_goals(folder, tmp_path):
+def check_quick_result(result: dict) -> None:
+  """What `configs/bench/real_model.py:quick` must write (``real_model.json``). The quick run
+  itself happens once in the suite, inside benchmarks/device/smollm2_learn.sh on the CPU
+  (tests/bench/test_device_scripts.py), which checks its JSON with this."""
   c = bench_config.get_config("quick")
-  c.init_from = folder
-  result = real_model.run(c, str(tmp_path))
-  assert json.loads((tmp_path / "real_model.json").read_text()) == json.loads(json.dumps(result))
-  assert (tmp_path / "real_model.png").stat().st_size > 0
   assert result["environment"]["threads"] >= 1
 
   gen = result["generation"]
