@@ -156,7 +156,7 @@ def _main(
 
 
 # How a surviving trainer process stops when another dies: a follower lost is noticed by the
-# others' pulse watch (`knitjax.runtime.trainer_group.GroupWatch`, one sentence, exit 1); process
+# others' pulse watch (`knitjax.runtime.coordination.GroupWatch`, one sentence, exit 1); process
 # 0 lost takes the coordination service with it, and JAX's runtime in the others aborts at once
 # with its own line (and a stack trace; jaxlib 0.10 gives Python no way to replace it).
 JAX_ABORT = "Terminating process because the JAX distributed service detected fatal errors"

@@ -26,7 +26,7 @@ from absl import logging
 
 from knitjax import sharding
 from knitjax.config import Config
-from knitjax.runtime import builder, rollout_builder, rollout_hosts, trainer_group
+from knitjax.runtime import builder, coordination, rollout_builder, rollout_hosts, trainer_group
 from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.metrics import MetricsWriter, mean_rows, plot_reward
 from knitjax.runtime.pipeline import Pipeline
@@ -86,7 +86,7 @@ def run(
   watch = None
   if group:
     _check_group(config)
-    watch = trainer_group.GroupWatch()  # a trainer process lost ends the others (one sentence)
+    watch = coordination.GroupWatch()  # a trainer process lost ends the others (one sentence)
   hosts = config.runtime.rollout_hosts
   if hosts or group:  # the rollout runs in other processes: every device here trains
     rollout_devices, train_devices = [], list(jax.devices())

@@ -22,12 +22,11 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from knitjax import faultpoints
 from knitjax.rollout.weight_parts import ShardedWeights, layout_of, own_parts, parts_bytes
-from knitjax.runtime.weight_sync import SYNC_DTYPES, wire_dtype
+from knitjax.runtime.weight_sync import SYNC_DTYPES, AsyncPublisher, wire_copy, wire_dtype
 
 COLLECT_TIMEOUT_S = 300.0  # process 0 waits this long for every process's part of a version
 
@@ -82,11 +81,12 @@ def connect_board(run: str):
   return ray.get_actor(board_name(run), namespace=NAMESPACE)
 
 
-class ShardPublisher:
+class ShardPublisher(AsyncPublisher):
   """The publishing side of every trainer process; process 0 also the taking side.
 
-  Has `knitjax.runtime.weight_sync.WeightSync`'s interface (``publish``, ``wait``,
-  ``take_newer``, ``close`` and its counters), so the pipeline and the rollout thread use it alike.
+  An `AsyncPublisher` like `knitjax.runtime.weight_sync.WeightSync` (``publish``, ``wait``,
+  ``take_newer``, ``close`` and the counters), so the pipeline and the rollout thread use both
+  alike.
 
   Args:
     board: the run's board actor.
@@ -97,51 +97,28 @@ class ShardPublisher:
   def __init__(self, board, *, sync_dtype: str = "float32", publish: str = "async"):
     if sync_dtype not in SYNC_DTYPES:
       raise ValueError(f"sync_dtype={sync_dtype!r} is not accepted; choose one of {SYNC_DTYPES}.")
+    super().__init__(publish)
     self._board = board
     self.process, self.processes = jax.process_index(), jax.process_count()
-    self.sync_dtype, self.mode, self.route = sync_dtype, publish, "process_shards"
+    self.sync_dtype, self.route = sync_dtype, "process_shards"
     self._stage = None
     self._layout = None
     self._refs: dict[int, object] = {}  # this process's recent parts (kept alive for the rollout)
-    self._ready = threading.Condition()
-    self._latest: tuple[int, ShardedWeights] | None = None
-    self._inflight: tuple[int, list, float] | None = None
-    self._error: BaseException | None = None
-    self._closed = False
-    self.published = 0
-    self.publish_s = self.blocked_s = self.last_publish_s = 0.0
-    self.published_bytes = 0
-    self._thread = None
-    if publish == "async":
-      self._thread = threading.Thread(target=self._loop, name="weight-shards", daemon=True)
-      self._thread.start()
 
   def publish(self, params, version: int, *, block: bool = False) -> float:
     t0 = time.perf_counter()
-    with self._ready:
-      while self._inflight is not None and self._error is None:
-        self._ready.wait()
-      self._raise_error()
+    self.wait()  # the previous publish first (and its error, if it failed)
     layout, leaves = layout_of(nnx.to_pure_dict(params))
     if self._stage is None:
       dtypes = [wire_dtype(x.dtype, self.sync_dtype) for x in leaves]
       self._layout = layout.__class__(layout.paths, layout.shapes, tuple(map(str, dtypes)))
-      self._stage = jax.jit(
-        lambda xs: [jnp.array(x.astype(t), copy=True) for x, t in zip(xs, dtypes, strict=True)],
-        out_shardings=[x.sharding for x in leaves],
-      )
-    staged = self._stage(leaves)
-    if self._thread is None or block:
-      self._send(version, staged, t0)
-    else:
-      with self._ready:
-        self._inflight = (version, staged, t0)
-        self._ready.notify_all()
+      self._stage = jax.jit(wire_copy(dtypes), out_shardings=[x.sharding for x in leaves])
+    self._hand_off(version, self._stage(leaves), t0, block=block)
     held = time.perf_counter() - t0
     self.blocked_s += held
     return held
 
-  def _send(self, version: int, staged: list, t0: float) -> None:
+  def _complete(self, version: int, staged: list, t0: float) -> None:
     import ray
 
     jax.block_until_ready(staged)
@@ -152,7 +129,7 @@ class ShardPublisher:
       del self._refs[v]  # the rollout holds what it adopted; Ray frees the rest
     ray.get(self._board.post.remote(version, self.process, [ref]))
     faultpoints.point("weight_sync")
-    latest = None
+    latest = None  # only process 0 hands versions to the rollout
     if self.process == 0:
       refs = ray.get(self._board.collect.remote(version, COLLECT_TIMEOUT_S))
       if refs is None:
@@ -160,53 +137,8 @@ class ShardPublisher:
           f"the trainer processes did not all send their shards of version {version} within "
           f"{COLLECT_TIMEOUT_S:.0f} s: a trainer process stopped."
         )
-      latest = (version, ShardedWeights(self._layout, tuple(refs)))
-    seconds = time.perf_counter() - t0
-    with self._ready:
-      if latest is not None:
-        self._latest = latest
-      self.published += 1
-      self.publish_s += seconds
-      self.last_publish_s = seconds
-      self.published_bytes += parts_bytes(parts)
-
-  def _loop(self) -> None:
-    while True:
-      with self._ready:
-        while self._inflight is None and not self._closed:
-          self._ready.wait()
-        if self._inflight is None:
-          return
-        job = self._inflight
-      try:
-        self._send(*job)
-      except BaseException as e:  # surfaced by the next publish or wait
-        with self._ready:
-          self._error = e
-      with self._ready:
-        self._inflight = None
-        self._ready.notify_all()
-
-  def _raise_error(self) -> None:
-    if self._error is not None:
-      raise RuntimeError(f"a weight publish failed: {self._error}") from self._error
-
-  def wait(self) -> None:
-    with self._ready:
-      while self._inflight is not None and self._error is None:
-        self._ready.wait()
-      self._raise_error()
+      latest = ShardedWeights(self._layout, tuple(refs))
+    self._record(version, latest, t0, parts_bytes(parts))
 
   def take_newer(self, version: int | None) -> tuple[int, ShardedWeights] | None:
-    with self._ready:
-      latest = self._latest
-    if latest is None or (version is not None and latest[0] <= version):
-      return None
-    return latest
-
-  def close(self) -> None:
-    with self._ready:
-      self._closed = True
-      self._ready.notify_all()
-    if self._thread is not None:
-      self._thread.join(timeout=60)
+    return self._newest(version)

@@ -61,6 +61,17 @@ def wire_dtype(dtype, sync_dtype: str):
   return jnp.dtype(dtype)
 
 
+def wire_copy(dtypes):
+  """``f(leaves)``: each leaf cast to its wire dtype in a fresh buffer (jit it with the layout
+  wanted). ``copy=True``: a leaf already in the wire dtype still gets its own buffer, never the
+  trainer's (which the next train step donates)."""
+
+  def stage(xs):
+    return [jnp.array(x.astype(t), copy=True) for x, t in zip(xs, dtypes, strict=True)]
+
+  return stage
+
+
 def _indices(s: jax.sharding.Sharding, shape) -> set[tuple]:
   return {
     tuple((i.start, i.stop, i.step) for i in idx) for idx in s.devices_indices_map(shape).values()
@@ -120,7 +131,102 @@ def mirror_sharding(src: jax.sharding.Sharding, dst: jax.sharding.Sharding) -> N
   return NamedSharding(mesh, src.spec)
 
 
-class WeightSync:
+class AsyncPublisher:
+  """What every weight publisher shares: at most one publish in flight (a second waits for the
+  first: backpressure instead of unbounded staging memory), completed by a publisher thread
+  (``publish="async"``) or in the caller's thread (``"blocking"``), its error surfaced by the
+  next publish or ``wait``, and the newest complete version kept for the rollout.
+
+  A subclass dispatches its work, hands the pending part to ``_hand_off``, and implements
+  ``_complete(version, job, t0)``, which finishes it and calls ``_record``.
+  """
+
+  def __init__(self, publish: str):
+    if publish not in ("async", "blocking"):
+      raise ValueError(f"publish={publish!r} is not accepted; choose async or blocking.")
+    self.mode = publish
+    self._lock = threading.Lock()
+    self._ready = threading.Condition(self._lock)
+    self._latest: tuple[int, object] | None = None
+    self._inflight: tuple[int, object, float] | None = None
+    self._error: BaseException | None = None
+    self._closed = False
+    self.published = 0
+    self.publish_s = 0.0  # dispatch to copy complete, summed over versions
+    self.blocked_s = 0.0  # time the trainer's thread spent in publish, summed
+    self.published_bytes = 0
+    self.last_publish_s = 0.0
+    self._thread = None
+    if publish == "async":
+      self._thread = threading.Thread(target=self._loop, name="weight-sync", daemon=True)
+      self._thread.start()
+
+  def _complete(self, version: int, job, t0: float) -> None:
+    raise NotImplementedError
+
+  def _hand_off(self, version: int, job, t0: float, *, block: bool) -> None:
+    """Completes ``job`` now (blocking) or hands it to the publisher thread."""
+    if self._thread is None or block:
+      self._complete(version, job, t0)
+      return
+    with self._ready:
+      self._inflight = (version, job, t0)
+      self._ready.notify_all()
+
+  def _record(self, version: int, latest, t0: float, nbytes: int) -> None:
+    """Counts a completed publish; ``latest`` (None: none) becomes what ``take_newer`` sees."""
+    seconds = time.perf_counter() - t0
+    with self._ready:
+      if latest is not None:
+        self._latest = (version, latest)
+      self.published += 1
+      self.publish_s += seconds
+      self.last_publish_s = seconds
+      self.published_bytes += nbytes
+
+  def _loop(self) -> None:
+    while True:
+      with self._ready:
+        while self._inflight is None and not self._closed:
+          self._ready.wait()
+        if self._inflight is None:
+          return
+        job = self._inflight
+      try:
+        self._complete(*job)
+      except BaseException as e:  # surfaced by the next publish or wait
+        with self._ready:
+          self._error = e
+      with self._ready:
+        self._inflight = None
+        self._ready.notify_all()
+
+  def wait(self) -> None:
+    """Blocks until the publish in flight (if any) is visible to ``take_newer``."""
+    with self._ready:
+      while self._inflight is not None and self._error is None:
+        self._ready.wait()
+      if self._error is not None:
+        raise RuntimeError(f"a weight publish failed: {self._error!r}") from self._error
+
+  def _newest(self, version: int | None):
+    """The newest complete ``(version, value)`` if newer than ``version`` (None: any)."""
+    with self._lock:
+      latest = self._latest
+    if latest is None or (version is not None and latest[0] <= version):
+      return None
+    return latest
+
+  def close(self) -> None:
+    """Lets the in-flight publish finish, then stops the publisher thread."""
+    with self._ready:
+      self._closed = True
+      self._ready.notify_all()
+    if self._thread is not None:
+      self._thread.join(timeout=60)
+
+
+class WeightSync(AsyncPublisher):
   """The hand-off point between the trainer (publishes) and the rollout (takes).
 
   Args:
@@ -141,42 +247,21 @@ class WeightSync:
   ):
     if sync_dtype not in SYNC_DTYPES:
       raise ValueError(f"sync_dtype={sync_dtype!r} is not accepted; choose one of {SYNC_DTYPES}.")
-    if publish not in ("async", "blocking"):
-      raise ValueError(f"publish={publish!r} is not accepted; choose async or blocking.")
+    super().__init__(publish)
     self._dst = jax.tree.leaves(rollout_shardings)
     self._base = base
-    self.sync_dtype, self.mode = sync_dtype, publish
+    self.sync_dtype = sync_dtype
     # Built at the first publish: the jitted cast-and-lay-out on the train mesh, the layout
     # crossing to the rollout devices, and (shard-wise route) the gather there.
     self._stage = self._staged = self._wire = self._gather = None
     self.route = ""
-    self._lock = threading.Lock()
-    self._ready = threading.Condition(self._lock)
-    self._latest: tuple[int, object] | None = None
-    self._inflight: tuple[int, object, float] | None = None
-    self._error: BaseException | None = None
-    self._closed = False
-    self._thread = None
-    if publish == "async":
-      self._thread = threading.Thread(target=self._finish_loop, name="weight-sync", daemon=True)
-      self._thread.start()
-    self.published = 0
-    self.publish_s = 0.0  # dispatch to copy complete, summed over versions
-    self.blocked_s = 0.0  # time the trainer's thread spent in publish, summed
-    self.published_bytes = 0
-    self.last_publish_s = 0.0
 
   def _build_stage(self, leaves):
     if len(leaves) != len(self._dst):
       raise ValueError(
         f"published params have {len(leaves)} leaves but the rollout shardings {len(self._dst)}."
       )
-    dtypes = [wire_dtype(x.dtype, self.sync_dtype) for x in leaves]
-
-    def stage(xs):
-      # jnp.array(copy=True): a leaf already in the wire dtype and layout still gets a fresh
-      # buffer, never the trainer's own (which the next train step donates).
-      return [jnp.array(x.astype(t), copy=True) for x, t in zip(xs, dtypes, strict=True)]
+    stage = wire_copy([wire_dtype(x.dtype, self.sync_dtype) for x in leaves])
 
     mirrors = [mirror_sharding(x.sharding, d) for x, d in zip(leaves, self._dst, strict=True)]
     if all(m is not None for m in mirrors):
@@ -210,10 +295,7 @@ class WeightSync:
     """
     t0 = time.perf_counter()
     leaves, treedef = jax.tree.flatten(params)
-    with self._ready:
-      while self._inflight is not None and self._error is None:
-        self._ready.wait()
-      self._raise_error()
+    self.wait()  # the previous publish first (and its error, if it failed)
     if self._stage is None:
       self._stage = self._build_stage(leaves)
     # Each jitted part runs under its own devices' mesh (publish is called under the trainer's).
@@ -223,74 +305,22 @@ class WeightSync:
     if self._gather is not None:
       with jax.set_mesh(self._dst[0].mesh):
         moved = self._gather(moved)
-    moved = jax.tree.unflatten(treedef, moved)
-    if self._thread is None or block:
-      jax.block_until_ready(moved)
-      self._finish(version, moved, t0)
-    else:
-      with self._ready:
-        self._inflight = (version, moved, t0)
-        self._ready.notify_all()
+    self._hand_off(version, jax.tree.unflatten(treedef, moved), t0, block=block)
     held = time.perf_counter() - t0
     self.blocked_s += held
     return held
 
-  def _finish(self, version: int, moved, t0: float) -> None:
+  def _complete(self, version: int, moved, t0: float) -> None:
+    jax.block_until_ready(moved)
     faultpoints.point("weight_sync")
-    seconds = time.perf_counter() - t0
-    with self._ready:
-      self._latest = (version, moved)
-      self.published += 1
-      self.publish_s += seconds
-      self.last_publish_s = seconds
-      self.published_bytes += lora.tree_bytes(moved)
-
-  def _finish_loop(self) -> None:
-    while True:
-      with self._ready:
-        while self._inflight is None and not self._closed:
-          self._ready.wait()
-        if self._inflight is None:
-          return
-        version, moved, t0 = self._inflight
-      try:
-        jax.block_until_ready(moved)
-        self._finish(version, moved, t0)
-      except BaseException as e:  # surfaced by the next publish or wait
-        with self._ready:
-          self._error = e
-      with self._ready:
-        self._inflight = None
-        self._ready.notify_all()
-
-  def _raise_error(self) -> None:
-    if self._error is not None:
-      raise RuntimeError(f"a weight publish failed: {self._error!r}") from self._error
-
-  def wait(self) -> None:
-    """Blocks until the publish in flight (if any) is visible to ``take_newer``."""
-    with self._ready:
-      while self._inflight is not None and self._error is None:
-        self._ready.wait()
-      self._raise_error()
-
-  def close(self) -> None:
-    """Lets the in-flight publish finish, then stops the publisher thread."""
-    with self._ready:
-      self._closed = True
-      self._ready.notify_all()
-    if self._thread is not None:
-      self._thread.join(timeout=60)
+    self._record(version, moved, t0, lora.tree_bytes(moved))
 
   def take_newer(self, version: int | None) -> tuple[int, object] | None:
     """The newest complete ``(version, params)`` if newer than ``version`` (None: any), else None.
 
     With a ``base`` the params are the base joined with the published adapters (no copy).
     """
-    with self._lock:
-      latest = self._latest
-    if latest is None or (version is not None and latest[0] <= version):
-      return None
-    if self._base is not None:
+    latest = self._newest(version)
+    if latest is not None and self._base is not None:
       return latest[0], lora.combine(self._base, latest[1])
     return latest

@@ -1,0 +1,130 @@
+"""The coordination service of JAX's distributed runtime, as a run's processes use it.
+
+Its key-value store (held open by ``jax.distributed``, served by process 0) carries what one
+process announces to the others (`announce`, `hear`, `forget`), and each process's pulse:
+`GroupWatch` ends a process with one sentence when another one is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import jax
+
+PULSE_S = 1.0  # each process counts up its pulse in the key-value store this often
+SILENCE_S = 30.0  # a process whose pulse stops this long is taken for dead
+_PREFIX = "knitjax/"
+
+
+def _client():
+  from jax._src import distributed
+
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError(
+      "a multi-process trainer needs JAX's distributed runtime: run with --distributed."
+    )
+  return client
+
+
+def announce(key: str, value) -> None:
+  """Sets ``key`` to ``value`` (JSON) in the coordination service's key-value store."""
+  _client().key_value_set(_PREFIX + key, json.dumps(value))
+
+
+def hear(key: str, timeout_s: float):
+  """The JSON value of ``key``, waiting up to ``timeout_s``; None if it did not come in time."""
+  try:
+    raw = _client().blocking_key_value_get(_PREFIX + key, max(1, int(timeout_s * 1000)))
+  except Exception as e:  # the runtime raises its own error types for a deadline and a lost peer
+    if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+      return None
+    raise RuntimeError(
+      f"trainer process {jax.process_index()} lost the coordination service (process 0) while "
+      f"waiting for {key!r}: {str(e).splitlines()[0]}"
+    ) from e
+  return json.loads(raw)
+
+
+def forget(key: str) -> None:
+  # a key already gone, or the service going down at the end
+  with contextlib.suppress(Exception):
+    _client().key_value_delete(_PREFIX + key)
+
+
+class GroupWatch:
+  """Ends this process with one sentence when another trainer process dies.
+
+  A thread counts this process's pulse up in the key-value store every ``PULSE_S`` and reads
+  the others'. A pulse that stops for ``silence_s`` (kill -9, a lost host), or a store that is
+  gone (process 0, which holds it, died), writes one line to stderr and exits the process with
+  status 1: the survivors may be blocked inside a collective that never returns, and JAX's own
+  heartbeat check would only abort them later with a stack trace. Nothing is lost: the run
+  resumes from its last checkpoint, whose logs are cut back to what it covers. ``done()`` marks
+  a process that finished, so its silence is not a death.
+  """
+
+  def __init__(self, *, silence_s: float = SILENCE_S):
+    import threading
+
+    self.process, self.processes = jax.process_index(), jax.process_count()
+    self._silence = silence_s
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, name="group-watch", daemon=True)
+    self._thread.start()
+
+  def _loop(self) -> None:
+    client = _client()
+    seen = {k: (None, time.monotonic()) for k in range(self.processes) if k != self.process}
+    while not self._stop.wait(PULSE_S):
+      try:
+        client.key_value_increment(f"{_PREFIX}pulse/{self.process}", 1)
+        for k, (last, since) in list(seen.items()):
+          if _try_get(client, f"{_PREFIX}done/{k}") is not None:
+            del seen[k]
+            continue
+          pulse = _try_get(client, f"{_PREFIX}pulse/{k}")
+          now = time.monotonic()
+          if pulse != last:
+            seen[k] = (pulse, now)
+          elif now - since > self._silence:
+            _die(
+              f"trainer process {k} sent no pulse for {self._silence:.0f} s (killed, or its host "
+              "was lost); this process stops too. Restart every trainer process to resume "
+              "from the last checkpoint."
+            )
+      except Exception as e:  # noqa: BLE001 - the store itself is gone
+        if self._stop.is_set():
+          return
+        _die(
+          f"trainer process {self.process} lost the coordination service of process 0 "
+          f"({str(e).splitlines()[0][:120]}); this process stops too. Restart every trainer "
+          "process to resume from the last checkpoint."
+        )
+
+  def done(self) -> None:
+    """This process finished its steps: the others stop watching it."""
+    self._stop.set()
+    self._thread.join(timeout=10)
+    with contextlib.suppress(Exception):
+      _client().key_value_set(f"{_PREFIX}done/{self.process}", "1", allow_overwrite=True)
+
+
+def _try_get(client, key: str) -> str | None:
+  try:
+    return client.key_value_try_get(key)
+  except Exception as e:
+    if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+      return None
+    raise
+
+
+def _die(sentence: str) -> None:
+  import sys
+
+  sys.stderr.write(f"error: {sentence}\n")
+  sys.stderr.flush()
+  os._exit(1)
