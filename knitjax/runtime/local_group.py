@@ -25,8 +25,9 @@ def launch(args: list[str], workdir: str, envs: list[dict], *, timeout: float = 
   """Runs ``python -m knitjax.main ARGS --workdir WORKDIR`` as ``len(envs)`` processes of one
   ``--distributed`` run (coordinator on a free loopback port), process ``k`` with the extra
   environment ``envs[k]`` and its own devices (``config.mesh.cpu_devices``); ``on_start()`` runs
-  once all are started. Returns each process's ``(exit code, stderr)``; processes still running
-  after ``timeout`` seconds are killed."""
+  once all are started. Returns each process's ``(exit code, stderr)``; each process's stderr is
+  also kept in ``WORKDIR/stderr.p<k>.<ns>``. Past ``timeout`` seconds the processes still
+  running are killed and ``subprocess.TimeoutExpired`` is raised."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
