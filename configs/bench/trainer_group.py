@@ -3,9 +3,10 @@
     python -m knitjax.bench --config configs/bench/trainer_group.py --workdir runs/bench_group
     python -m knitjax.bench --config configs/bench/trainer_group.py:quick --workdir /tmp/bgq
 
-Both variants train on 4 devices (FSDP) with the rollout in 2 Ray actors: ``one`` is one trainer process
-of 8 fake devices (4 train; 4 stage the published weights, the one-process route), ``two`` is 2
-trainer processes of 2 devices each (one global mesh of 4; each process sends its own shards).
+Both variants train on 4 devices (FSDP) with the rollout in 2 Ray actors: ``one`` is one
+trainer process of 8 fake devices (4 train; 4 stage the published weights, the one-process
+route), ``two`` is 2 trainer processes of 2 devices each (one global mesh of 4; each process
+sends its own shards).
 The point: `configs/bench/staleness_real.py:paper`'s regime (32 groups a step, M = 16
 mini-batches of one group of each class, 32 slots), admission ``minibatch`` at ``depth``, a tiny
 learning rate (a stationary workload), ``steps`` train steps measured after ``warmup_steps``,
