@@ -1,0 +1,2 @@
+"""An emulated cluster on one machine (`hosts`, `net`, `reaper`) and the scale that maps a real
+workload onto it (`scale`). See docs/cluster.md."""
