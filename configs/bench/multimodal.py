@@ -41,6 +41,12 @@ def get_config(arg=None):
   c.warmup = 1
   c.steps = 3
   c.bandwidths_gbps = (25.0, 100.0)
+  # Placement in a Ray cluster (the emulated cluster, configs/bench/cluster.py, sets them):
+  # its address, the node IPs the storage units go to (comma-separated, round-robin) and the
+  # centralized driver's node IP; "" = a local Ray, placed by Ray.
+  c.ray_address = ""
+  c.unit_nodes = ""
+  c.driver_node = ""
   c.workload = dict(
     group_size=8,
     groups_per_step=4,
@@ -80,13 +86,20 @@ def get_config(arg=None):
     uint8_rows=dict(row_format="uint8"),
     pipelined=dict(release="pipelined"),
   )
-  if arg == "quick":
+  if arg == "cluster":  # the emulated cluster: the main workload, released as each regime does
+    c.sweep = dict(pipelined=dict(release="pipelined"))
+  if arg in ("quick", "cluster_quick"):
     c.warmup = 1
     c.steps = 1
     c.workload.update(image_size=56, group_size=4, text_tokens=4, response_tokens=8)
     c.vision.update(image_size=56, d_model=32, head_dim=8, mlp_dim=64, projector_dim=32)
     c.model.update(d_model=32, head_dim=8, ffn_dim=64)
     c.sweep = dict(g8=dict(group_size=8))
-  elif arg not in (None, ""):
-    raise ValueError(f"unknown variant {arg!r} of configs/bench/multimodal.py; choose: quick.")
+    if arg == "cluster_quick":
+      c.sweep = dict()
+  elif arg not in (None, "", "cluster"):
+    raise ValueError(
+      f"unknown variant {arg!r} of configs/bench/multimodal.py; choose: quick, cluster, "
+      "cluster_quick."
+    )
   return c

@@ -199,12 +199,18 @@ def measure(config, w: Workload, mesh) -> dict:
   limits = StorageLimits(
     vocab_size=model.vocab_size, max_seq_len=plen + w.response_tokens, max_bytes=1 << 34
   )
-  units = [RayStorageUnit(limits, unit_id=u) for u in range(config.storage_units)]
+  unit_nodes = _node_ids(config.get("unit_nodes", ""))
+  units = [
+    RayStorageUnit(
+      limits, unit_id=u, node_id=unit_nodes[u % len(unit_nodes)] if unit_nodes else None
+    )
+    for u in range(config.storage_units)
+  ]
   try:
     raw = {u.unit_id: u for u in units}
     steps_mbs = write_groups(raw, w, vision, 2 * total_steps, model.vocab_size, config.seed)
     counted = {u: modes.Counted(unit) for u, unit in raw.items()}
-    driver = ray.remote(modes.Driver).options(num_cpus=0)
+    driver = ray.remote(modes.Driver).options(num_cpus=0, **_placed(config.get("driver_node", "")))
     driver = driver.remote(raw, layout, config.consumers, w.row_format)
     trainers = {
       "centralized": _trainer(config, model, vision, mesh, dedup=False),
@@ -254,6 +260,25 @@ def measure(config, w: Workload, mesh) -> dict:
   finally:
     for u in units:
       u.close()
+
+
+def _node_ids(addresses: str) -> list[str]:
+  """Ray node ids of the nodes at ``addresses`` (comma-separated IPs; "": none given)."""
+  import ray
+
+  wanted = [a.strip() for a in addresses.split(",") if a.strip()]
+  nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+  missing = [a for a in wanted if a not in nodes]
+  if missing:
+    raise ValueError(f"no live Ray node at {missing}; the cluster's nodes are {sorted(nodes)}.")
+  return [nodes[a] for a in wanted]
+
+
+def _placed(address: str) -> dict:
+  from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+  ids = _node_ids(address)
+  return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ids[0], soft=False)} if ids else {}
 
 
 def _modelled(out: dict, config, w: Workload) -> dict:
