@@ -39,11 +39,16 @@ def get_config(arg=None):
   c.repeats = 2  # runs at the real link rate
   c.sweep_gbps = (5.0, 10.0, 50.0, 100.0)  # one run each
   c.run_timeout_s = 900
+  # The staleness grid and learning (configs/bench/staleness_real.py:<variant>, "" = skip),
+  # with these extra flags.
+  c.staleness_variant = "paper"
+  c.staleness_flags = ()
   if arg == "quick":
     c.multimodal_variant = "cluster_quick"
     c.repeats = 1
     c.sweep_gbps = (100.0,)
     c.run_timeout_s = 300
+    c.staleness_variant = ""  # the grid takes half an hour; run it with the full variant
   elif arg not in (None, ""):
     raise ValueError(f"unknown variant {arg!r} of configs/bench/cluster.py; choose: quick.")
   return c

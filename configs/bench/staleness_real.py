@@ -51,6 +51,10 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   # > 0: disaggregated runs generate in that many rollout host processes (`--role=rollout`,
   # config.runtime.rollout_hosts) instead of a thread of the trainer's process.
   c.rollout_hosts = 0
+  # > 0: every run in an emulated cluster (knitjax/cluster, needs root and iproute2): the trainer
+  # and the rollout host each on a host of its own core, a colocated run on a host of both cores,
+  # links shaped at this rate. Needs rollout_hosts=1.
+  c.cluster_link_mbit = 0.0
   # Reuse finished runs of the same config already in the workdir (judge recorded runs again,
   # e.g. after a calibration change) instead of running them again.
   c.reuse_runs = False

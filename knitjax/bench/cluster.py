@@ -14,6 +14,11 @@ baseline's driver), joined as one Ray cluster over their own addresses. Then:
    cross the shaped links: storage host -> trainer host (on demand), storage host -> controller
    -> trainer host (centralized).
 
+3. **Staleness**: the real staleness benchmark (configs/bench/staleness_real.py,
+   ``staleness_variant``), each run in a cluster of its own: the trainer and the rollout host on
+   hosts of one core each, a colocated run on a host of both cores, links at the dilated rate.
+   The simulator predicts each of its points.
+
 Writes ``DIR/cluster.json`` (the dilation and its inputs, each run, the headline figures; the
 claims not measured yet are null with the reason) and ``DIR/cluster.png``.
 """
@@ -124,6 +129,64 @@ def _figures(mm: dict) -> dict:
   return out
 
 
+def _staleness(config, rate_mbit: float, workdir: str, log) -> dict | None:
+  """The real staleness benchmark (configs/bench/staleness_real.py, ``staleness_variant``) with
+  every run in an emulated cluster of its own (trainer, rollout host, colocated: one host each,
+  links at ``rate_mbit``); returns its headline figures and learning, or None when not asked."""
+  if not config.staleness_variant:
+    return None
+  argv = [sys.executable, "-m", "knitjax.bench"]
+  argv += ["--config", f"configs/bench/staleness_real.py:{config.staleness_variant}"]
+  argv += ["--workdir", workdir, f"--config.cluster_link_mbit={rate_mbit}"]
+  argv += ["--config.rollout_hosts=1", *config.staleness_flags]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = REPO
+  os.makedirs(workdir, exist_ok=True)
+  log(f"cluster: staleness runs in {workdir} (links at {rate_mbit:.0f} Mbit/s)")
+  with open(os.path.join(workdir, "log.txt"), "w") as f:
+    p = subprocess.run(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+  if p.returncode != 0:
+    with open(os.path.join(workdir, "log.txt")) as f:
+      raise RuntimeError(f"the staleness runs in {workdir} failed: {f.read()[-1500:]}")
+  with open(os.path.join(workdir, "staleness_real.json")) as f:
+    st = json.load(f)
+  with open(os.path.join(workdir, "learning.json")) as f:
+    learn = json.load(f)
+  return {
+    "weight_sync": _weight_sync(os.path.join(workdir, "runs")),
+    "cut_matched": st["reduction"],
+    "cut_equal": st["reduction_equal_config"],
+    "throughput_gain": st["throughput_gain"],
+    "disaggregated_over_colocated_throughput": st["disaggregated_over_colocated_throughput"],
+    "policies": st["policies"],
+    "checks": st["checks"],
+    "sim_max_rel_error": st["max_abs_rel_error"],
+    "predicted": st["predicted"],
+    "learning": learn,
+    "command": " ".join(argv),
+  }
+
+
+def _weight_sync(runs_dir: str) -> dict | None:
+  """Seconds and bytes per version each rollout host pulled across its link (its counters)."""
+  per_run = {}
+  for name in sorted(os.listdir(runs_dir)):
+    path = os.path.join(runs_dir, name, "rollout_host0.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        h = json.load(f)
+      if h["versions"]:
+        per_run[name] = {"seconds": h["pull_s"] / h["versions"], "bytes": h["version_bytes"]}
+  if not per_run:
+    return None
+  seconds = sorted(r["seconds"] for r in per_run.values())
+  return {
+    "seconds": seconds[len(seconds) // 2],
+    "bytes": next(iter(per_run.values()))["bytes"],
+    "per_run": per_run,
+  }
+
+
 def _naive_s_per_row(mm: dict) -> float:
   main = mm["main"]
   w = main["workload"]
@@ -161,6 +224,7 @@ def run(config, workdir: str) -> dict:
         runs.append({"real_gbps": gbps, "link_mbit": rate, "figures": _figures(mm)})
     finally:
       shutil.rmtree(temp_dir, ignore_errors=True)
+  staleness = _staleness(config, d["link_mbit"], os.path.join(workdir, "staleness"), log)
   headline = [r for r in runs if r["real_gbps"] == real.link_gbps]
   out = {
     "bench": "cluster",
@@ -176,10 +240,9 @@ def run(config, workdir: str) -> dict:
       },
       "runs": runs,
     },
-    "staleness": None,
-    "weight_sync": None,
-    "sim_max_rel_error": None,
-    "not_measured": "staleness, weight sync and the simulator's points are not in this bench yet.",
+    "staleness": staleness,
+    "weight_sync": staleness and staleness["weight_sync"],
+    "sim_max_rel_error": staleness and staleness["sim_max_rel_error"],
     "wall_s": time.time() - t0,
   }
   write_json(workdir, "cluster", out)

@@ -39,12 +39,20 @@ def get_config(arg=None):
 
 
 def launch(
-  config: mc.ConfigDict, root: str, name: str, *, in_process: bool = False, write_only: bool = False
+  config: mc.ConfigDict,
+  root: str,
+  name: str,
+  *,
+  in_process: bool = False,
+  write_only: bool = False,
+  spawn=None,
 ) -> dict:
   """Runs ``config`` from scratch in ``root/runs/<name>``; returns ``{"workdir", "command"}``.
 
   ``write_only``: only writes the config file (``root/configs/<name>.py``) and clears the
   workdir, for a caller that starts the run itself (e.g. as several processes).
+  ``spawn(role, argv, **popen) -> Popen`` starts each process (``role``: ``"train"`` or
+  ``"rollout"``), e.g. inside an emulated cluster's hosts; default: here.
 
   Raises:
     RuntimeError: the run failed (its last output lines are in the message).
@@ -72,8 +80,10 @@ def launch(
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("XLA_FLAGS", None)  # knitjax.main sets the run's own device count
     # runtime.rollout_hosts: the rollout runs in that many more processes beside the trainer
+    spawn = spawn or (lambda role, argv, **popen: subprocess.Popen(argv, **popen))
     hosts = [
-      subprocess.Popen(
+      spawn(
+        "rollout",
         [*command, "--role=rollout"],
         cwd=REPO,
         env=env,
@@ -83,7 +93,11 @@ def launch(
       )
       for _ in range(config.runtime.get("rollout_hosts", 0))
     ]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    trainer = spawn(
+      "train", command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc = subprocess.CompletedProcess(command, 0, *trainer.communicate())
+    proc.returncode = trainer.returncode
     host_errors = []
     for h in hosts:
       try:

@@ -42,7 +42,9 @@ from knitjax.sim.frontier import compare
 POLICIES = ("train_batch", "minibatch")
 
 
-def _variant(config: mc.ConfigDict, *, mode, policy, depth, steps, lr) -> mc.ConfigDict:
+def _variant(
+  config: mc.ConfigDict, *, mode, policy, depth, steps, lr, listen: str = ""
+) -> mc.ConfigDict:
   c = copy.deepcopy(config.train)
   c.runtime.mode = mode
   c.runtime.steps = steps
@@ -56,6 +58,8 @@ def _variant(config: mc.ConfigDict, *, mode, policy, depth, steps, lr) -> mc.Con
     # The rollout in its own process(es): each side keeps the device count it had in one process.
     c.runtime.rollout_hosts = config.rollout_hosts
     c.mesh.cpu_devices = c.runtime.rollout_devices or max(1, c.mesh.cpu_devices // 2)
+    if listen:
+      c.runtime.rollout_listen = f"{listen}:0"
   return c
 
 
@@ -68,9 +72,14 @@ def _key(policy: str, depth: float) -> str:
   return "colocated" if policy == "colocated" else f"{policy}_d{depth:g}"
 
 
-def _runs(config: mc.ConfigDict, workdir: str) -> dict:
-  """Launches every run; returns name -> {config, command, run, policy, depth, key}."""
+def _runs(config: mc.ConfigDict, workdir: str, cluster=None) -> dict:
+  """Launches every run; returns name -> {config, command, run, policy, depth, key}.
+
+  ``cluster``: an emulated cluster of 3 hosts (`_cluster`) to run them in: the trainer on host 0,
+  the rollout host on host 1, a colocated run on host 2 (host 0's and 1's cores together).
+  """
   out = {}
+  listen = cluster.hosts[0].address if cluster else ""
 
   def go(name, policy, depth, steps, lr, seed=None):
     mode = "colocated" if policy == "colocated" else "disaggregated"
@@ -81,12 +90,17 @@ def _runs(config: mc.ConfigDict, workdir: str) -> dict:
       depth=depth,
       steps=steps,
       lr=lr,
+      listen=listen,
     )
     if seed is not None:
       cfg.seed = seed
     launched = reused(cfg, workdir, name, steps) if config.reuse_runs else None
     if launched is None:
-      launched = launch(cfg, workdir, name, in_process=config.in_process)
+      spawn = None
+      if cluster is not None:
+        host = {"rollout": 1, "train": 0 if mode == "disaggregated" else 2}
+        spawn = lambda role, argv, **popen: cluster.spawn(host[role], argv, **popen)  # noqa: E731
+      launched = launch(cfg, workdir, name, in_process=config.in_process, spawn=spawn)
     run_ = read_run(launched["workdir"])
     out[name] = {**launched, "config": cfg, "policy": policy, "depth": depth, "run": run_}
     out[name]["key"] = _key(policy, depth)
@@ -218,11 +232,33 @@ def _by_policy(points: dict) -> dict:
   return out
 
 
+def _cluster(config: mc.ConfigDict):
+  """Hosts for the runs: the trainer on core 0, the rollout host on core 1, a colocated run on
+  both, each link shaped at ``config.cluster_link_mbit`` (`knitjax.cluster.hosts`)."""
+  from knitjax.cluster import net
+  from knitjax.cluster.hosts import Cluster, HostSpec
+
+  if problem := net.missing_tools():
+    raise ValueError(problem)
+  if config.in_process or not config.get("rollout_hosts", 0):
+    raise ValueError(
+      "config.cluster_link_mbit > 0 runs the rollout in a rollout host on its own host: set "
+      "config.rollout_hosts=1 and config.in_process=False."
+    )
+  rate = float(config.cluster_link_mbit)
+  cores = ((0,), (1,), (0, 1))
+  return Cluster([HostSpec(cores=c, rate_mbit=rate) for c in cores])
+
+
 def run(config: mc.ConfigDict, workdir: str) -> dict:
   """Runs the benchmark; writes the JSON files and plots; returns the result."""
   if config.reference_depth not in config.depths:
     raise ValueError(f"config.reference_depth={config.reference_depth} is not in {config.depths}.")
-  runs = _runs(config, workdir)
+  if config.get("cluster_link_mbit", 0):
+    with _cluster(config) as cluster:
+      runs = _runs(config, workdir, cluster)
+  else:
+    runs = _runs(config, workdir)
   warm = config.warmup_steps
   frontier_runs = _frontier_runs(runs)
   per_run = {

@@ -5,7 +5,8 @@ Parts (``--parts``): ``kill`` (SIGKILL at fault points and resume, both runtime 
 and their extremes, payloads, records, prompt files, checkpoints, hostile model folders),
 ``entry_points`` (every command fed a hostile command line), ``workdir`` (two runs on one workdir,
 SIGINT / SIGTERM, SIGKILL during a resume, a full disk), ``handshake`` (hostile peers at the
-rollout endpoint), and ``backpressure`` (10x over-production against the storage byte budget).
+rollout endpoint), ``backpressure`` (10x over-production against the storage byte budget), and
+``network`` (a link down, packet loss, a partition, across an emulated cluster; needs root).
 The ``entry_points`` and ``workdir`` parts mount (a read-only bind, a small tmpfs) when run as
 root and skip those cases otherwise. See docs/reliability.md.
 """
@@ -24,7 +25,7 @@ from knitjax import cli
 _WORKDIR = flags.DEFINE_string("workdir", None, "Scratch folder; faults.json is written here.")
 _PARTS = flags.DEFINE_list(
   "parts",
-  ["kill", "actors", "inputs", "entry_points", "workdir", "handshake", "backpressure"],
+  ["kill", "actors", "inputs", "entry_points", "workdir", "handshake", "backpressure", "network"],
   "Parts to run.",
 )
 _KILLS = flags.DEFINE_integer("kills", 10, "Kill-resume trials per runtime mode.")
@@ -80,6 +81,13 @@ def _table(results: dict) -> str:
       f"backpressure   | budget held: {r['budget_held']} (peak {r['peak_bytes']} of "
       f"{r['max_bytes']} bytes), deadlock: {r['deadlock']}, peak RSS {r['peak_rss_mib']:.0f} MiB"
     )
+  if "network" in results:
+    r = results["network"]
+    if "skipped" in r:
+      lines.append(f"network        | skipped: {r['skipped']}")
+    for name, t in r.get("trials", {}).items():
+      result = "ok" if t["ok"] else "; ".join(t["problems"])[:160]
+      lines.append(f"network        | {name}: {t['outcome']}, {result}")
   return "\n".join(lines)
 
 
@@ -143,10 +151,14 @@ def main(argv):
       from knitjax.faults import backpressure
 
       results["backpressure"] = backpressure.run()
+    elif part == "network":
+      from knitjax.faults import network
+
+      results["network"] = network.run(os.path.join(workdir, "network"))
     else:
       sys.exit(
         f"error: --parts {part!r} is not accepted; choose from kill, actors, inputs, entry_points, "
-        "workdir, handshake, backpressure."
+        "workdir, handshake, backpressure, network."
       )
     results.setdefault("seconds", {})[part] = time.time() - t0
     save()

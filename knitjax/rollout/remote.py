@@ -116,11 +116,27 @@ def _cut(conn: mpc.Connection, cut: threading.Event) -> None:
     sock.shutdown(socket.SHUT_RDWR)
 
 
-def no_delay(conn: mpc.Connection) -> mpc.Connection:
-  """Turns off Nagle's algorithm on ``conn``'s socket: the protocol sends small messages back to
-  back (starts, answers), which Nagle plus delayed ACKs would hold up to ~40 ms each."""
+DEAD_PEER_S = 40  # a peer unreachable this long fails the connection (see `tuned`)
+
+
+def tuned(conn: mpc.Connection) -> mpc.Connection:
+  """Sets the TCP options of a trainer-host connection on ``conn``'s socket:
+
+  - Nagle's algorithm off: the protocol sends small messages back to back (starts, answers),
+    which Nagle plus delayed ACKs would hold up to ~40 ms each;
+  - a lost peer is noticed: keepalive probes after 10 s of silence, every 5 s, the connection
+    failing after 6 unanswered ones, and ``TCP_USER_TIMEOUT``: data unacknowledged for
+    ``DEAD_PEER_S`` fails it too. A partitioned host or trainer then ends the run with one
+    sentence within about ``DEAD_PEER_S`` instead of a read that waits forever; a link that is
+    down for less than that only delays the run.
+  """
   with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same socket, a second fd
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 6)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, DEAD_PEER_S * 1000)
   return conn
 
 
@@ -313,7 +329,7 @@ class RemoteRollout:
         else "closed the connection during the handshake"
       )
     else:
-      inbox.put((no_delay(conn), hello, peer))
+      inbox.put((tuned(conn), hello, peer))
       return
     finally:
       watchdog.cancel()

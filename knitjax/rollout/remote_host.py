@@ -12,6 +12,7 @@ the run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import threading
@@ -24,7 +25,7 @@ import jax
 from knitjax import faultpoints
 from knitjax.rollout import wire
 from knitjax.rollout.contract import Rollout
-from knitjax.rollout.remote import no_delay, reply, result, split_address
+from knitjax.rollout.remote import reply, result, split_address, tuned
 from knitjax.transfer.storage import StorageUnit
 
 _CALLS = ("start", "adopt", "seed", "room", "close")  # what the trainer sends while the host serves
@@ -58,7 +59,7 @@ def connect(
   while True:
     where = address() if callable(address) else address
     try:
-      conn = no_delay(mpc.Client(split_address(where), authkey=authkey))
+      conn = tuned(mpc.Client(split_address(where), authkey=authkey))
       wire.send(conn, *hello)
       return conn
     except mpc.AuthenticationError:
@@ -119,6 +120,11 @@ def serve(
   threading.Thread(target=_serve_storage, args=(storage, a.storage), daemon=True).start()
   wire.recv(control, ("go",), "the trainer")  # both connections are up
   counts = {"unit_id": unit_id, "groups": 0, "versions": 0, "steps": 0, "step_s": 0.0}
+  # What each version weighs on the wire, and the seconds the versions took to arrive.
+  counts["version_bytes"] = sum(
+    math.prod(shape) * jax.numpy.dtype(dtype).itemsize for _, shape, dtype in paths
+  )
+  counts["pull_s"] = 0.0
   rollout, state = a.rollout, {"key": None, "room": False, "starts_seen": 0}
 
   def report(metas) -> None:
@@ -130,7 +136,10 @@ def serve(
       state["starts_seen"] += 1
     elif kind == "adopt":
       offer_id, version = args
-      rollout.adopt(fetch(offer_id), version)
+      t0 = time.perf_counter()
+      params = fetch(offer_id)  # the version crosses the link: its seconds are the pull's
+      counts["pull_s"] += time.perf_counter() - t0
+      rollout.adopt(params, version)
       counts["versions"] += 1
     elif kind == "seed":
       state["key"] = jax.random.wrap_key_data(args[0])

@@ -254,4 +254,8 @@ def serve(config: Config, workdir: str) -> dict:
     timeout_s=r.rollout_host_wait_s,
   )
   logging.info("rollout host finished: %s", json.dumps(counts))
+  # beside the run's records, for benchmarks (pull_s: seconds the versions took to arrive)
+  wd.replace_atomically(
+    wd.path(workdir) / f"rollout_host{counts['unit_id']}.json", json.dumps(counts)
+  )
   return counts

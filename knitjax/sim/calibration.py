@@ -112,7 +112,9 @@ TIMELINE_COLUMNS = 9  # `ContinuousEngine.timeline` rows
 
 def timeline_rows(timeline) -> np.ndarray:
   """An engine call timeline as a [calls, 9] float array."""
-  rows = np.asarray(timeline if len(timeline) else np.zeros((0, TIMELINE_COLUMNS)), np.float64)
+  if not len(timeline):  # e.g. a trainer whose engine ran in a rollout host
+    return np.zeros((0, TIMELINE_COLUMNS))
+  rows = np.asarray(timeline, np.float64)
   rows = rows.reshape(len(rows), -1)
   if rows.shape[1] != TIMELINE_COLUMNS:
     raise ValueError(

@@ -395,3 +395,26 @@ def test_a_port_in_use_is_one_sentence_at_once():
     ):
       remote.RemoteRollout(1, address, TOKEN, published={}, weights=None, timeout_s=30)
     assert time.monotonic() - t0 < 1
+
+
+def test_connections_notice_a_lost_peer_within_dead_peer_s():
+  """Keepalive and TCP_USER_TIMEOUT bound how long a partitioned peer goes unnoticed."""
+  listener = mpc.Listener(("127.0.0.1", 0))
+  client = mpc.Client(listener.address)
+  server = listener.accept()
+  try:
+    for conn in (remote.tuned(client), remote.tuned(server)):
+      with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        opt = sock.getsockopt
+        assert opt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        assert opt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        idle, intvl, cnt = (
+          opt(socket.IPPROTO_TCP, o)
+          for o in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)
+        )
+        assert idle + intvl * cnt <= remote.DEAD_PEER_S
+        assert opt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == remote.DEAD_PEER_S * 1000
+  finally:
+    client.close()
+    server.close()
+    listener.close()
