@@ -177,7 +177,7 @@ class RemoteStorageUnit(StorageUnit):
         wire.send(self._conn, kind, *args)
         got, *out = wire.recv(self._conn, expect, self._who)
       except (EOFError, OSError) as e:
-        raise HostError(f"{self._who} closed its storage connection ({e!r}); {_RESUME}") from e
+        raise HostError(f"{self._who}: its storage connection is gone ({e!r}); {_RESUME}") from e
       except wire.WireError as e:
         raise HostError(str(e)) from None
     if got == "error":

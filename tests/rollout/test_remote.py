@@ -344,7 +344,7 @@ def test_a_host_that_goes_away_ends_the_call_in_one_sentence():
     with pytest.raises(remote.HostError, match=r"rollout host 0 .* went away .* resume from"):
       for call in range(10):
         r.step(jax.random.key(call))
-    with pytest.raises(remote.HostError, match="closed its storage connection"):
+    with pytest.raises(remote.HostError, match="its storage connection is gone"):
       r.storage[0].get([0])
   finally:
     r.close()
