@@ -43,6 +43,9 @@ def get_config(arg=None):
   # with these extra flags.
   c.staleness_variant = "paper"
   c.staleness_flags = ()
+  # Read the runs already finished in the workdir (after a failure or to judge them again)
+  # instead of running them again.
+  c.reuse_runs = False
   if arg == "quick":
     c.multimodal_variant = "cluster_quick"
     c.repeats = 1

@@ -93,6 +93,11 @@ def _multimodal(cluster: Cluster, config, env, address: str, workdir: str, log) 
   argv += ["--workdir", workdir, f"--config.ray_address={address}"]
   argv += [f"--config.unit_nodes={cluster.hosts[STORAGE].address}"]
   argv += [f"--config.driver_node={cluster.hosts[CONTROLLER].address}"]
+  result = os.path.join(workdir, "multimodal.json")
+  if config.reuse_runs and os.path.exists(result):
+    log(f"cluster: reusing {result}")
+    with open(result) as f:
+      return json.load(f)
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "log.txt"), "w") as f:
     p = cluster.spawn(TRAINER, argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -138,7 +143,8 @@ def _staleness(config, rate_mbit: float, workdir: str, log) -> dict | None:
   argv = [sys.executable, "-m", "knitjax.bench"]
   argv += ["--config", f"configs/bench/staleness_real.py:{config.staleness_variant}"]
   argv += ["--workdir", workdir, f"--config.cluster_link_mbit={rate_mbit}"]
-  argv += ["--config.rollout_hosts=1", *config.staleness_flags]
+  argv += ["--config.rollout_hosts=1", f"--config.reuse_runs={config.reuse_runs}"]
+  argv += list(config.staleness_flags)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = REPO
   os.makedirs(workdir, exist_ok=True)

@@ -470,7 +470,9 @@ class RemoteRollout:
     self._version = version
 
   def capacity(self) -> int:
-    return sum(h.capacity for h in self._hosts)
+    # A host's room is its last report less the starts it had not read; a report that shrank
+    # (its engine's own accounting) can leave that below 0, which is no room, not less.
+    return sum(max(h.capacity, 0) for h in self._hosts)
 
   def start(self, prompt: Prompt, group_id: int) -> None:
     if self._version is None:

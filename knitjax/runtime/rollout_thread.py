@@ -140,7 +140,9 @@ class RolloutThread:
         rollout.adopt(newer[1], newer[0])
       limit = self.clock.limit()
       started = 0
-      while rollout.version is not None and self.accepted_started < limit and rollout.capacity():
+      while (
+        rollout.version is not None and self.accepted_started < limit and rollout.capacity() > 0
+      ):
         self._start_group()
         started += 1
       if not rollout.inflight:

@@ -212,6 +212,22 @@ def test_groups_come_back_once_with_the_version_they_started_on():
   assert [served[u]["versions"] for u in (0, 1)] == [2, 2]
 
 
+def test_a_host_whose_room_fell_below_its_unread_starts_has_no_room_not_less():
+  ADDRESS[0] = ""
+  r, channel, rollouts, results, threads = _run(2)
+  try:
+    r._hosts[0].capacity, r._hosts[1].capacity = -2, 1  # host 0 reported less than it holds
+    assert r.capacity() == 1
+    r.adopt({"w": np.full(1, 1.0, np.float32)}, 1)
+    r.start(_prompt(0), 0)  # goes to the host with room
+    assert (r._hosts[0].starts_sent, r._hosts[1].starts_sent) == (0, 1)
+    assert r.capacity() == 0
+  finally:
+    r.close()
+  for t in threads:
+    t.join(10)
+
+
 def test_storage_calls_and_their_errors_cross_by_type():
   ADDRESS[0] = ""
   r, channel, rollouts, results, threads = _run(1)
