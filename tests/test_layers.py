@@ -18,8 +18,9 @@ PACKAGE = "knitjax"
 # name or a package prefix ending in ".*" (the package's __init__ and everything below it).
 #   0  the package itself, the mesh / logical-axis rules everything else shards by, and the
 #      codec of host records (checkpoints and Ray), fault points, how a config section is built
-#      and checked (config_fields), where a run's files go (workdir: local or gs://): foundations
-#      that import no other layer.
+#      and checked (config_fields), where a run's files go (workdir: local or gs://), and the
+#      emulated cluster's hosts and links (cluster, used by benchmarks and the fault suite):
+#      foundations that import no other layer.
 #   1  the parts that know nothing of RL: models, and tasks (prompts, rewards).
 #   2  RL training: losses, advantages, train step, optimizer, checkpoints.
 #   3  trajectory transfer: storage, admission, consumer plans, on-demand access.
@@ -36,6 +37,7 @@ LAYERS = (
     "knitjax.faultpoints",
     "knitjax.config_fields",
     "knitjax.workdir",
+    "knitjax.cluster.*",
   ),
   ("knitjax.models.*", "knitjax.tasks.*"),
   ("knitjax.train.*",),
