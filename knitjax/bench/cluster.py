@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -134,6 +135,14 @@ def _figures(mm: dict) -> dict:
   return out
 
 
+def _die_with_parent() -> None:
+  """In the child: SIGKILL when this bench dies (a kill -9 included), so its cluster's reaper
+  tears down what the child built."""
+  import ctypes
+
+  ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _staleness(config, rate_mbit: float, workdir: str, log) -> dict | None:
   """The real staleness benchmark (configs/bench/staleness_real.py, ``staleness_variant``) with
   every run in an emulated cluster of its own (trainer, rollout host, colocated: one host each,
@@ -150,7 +159,9 @@ def _staleness(config, rate_mbit: float, workdir: str, log) -> dict | None:
   os.makedirs(workdir, exist_ok=True)
   log(f"cluster: staleness runs in {workdir} (links at {rate_mbit:.0f} Mbit/s)")
   with open(os.path.join(workdir, "log.txt"), "w") as f:
-    p = subprocess.run(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    p = subprocess.run(
+      argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+    )
   if p.returncode != 0:
     with open(os.path.join(workdir, "log.txt")) as f:
       raise RuntimeError(f"the staleness runs in {workdir} failed: {f.read()[-1500:]}")

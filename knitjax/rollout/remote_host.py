@@ -137,7 +137,9 @@ def serve(
     elif kind == "adopt":
       offer_id, version = args
       t0 = time.perf_counter()
-      params = fetch(offer_id)  # the version crosses the link: its seconds are the pull's
+      # The version crosses the link; waiting for its arrays here (the next step needs them
+      # anyway) makes these seconds the pull's, not its dispatch's.
+      params = jax.block_until_ready(fetch(offer_id))
       counts["pull_s"] += time.perf_counter() - t0
       rollout.adopt(params, version)
       counts["versions"] += 1
