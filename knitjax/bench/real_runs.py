@@ -96,8 +96,8 @@ def launch(
     trainer = spawn(
       "train", command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    proc = subprocess.CompletedProcess(command, 0, *trainer.communicate())
-    proc.returncode = trainer.returncode
+    out, err = trainer.communicate()
+    proc = subprocess.CompletedProcess(command, trainer.returncode, out, err)
     host_errors = []
     for h in hosts:
       try:

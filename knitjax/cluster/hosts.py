@@ -81,7 +81,6 @@ class Cluster:
     self.hosts: list[Host] = []
     self._reaper: subprocess.Popen | None = None
     self._procs: list[subprocess.Popen] = []
-    self._rules: list[list[str]] = []
 
   def __enter__(self) -> Cluster:
     self.start()
@@ -174,22 +173,19 @@ class Cluster:
 
   def lossy(self, probability: float, on: bool = True) -> None:
     """Every host drops each packet it sends with ``probability`` (or stops doing so)."""
-    self._rule_all([net.loss_rule(h.ns, probability) for h in self.hosts], on)
+    self._rule_all([net.loss_rule(h.ns, probability, add=on) for h in self.hosts], on)
 
   def partition(self, a: int, b: int, on: bool = True) -> None:
     """Hosts ``a`` and ``b`` stop reaching each other (``on=False``: heal)."""
     ha, hb = self.hosts[a], self.hosts[b]
-    self._rule_all([net.block_rule(ha.ns, hb.address), net.block_rule(hb.ns, ha.address)], on)
+    rules = [net.block_rule(ha.ns, hb.address, add=on), net.block_rule(hb.ns, ha.address, add=on)]
+    self._rule_all(rules, on)
 
   def _rule_all(self, rules: list[list[str]], on: bool) -> None:
     if problem := net.missing_tools(need_iptables=True):
       raise RuntimeError(problem)
     for rule in rules:
-      if on:
-        net.sh(*rule)
-        self._rules.append(rule)
-      else:
-        net.sh(*[("-D" if x == "-A" else x) for x in rule], check=False)
+      net.sh(*rule, check=on)  # removing a rule that is not there is no error
 
   def close(self) -> None:
     """Ends every process in the hosts and removes the namespaces and links. Idempotent."""
@@ -209,7 +205,7 @@ class Cluster:
       except subprocess.TimeoutExpired:
         self._reaper.kill()
       self._reaper = None
-    self.hosts, self._procs, self._rules = [], [], []
+    self.hosts, self._procs = [], []
 
 
 def clear_stale() -> list[str]:
