@@ -7,7 +7,8 @@ Usage:
   python -m knitjax.main --config configs/arith_tiny.py:kl_reward --workdir /tmp/klr
   python -m knitjax.main --config configs/arith_tiny.py:lora --workdir /tmp/lora  # LoRA r=16
 Variants are comma-separated flags: quick, ppo (advantage "gae", a value head), kl_reward (the
-KL to the initial policy as a reward penalty), lora (adapters only, the base frozen), e.g.
+KL to the initial policy as a reward penalty), lora (adapters only, the base frozen), share (each
+group's prompt laid out once before its responses: train.prompt_sharing="group"), e.g.
 ``:ppo,kl_reward,quick`` or ``:lora,quick``.
 Settings (configs/common.py): 32 prompts x G=8 per step, lr 1e-3, entropy bonus 0.01,
 PPO-clip 0.2, token-mean, no KL; the reward requires the answer digit then the end token.
@@ -49,6 +50,8 @@ def get_config(arg=None):
     c.model.update(lora_rank=16, lora_alpha=32.0, lora_targets=list(LORA_TARGETS))
     c.model.lora_base_dtype = "float32"
     c.train.lr = 3e-3
+  if "share" in flags:
+    c.train.prompt_sharing = "group"
   if "quick" in flags:
     c.runtime.steps = 2
     c.runtime.log_every = 1
@@ -56,6 +59,6 @@ def get_config(arg=None):
   return common.complete(c)
 
 
-VARIANTS = ("quick", "ppo", "kl_reward", "lora")
+VARIANTS = ("quick", "ppo", "kl_reward", "lora", "share")
 # PPO with a critic (docs/algorithms.md): gamma = lambda = 1, whitened advantages.
 PPO = dict(gamma=1.0, gae_lambda=1.0, value_coef=0.1, value_clip=0.2, whiten_advantages=True)

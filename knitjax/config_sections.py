@@ -19,6 +19,7 @@ from knitjax.train.kl import KL_ESTIMATORS
 from knitjax.train.logprobs import DEFAULT_CHUNK as DEFAULT_LOGPROB_CHUNK
 from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
 from knitjax.train.packing import PACKING_MODES
+from knitjax.train.prompt_sharing import PROMPT_SHARING_MODES
 from knitjax.train.ratios import RATIO_LEVELS
 from knitjax.train.step_advantages import ADVANTAGES
 from knitjax.transfer.admission import POLICIES
@@ -181,6 +182,11 @@ class TrainConfig:
   packing: str = "off"
   pack_len: int = 0  # tokens per packed sequence; 0: the padded row length, prompt + response
   pack_buckets: int = 1  # rows sorted by length into this many buckets, each packed alone
+  # Shared prompts (knitjax.train.prompt_sharing): "group" lays a group's prompt out once, followed
+  # by its responses (a tree mask: each response sees the prompt and itself), so the backbone
+  # runs P + G R tokens a group instead of G (P + R), with the padded layout's exact gradients;
+  # with packing "pack" whole groups are packed into pack_len sequences. "off": a row each.
+  prompt_sharing: str = "off"
   # Log-probs and entropies `logprob_chunk` positions at a time from the hidden states
   # (knitjax.train.logprobs), so the [rows, T, V] float32 logits never exist at once; 0: the
   # plain path (whole logits).
@@ -259,6 +265,7 @@ class TrainConfig:
     one_of("config.train.packing", self.packing, PACKING_MODES)
     positive("config.train.pack_len", self.pack_len, allow_zero=True, at_most=MAX_TOKENS)
     positive("config.train.pack_buckets", self.pack_buckets, at_most=MAX_SAMPLES)
+    one_of("config.train.prompt_sharing", self.prompt_sharing, PROMPT_SHARING_MODES)
     if self.objective == "cispo":
       for name in ("tis_cap", "eps_c"):
         if getattr(self, name):

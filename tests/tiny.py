@@ -104,6 +104,7 @@ def train_step(
   tx=None,
   ref_scale=None,
   packed=False,
+  shared=False,
   edit_params=None,
 ):
   """One compiled train step of ``config`` from its seed-0 init: (params before, params after,
@@ -127,12 +128,13 @@ def train_step(
     mesh=mesh,
     with_ref=ref_scale is not None,
     packed=packed,
+    shared=shared,
   )
   before = jax.device_get(params)
   extra = () if ref_scale is None else (jax.tree.map(lambda x: x * ref_scale, params),)
   if micro_batches is not None:
     batch = split_micro_batches(batch, micro_batches)
-  batch = jax.device_put(dict(batch), batch_shardings(mesh, packed=packed))
+  batch = jax.device_put(dict(batch), batch_shardings(mesh, packed=packed, shared=shared))
   with jax.set_mesh(mesh):
     state, metrics = step(state, batch, *extra)
   return before, jax.device_get(state.params), host_metrics(metrics)

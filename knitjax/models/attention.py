@@ -6,6 +6,14 @@ Which key a query sees comes from per-position information only: the cache slot 
 ``s == i``: a padding query sees only itself, so its discarded output stays finite) AND, with
 segment ids, both are in the same segment.
 
+A tree mask (shared-prompt attention) widens the segment clause. A row ``[prompt | r1 | ... | rG]``
+holds a group's prompt once and its G responses after it, each in its own segment; the per-query
+prefix id is, for a response token, the segment id of its prompt (0 elsewhere). The clause becomes
+``q_seg == kv_seg OR q_prefix == kv_seg``: a response token sees its prompt and the earlier tokens
+of its own response, exactly what it would see in its own row ``[prompt | response]``, while the
+prompt's keys and values are computed once for all G responses. A valid key is never in segment 0,
+so prefix 0 (prompts, padding, ordinary packed rows) exposes nothing.
+
 Implementations (`TransformerConfig.attention`):
   * ``"xla"``: blockwise (flash-style) attention in pure JAX. An online softmax over key blocks
     for each query block, and a `jax.custom_vjp` whose backward recomputes each block's scores
@@ -17,9 +25,14 @@ Implementations (`TransformerConfig.attention`):
   * ``"cudnn"``: `jax.nn.dot_product_attention(implementation="cudnn")` on GPU (bfloat16 or
     float16 only). cuDNN's sequence-length inputs describe right padding; knitjax left-pads, so
     validity and segments go in as a boolean ``[B, 1, T, S]`` mask (broadcast over heads), plus
-    ``is_causal`` for a full sequence, which lets cuDNN skip the blocks above the diagonal.
+    ``is_causal`` for a full sequence, which lets cuDNN skip the blocks above the diagonal (a
+    tree mask is a subset of the causal mask, so it goes in the same boolean mask).
   * ``"splash"``: the Pallas TPU splash-attention kernel, causal, with segment ids carrying key
-    validity (a padding key is in segment 0, which no real query has).
+    validity (a padding key is in segment 0, which no real query has). The kernel only knows
+    segment equality, so a tree mask runs it twice, over disjoint key sets: each query over its own
+    segment, and each response query over its prompt (query segment = prefix id). The two partial
+    softmaxes merge by their log-sum-exps, and the backward runs each part's kernel backward with
+    the merged output and log-sum-exp, which sums to the exact gradient of the union.
   * ``"auto"``: cudnn on GPU (bfloat16/float16; xla in float32), splash on TPU, and on the CPU
     dense when the whole attention fits in one block (``T <= BLOCK_Q`` and ``S <= BLOCK_K``,
     where blockwise would compute the very same scores plus loop overhead), else xla.
@@ -84,6 +97,7 @@ def attend(
   q_offset: jax.Array | int = 0,
   q_segment_bt: jax.Array | None = None,
   kv_segment_bs: jax.Array | None = None,
+  q_prefix_bt: jax.Array | None = None,
   impl: str = "auto",
   block_q: int | None = None,
   block_k: int | None = None,
@@ -100,6 +114,9 @@ def attend(
     q_segment_bt: int32 segment ids of the queries (0 on padding, >= 1 per packed sequence);
       None: no segments.
     kv_segment_bs: the keys' segment ids; needed with ``q_segment_bt``.
+    q_prefix_bt: int32 [B, T] tree mask: for a response token of a shared-prompt group, the
+      segment id of its prompt, whose keys it also sees; 0 elsewhere. Needs segment ids. None: no
+      prefixes.
     impl: one of `IMPLS`.
     block_q: query block of the xla path (clipped to T); None: `BLOCK_Q`.
     block_k: key block of the xla path (clipped to S); None: `BLOCK_K`.
@@ -111,46 +128,55 @@ def attend(
   s, kh = k_bskh.shape[1], k_bskh.shape[2]
   if (q_segment_bt is None) != (kv_segment_bs is None):
     raise ValueError("attend needs both q_segment_bt and kv_segment_bs, or neither.")
+  if q_prefix_bt is not None and q_segment_bt is None:
+    raise ValueError("attend's q_prefix_bt (tree mask) needs q_segment_bt and kv_segment_bs.")
   full = isinstance(q_offset, int) and q_offset == 0 and t == s
   impl = resolve(impl, t=t, s=s, dtype=q_btnh.dtype, cached=not full)
   scale = float(h) ** -0.5
   q = q_btnh.reshape(b, t, kh, n // kh, h)
   q_offset = jnp.asarray(q_offset, jnp.int32)
   kv_valid_bs = kv_valid_bs.astype(jnp.bool_)
+  segs = None if q_segment_bt is None else (q_segment_bt, kv_segment_bs, q_prefix_bt)
   if impl == "dense":
-    out = _dense(q, k_bskh, v_bskh, q_offset, kv_valid_bs, q_segment_bt, kv_segment_bs, scale)
+    out = _dense(q, k_bskh, v_bskh, q_offset, kv_valid_bs, segs, scale)
   elif impl == "xla":
     bq, bk = min(block_q or BLOCK_Q, t), min(block_k or BLOCK_K, s)
-    segs = None if q_segment_bt is None else (q_segment_bt, kv_segment_bs)
     out = _flash(q, k_bskh, v_bskh, q_offset, kv_valid_bs, segs, scale, bq, bk)
   elif impl == "cudnn":
-    return _cudnn(q_btnh, k_bskh, v_bskh, kv_valid_bs, q_segment_bt, kv_segment_bs, scale)
+    return _cudnn(q_btnh, k_bskh, v_bskh, kv_valid_bs, segs, scale)
   else:
-    return _splash(q_btnh, k_bskh, v_bskh, kv_valid_bs, q_segment_bt, kv_segment_bs, scale)
+    return _splash(q_btnh, k_bskh, v_bskh, kv_valid_bs, q_segment_bt, kv_segment_bs, scale,
+                   q_prefix=q_prefix_bt)  # fmt: skip
   return out.reshape(b, t, n, h)
 
 
-def _visible(q_slot, k_slot, kv_valid, q_seg=None, kv_seg=None):
+def _visible(q_slot, k_slot, kv_valid, q_seg=None, kv_seg=None, q_prefix=None):
   """[B, Tq, Sk] bool from per-position inputs: q_slot [Tq], k_slot [Sk], kv_valid [B, Sk],
-  segment ids [B, Tq] / [B, Sk]."""
+  segment ids [B, Tq] / [B, Sk], prefix ids [B, Tq] (the segment a response query also sees)."""
   causal = k_slot[None, :] <= q_slot[:, None]
   own = k_slot[None, :] == q_slot[:, None]
   mask = causal[None] & (kv_valid[:, None, :] | own[None])
   if q_seg is not None:
-    mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
+    same = q_seg[:, :, None] == kv_seg[:, None, :]
+    if q_prefix is not None:
+      same = same | (q_prefix[:, :, None] == kv_seg[:, None, :])
+    mask = mask & same
   return mask
 
 
-def dense_mask(t: int, kv_valid_bs, q_offset=0, q_segment_bt=None, kv_segment_bs=None):
-  """The [B, T, S] mask of the dense and cudnn paths."""
+def dense_mask(
+  t: int, kv_valid_bs, q_offset=0, q_segment_bt=None, kv_segment_bs=None, q_prefix_bt=None
+):
+  """The [B, T, S] mask of the dense and cudnn paths (`attend`'s arguments)."""
   q_slot = jnp.asarray(q_offset, jnp.int32) + jnp.arange(t)
   k_slot = jnp.arange(kv_valid_bs.shape[1])
-  return _visible(q_slot, k_slot, kv_valid_bs.astype(jnp.bool_), q_segment_bt, kv_segment_bs)
+  valid = kv_valid_bs.astype(jnp.bool_)
+  return _visible(q_slot, k_slot, valid, q_segment_bt, kv_segment_bs, q_prefix_bt)
 
 
-def _dense(q, k, v, q_offset, kv_valid, q_seg, kv_seg, scale):
+def _dense(q, k, v, q_offset, kv_valid, segs, scale):
   """Reference: [B, K, G, T, S] float32 scores, masked, softmax, weighted sum of values."""
-  mask = dense_mask(q.shape[1], kv_valid, q_offset, q_seg, kv_seg)
+  mask = dense_mask(q.shape[1], kv_valid, q_offset, *(segs or ()))
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = jnp.where(mask[:, None, None], scores * scale, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
@@ -198,6 +224,15 @@ def _key_block(j, k, v, kv_valid, segs, bk):
   return ks, _slice(k, ks, bk), _slice(v, ks, bk), _slice(kv_valid, ks, bk), kv_seg, k_slot
 
 
+def _query_segs(segs, qs, bq):
+  """A query block's segment and prefix ids [B, bq] (prefix None without a tree mask), or None
+  without segments."""
+  if segs is None:
+    return None
+  q_seg, _, q_prefix = segs
+  return _slice(q_seg, qs, bq), None if q_prefix is None else _slice(q_prefix, qs, bq)
+
+
 def _n_key_blocks(last_slot, bk, s):
   """Key blocks up to the one holding ``last_slot`` (later keys are in no query's past)."""
   return jnp.clip(last_slot // bk + 1, 0, -(-s // bk))
@@ -214,12 +249,12 @@ def _flash_forward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk):
     qs = _start(i, bq, t)
     q_blk = _slice(q, qs, bq)
     q_slot = q_offset + qs + jnp.arange(bq)
-    q_seg = None if segs is None else _slice(segs[0], qs, bq)
+    q_segs = _query_segs(segs, qs, bq)
 
     def key_block(j, acc):
       m, denom, o = acc
       ks, k_blk, v_blk, valid, kv_seg, k_slot = _key_block(j, k, v, kv_valid, segs, bk)
-      sc, mask = _stale_masked(q_blk, q_slot, q_seg, k_blk, valid, kv_seg, k_slot, j * bk, scale)
+      sc, mask = _stale_masked(q_blk, q_slot, q_segs, k_blk, valid, kv_seg, k_slot, j * bk, scale)
       m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
       p = jnp.where(mask, jnp.exp(sc - m_new[..., None]), 0.0)
       alpha = jnp.exp(m - m_new)
@@ -248,10 +283,12 @@ def _flash_forward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk):
   return jax.lax.fori_loop(0, n_q, query_block, init)
 
 
-def _stale_masked(q_blk, q_slot, q_seg, k_blk, valid, kv_seg, k_slot, first_fresh, scale):
+def _stale_masked(q_blk, q_slot, q_segs, k_blk, valid, kv_seg, k_slot, first_fresh, scale):
   """Block scores [B, K, G, bq, bk] with keys before ``first_fresh`` (counted by the block
   before) hidden from every query, its own slot included."""
-  mask = _visible(q_slot, k_slot, valid, q_seg, kv_seg) & (k_slot >= first_fresh)[None, None]
+  q_seg, q_prefix = q_segs or (None, None)
+  mask = _visible(q_slot, k_slot, valid, q_seg, kv_seg, q_prefix)
+  mask = mask & (k_slot >= first_fresh)[None, None]
   sc = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
   mask = mask[:, None, None]
   return jnp.where(mask, sc * scale, _MASK_VALUE), mask
@@ -274,8 +311,8 @@ def _flash_backward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk, out, lse, 
       qs = _start(i, bq, t)
       q_blk, do_blk = _slice(q, qs, bq), _slice(d_out, qs, bq)
       q_slot = q_offset + qs + jnp.arange(bq)
-      q_seg = None if segs is None else _slice(segs[0], qs, bq)
-      sc, mask = _stale_masked(q_blk, q_slot, q_seg, k_blk, valid, kv_seg, k_slot, j * bk, scale)
+      q_segs = _query_segs(segs, qs, bq)
+      sc, mask = _stale_masked(q_blk, q_slot, q_segs, k_blk, valid, kv_seg, k_slot, j * bk, scale)
       # Rows an earlier query block already covered add to dq, dk and dv once only.
       mask = mask & (qs + jnp.arange(bq) >= i * bq)[:, None]
       p = jnp.where(mask, jnp.exp(sc - _slice(lse, qs, bq, axis=3)[..., None]), 0.0)
@@ -320,7 +357,8 @@ def _flash_fwd(q, k, v, q_offset, kv_valid, segs, scale, bq, bk):
 def _flash_bwd(scale, bq, bk, res, d_out):
   q, k, v, q_offset, kv_valid, segs, out, lse = res
   dq, dk, dv = _flash_backward(q, k, v, q_offset, kv_valid, segs, scale, bq, bk, out, lse, d_out)
-  no_segs = None if segs is None else (None, None)
+  # Segment and prefix ids are integers: no cotangent (None for each, matching their structure).
+  no_segs = jax.tree.map(lambda _: None, segs)
   return dq, dk, dv, None, None, no_segs
 
 
@@ -330,30 +368,29 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # ---- accelerator kernels (written from the JAX documentation; no GPU/TPU to run them here) -------
 
 
-def _cudnn(q, k, v, kv_valid, q_seg, kv_seg, scale):
-  """cuDNN flash attention on a full sequence (T == S, no cache offset)."""
+def _cudnn(q, k, v, kv_valid, segs, scale):
+  """cuDNN flash attention on a full sequence (T == S, no cache offset).
+
+  ``is_causal`` holds with a tree mask too: every mask here (validity, segments, prefixes) only
+  removes keys from the causal mask, so cuDNN may skip the blocks above the diagonal.
+  """
   t = q.shape[1]
-  mask = dense_mask(t, kv_valid, 0, q_seg, kv_seg)[:, None]  # [B, 1, T, S], shared by heads
+  mask = dense_mask(t, kv_valid, 0, *(segs or ()))[:, None]  # [B, 1, T, S], shared by heads
   return jax.nn.dot_product_attention(
     q, k, v, mask=mask, scale=scale, is_causal=True, implementation="cudnn"
   )
 
 
-def _splash(q, k, v, kv_valid, q_seg, kv_seg, scale, *, interpret=False):
+def _splash(q, k, v, kv_valid, q_seg, kv_seg, scale, *, q_prefix=None, interpret=False):
   """The Pallas splash kernel on a full sequence: causal, key validity as segment 0.
 
   The kernel takes one sequence, queries [heads, T, H]; GQA runs its MQA form per kv-head (the G
   query heads of a group share one key/value head [S, H]), over batch and kv-heads by
   `jax.vmap`. Lengths are padded to a multiple of 128 (the kernel's smallest block) with
-  segment-0 padding. ``interpret`` runs the kernel in the Pallas interpreter (any backend: tests).
+  segment-0 padding. A tree mask (``q_prefix``) runs `_splash_tree`. ``interpret`` runs the
+  kernel in the Pallas interpreter (any backend: tests).
   """
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
-    splash_attention_kernel as splash,
-  )
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
-    splash_attention_mask as mask_lib,
-  )
-
+  splash, _ = _splash_modules()
   b, t, n, h = q.shape
   kh = k.shape[2]
   g = n // kh
@@ -367,6 +404,50 @@ def _splash(q, k, v, kv_valid, q_seg, kv_seg, scale, *, interpret=False):
   kv_ids = jnp.where(kv_valid, kv_seg, 0).astype(jnp.int32)
   widths = ((0, 0), (0, pad))
   q_ids, kv_ids = jnp.pad(q_ids, widths), jnp.pad(kv_ids, widths)
+  qp = jnp.pad(q * jnp.asarray(scale, q.dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  kp, vp = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
+  # [B, K, G, T, H] queries against [B, K, S, H] keys.
+  qp = jnp.transpose(qp.reshape(b, length, kh, g, h), (0, 2, 3, 1, 4))
+  kp, vp = jnp.transpose(kp, (0, 2, 1, 3)), jnp.transpose(vp, (0, 2, 1, 3))
+
+  if q_prefix is None:
+    kernel = _splash_kernel(length, g, interpret=interpret)
+
+    def one(q_ghd, k_sd, v_sd, qi, ki):
+      return kernel(q_ghd, k_sd, v_sd, segment_ids=splash.SegmentIds(q=qi, kv=ki))
+
+    ids = (q_ids, kv_ids)
+  else:
+    # The prefix part's query ids: a response query's prompt segment; -1 (no key's id, not even
+    # padding's 0) for every other query, which then sees nothing there.
+    p_ids = jnp.where(kv_valid & (q_prefix > 0), q_prefix, -1).astype(jnp.int32)
+    p_ids = jnp.pad(p_ids, widths, constant_values=-1)
+
+    def one(q_ghd, k_sd, v_sd, qi, ki, pi):
+      own, prefix = splash.SegmentIds(q=qi, kv=ki), splash.SegmentIds(q=pi, kv=ki)
+      return _splash_tree(q_ghd, k_sd, v_sd, own, prefix, interpret)
+
+    ids = (q_ids, kv_ids, p_ids)
+  per_head = jax.vmap(one, in_axes=(0, 0, 0) + (None,) * len(ids))  # kv-heads
+  out = jax.vmap(per_head)(qp, kp, vp, *ids)  # [B, K, G, T', H]
+  out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, length, n, h)
+  return out[:, :t].astype(q.dtype)
+
+
+def _splash_modules():
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+    splash_attention_kernel as splash,
+  )
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+    splash_attention_mask as mask_lib,
+  )
+
+  return splash, mask_lib
+
+
+def _splash_kernel(length: int, g: int, *, interpret: bool, save_residuals: bool = False):
+  """The causal MQA splash kernel for G query heads over ``length`` (a multiple of 128) slots."""
+  splash, mask_lib = _splash_modules()
   block = next(b for b in (512, 256, 128) if length % b == 0)
   sizes = splash.BlockSizes(
     block_q=block, block_kv=block, block_kv_compute=block,
@@ -374,19 +455,77 @@ def _splash(q, k, v, kv_valid, q_seg, kv_seg, scale, *, interpret=False):
     block_q_dq=block, block_kv_dq=block,
   )  # fmt: skip
   mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length)) for _ in range(g)])
-  kernel = splash.make_splash_mqa(
-    mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
-  )
-  qp = jnp.pad(q * jnp.asarray(scale, q.dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
-  kp, vp = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
-  # [B, K, G, T, H] queries against [B, K, S, H] keys.
-  qp = jnp.transpose(qp.reshape(b, length, kh, g, h), (0, 2, 3, 1, 4))
-  kp, vp = jnp.transpose(kp, (0, 2, 1, 3)), jnp.transpose(vp, (0, 2, 1, 3))
+  return splash.make_splash_mqa(
+    mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, save_residuals=save_residuals,
+    interpret=interpret,
+  )  # fmt: skip
 
-  def one(q_ghd, k_sd, v_sd, qi, ki):
-    return kernel(q_ghd, k_sd, v_sd, segment_ids=splash.SegmentIds(q=qi, kv=ki))
 
-  per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # kv-heads
-  out = jax.vmap(per_head)(qp, kp, vp, q_ids, kv_ids)  # [B, K, G, T', H]
-  out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, length, n, h)
-  return out[:, :t].astype(q.dtype)
+# ---- splash with a tree mask: two kernel calls merged by log-sum-exp ----------------------------
+# Query i's visible keys split into two disjoint sets, its own segment A and (for a response) its
+# prompt's segment B: the kernel with segment ids (q: seg, kv: seg) covers A, and with (q: prefix,
+# kv: seg) covers B; causality is the same mask for both. With l_A, l_B each part's log-sum-exp of
+# scores and o_A, o_B its softmax output, the union has
+#   l = logaddexp(l_A, l_B),  o = exp(l_A - l) o_A + exp(l_B - l) o_B.
+# The union's backward is flash attention's: P = exp(S - l) on the union's mask, D = rowsum(dO o),
+# dS = P (dO V^T - D). Restricted to part X, P is exp(S - l) on X's mask, so dq, dk, dv of the
+# union are the sums of each part's kernel backward run with the union's o and l instead of its
+# own (the identity ring attention uses). The kernel's public call is not differentiable when it
+# returns its log-sum-exp, so `_splash_tree` is a `jax.custom_vjp` calling the kernel's backward
+# (`_splash_attention_bwd`, private, written against jax 0.10: its residuals are (q, k, v,
+# segment_ids, sinks, out, lse, dq_mask_info, dkv_mask_info)). A part a query sees nothing of
+# has l = mask value (about -2.4e38, finite) and weight exp(l_X - l) = 0; every query sees itself
+# in part A, so l is finite.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _splash_tree(q, k, v, own, prefix, interpret):
+  return _splash_tree_forward(q, k, v, own, prefix, interpret)[0]
+
+
+def _splash_tree_forward(q, k, v, own, prefix, interpret):
+  """One sequence: queries [G, L, H] (scaled), keys and values [L, H]; output and lse [G, L]."""
+  kernel = _splash_kernel(q.shape[1], q.shape[0], interpret=interpret, save_residuals=True)
+  o_own, (l_own,) = kernel(q, k, v, segment_ids=own)
+  o_pre, (l_pre,) = kernel(q, k, v, segment_ids=prefix)
+  lse = jnp.logaddexp(l_own, l_pre)
+  w_own, w_pre = jnp.exp(l_own - lse)[..., None], jnp.exp(l_pre - lse)[..., None]
+  out = w_own * o_own.astype(jnp.float32) + w_pre * o_pre.astype(jnp.float32)
+  return out.astype(q.dtype), lse
+
+
+def _splash_tree_fwd(q, k, v, own, prefix, interpret):
+  out, lse = _splash_tree_forward(q, k, v, own, prefix, interpret)
+  return out, (q, k, v, own, prefix, out, lse)
+
+
+def _splash_tree_bwd(interpret, res, d_out):
+  splash, _ = _splash_modules()
+  q, k, v, own, prefix, out, lse = res
+  kernel = _splash_kernel(q.shape[1], q.shape[0], interpret=interpret)
+  kw = kernel.kwargs
+
+  def collapse(info):  # as `_splash_attention` does before its custom_vjp
+    blocks = info.partial_mask_blocks
+    if blocks is None:
+      return info
+    return info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
+
+  grads = []
+  for ids in (own, prefix):
+    res_part = (q, k, v, ids, None, out, lse, collapse(kernel.dq_mask_info),
+                collapse(kernel.dkv_mask_info))  # fmt: skip
+    cotangents = splash._splash_attention_bwd(
+      False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None, kw["mask_function"],
+      kw["attn_logits_soft_cap"], kw["interpret"], res_part, d_out,
+    )  # fmt: skip
+    grads.append(cotangents[3:6])
+  (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = grads
+  f32 = jnp.float32
+  dq = (dq_a.astype(f32) + dq_b.astype(f32)).astype(q.dtype)
+  dk = (dk_a.astype(f32) + dk_b.astype(f32)).astype(k.dtype)
+  dv = (dv_a.astype(f32) + dv_b.astype(f32)).astype(v.dtype)
+  return dq, dk, dv, None, None
+
+
+_splash_tree.defvjp(_splash_tree_fwd, _splash_tree_bwd)

@@ -311,6 +311,7 @@ class Attention(nnx.Module):
     kv_cache: tuple[jax.Array, jax.Array] | None = None,
     cache_index: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
+    prefix_ids_bt: jax.Array | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attends the T new positions to the earlier-or-equal valid keys (`attention_lib.attend`).
 
@@ -323,6 +324,9 @@ class Attention(nnx.Module):
       cache_index: scalar slot of the first new position in the cache.
       segment_ids_bt: int32 [B, T] packed-sequence ids of a full sequence (0 on padding): a query
         sees a key only in its own segment. None: one sequence per row.
+      prefix_ids_bt: int32 [B, T] tree mask (shared-prompt rows ``[prompt | r1 | ... | rG]``):
+        for a response token the segment id of its prompt, whose keys it sees too; 0 elsewhere.
+        Needs `segment_ids_bt`. None: no prefixes.
 
     Returns:
       The attention output [B, T, D] and the (updated) keys and values.
@@ -335,15 +339,17 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
     q_offset = 0
     if kv_cache is not None:
-      if segment_ids_bt is not None:
-        raise ValueError("segment_ids_bt applies to a full sequence, not to a KV cache.")
+      if segment_ids_bt is not None or prefix_ids_bt is not None:
+        raise ValueError(
+          "segment_ids_bt and prefix_ids_bt apply to a full sequence, not to a KV cache."
+        )
       start = (0, cache_index, 0, 0)
       k = jax.lax.dynamic_update_slice(kv_cache[0], k.astype(kv_cache[0].dtype), start)
       v = jax.lax.dynamic_update_slice(kv_cache[1], v.astype(kv_cache[1].dtype), start)
       q_offset = cache_index
     out = attention_lib.attend(
       q, k, v, kv_valid_bs=valid_bs, q_offset=q_offset, q_segment_bt=segment_ids_bt,
-      kv_segment_bs=segment_ids_bt, impl=self.attention,
+      kv_segment_bs=segment_ids_bt, q_prefix_bt=prefix_ids_bt, impl=self.attention,
     )  # fmt: skip
     proj = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(self.dtype))
     if self.o_lora is not None:

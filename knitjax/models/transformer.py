@@ -214,11 +214,19 @@ class Block(nnx.Module):
     self.mlp = layers.MLP(config.d_model, config.ffn_dim, dtype=dtype, rngs=rngs)
 
   def __call__(
-    self, x_btd, sin_cos, valid_bs, kv_cache=None, cache_index=None, segment_ids_bt=None
+    self,
+    x_btd,
+    sin_cos,
+    valid_bs,
+    kv_cache=None,
+    cache_index=None,
+    segment_ids_bt=None,
+    prefix_ids_bt=None,
   ):
     attn_out, kv = self.attn(
-      self.attn_norm(x_btd), sin_cos, valid_bs, kv_cache, cache_index, segment_ids_bt
-    )
+      self.attn_norm(x_btd), sin_cos, valid_bs, kv_cache, cache_index, segment_ids_bt,
+      prefix_ids_bt,
+    )  # fmt: skip
     x_btd = x_btd + attn_out
     return x_btd + self.mlp(self.mlp_norm(x_btd)), kv
 
@@ -286,6 +294,7 @@ class Transformer(nnx.Module):
     *,
     embeddings_btd: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
+    prefix_ids_bt: jax.Array | None = None,
   ) -> jax.Array:
     """Full-sequence forward: float32 logits [B, T, V].
 
@@ -296,8 +305,15 @@ class Transformer(nnx.Module):
       embeddings_btd: used instead of `embed(tokens_bt)` when given (e.g. image rows spliced in).
       segment_ids_bt: int32 packed-sequence ids, 0 on padding and >= 1 per sequence packed in a
         row: a query also needs the key in its own segment. None: one sequence per row.
+      prefix_ids_bt: int32 tree mask for shared-prompt rows ``[prompt | r1 | ... | rG]`` (each
+        part its own segment; positions of each response continue from the prompt's end): for a
+        response token the segment id of its prompt, whose keys it sees as well as its own
+        segment's; 0 elsewhere. A response's states then equal those of its own row
+        ``[prompt | response]``. Needs `segment_ids_bt`. None: no prefixes.
     """
-    x = self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt)
+    x = self._hidden(
+      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt
+    )
     return self._logits(x)
 
   def logits_and_values(
@@ -307,6 +323,7 @@ class Transformer(nnx.Module):
     valid_bt: jax.Array,
     *,
     segment_ids_bt: jax.Array | None = None,
+    prefix_ids_bt: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """Full-sequence forward of policy and critic: float32 logits [B, T, V] and values [B, T].
 
@@ -315,7 +332,7 @@ class Transformer(nnx.Module):
     """
     if self.value_head is None:
       raise ValueError("logits_and_values needs a value head; set TransformerConfig.value_head.")
-    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt)
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt, prefix_ids_bt)
     return self._logits(x), self.value_head(self.final_norm(x))
 
   def hidden_states(
@@ -326,13 +343,16 @@ class Transformer(nnx.Module):
     *,
     embeddings_btd: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
+    prefix_ids_bt: jax.Array | None = None,
   ) -> jax.Array:
     """Full-sequence forward up to the final norm: hidden states [B, T, D] in the compute dtype.
 
     With `unembedding()` they give the logits (`knitjax.train.logprobs` reads them this way, so
     that the [B, T, V] logits need not exist at once); the arguments are `__call__`'s.
     """
-    x = self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt)
+    x = self._hidden(
+      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt
+    )
     return self.final_norm(x)
 
   def hidden_states_and_values(
@@ -342,6 +362,7 @@ class Transformer(nnx.Module):
     valid_bt: jax.Array,
     *,
     segment_ids_bt: jax.Array | None = None,
+    prefix_ids_bt: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """`hidden_states` and the critic's float32 values [B, T] from the same forward pass.
 
@@ -351,21 +372,36 @@ class Transformer(nnx.Module):
       raise ValueError(
         "hidden_states_and_values needs a value head; set TransformerConfig.value_head."
       )
-    x = self.hidden_states(tokens_bt, positions_bt, valid_bt, segment_ids_bt=segment_ids_bt)
+    x = self.hidden_states(
+      tokens_bt, positions_bt, valid_bt, segment_ids_bt=segment_ids_bt, prefix_ids_bt=prefix_ids_bt
+    )
     return x, self.value_head(x)
 
   def _hidden(
-    self, tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt=None
+    self,
+    tokens_bt,
+    positions_bt,
+    valid_bt,
+    embeddings_btd,
+    segment_ids_bt=None,
+    prefix_ids_bt=None,
   ) -> jax.Array:
     """The last block's output [B, T, D] (before the final norm)."""
     x = self._inputs(tokens_bt, embeddings_btd)
     valid_bt = valid_bt.astype(jnp.bool_)
     if segment_ids_bt is not None:
       segment_ids_bt = segment_ids_bt.astype(jnp.int32)
-    return self._blocks(x, self._rope(positions_bt), valid_bt, None, None, segment_ids_bt)
+    if prefix_ids_bt is not None:
+      prefix_ids_bt = prefix_ids_bt.astype(jnp.int32)
+    sin_cos = self._rope(positions_bt)
+    return self._blocks(x, sin_cos, valid_bt, None, None, segment_ids_bt, prefix_ids_bt)
 
   def _blocks(self, x_btd: jax.Array, *block_args) -> jax.Array:
-    """Every decoder block over a full sequence, with the configured remat and layer scan."""
+    """Every decoder block over a full sequence, with the configured remat and layer scan.
+
+    ``block_args`` follow ``x_btd`` in `Block.__call__`: (sin_cos, valid_bs, kv_cache,
+    cache_index, segment_ids_bt, prefix_ids_bt).
+    """
     c = self.config
     graphdef = nnx.graphdef(self.blocks[0])
 

@@ -25,7 +25,7 @@ from knitjax.tasks.prompts import Prompt, PromptSource
 from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.streams import ClassStreams
 from knitjax.tasks.tokenizer import CharTokenizer
-from knitjax.train import losses, mm_step, packing
+from knitjax.train import losses, mm_step, packing, prompt_sharing
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.step import (
@@ -292,7 +292,8 @@ def build_trainer(config: Config, graphdef, params, mesh):
     logprob_chunk=t.logprob_chunk,
   )
   with_ref = t.kl_coef > 0 and frozen is None
-  packed = dict(packed=True) if t.packing == "pack" else {}  # text steps only (config checks)
+  shared = t.prompt_sharing == "group"
+  packed = dict(packed=t.packing == "pack" or shared, shared=shared)
   compile_kwargs = dict(
     graphdef=graphdef,
     optimizer=optimizer,
@@ -303,7 +304,8 @@ def build_trainer(config: Config, graphdef, params, mesh):
   )
   if config.vision is not None:
     step = mm_step.compile_mm_train_step(
-      encoder_dedup=t.encoder_dedup, remat_encoder=t.remat_encoder, **compile_kwargs
+      encoder_dedup=t.encoder_dedup, remat_encoder=t.remat_encoder, shared=shared,
+      **compile_kwargs,
     )
   elif frozen is not None:
     step = compile_train_step(
@@ -377,19 +379,30 @@ def build_feed(config: Config, take, prepare, *, count: int):
   return OnDemandFeed(take, prepare, count=count, prefetch=config.runtime.prefetch)
 
 
-def pack_spec(config: Config, mesh, prompt_len: int) -> packing.PackSpec | None:
-  """How the trainer packs mini-batches (``config.train.packing``); None: padded rows.
+def pack_spec(
+  config: Config, mesh, prompt_len: int
+) -> packing.PackSpec | prompt_sharing.ShareSpec | None:
+  """How the trainer lays out mini-batches: packed (``config.train.packing``), with shared
+  prompts (``config.train.prompt_sharing``, packed or not), or None: padded rows.
 
   ``pack_len`` 0 takes the padded row length (``prompt_len + max_new_tokens``), which every row
-  fits; the sequence count is rounded to the micro-batches times the mesh's batch shards.
+  fits, or with shared prompts a whole group's (``prompt_len + group_size * max_new_tokens``);
+  the sequence count is rounded to the micro-batches times the mesh's batch shards.
   """
   t = config.train
+  multiple = t.micro_batches * mm_step.batch_shards(mesh)
+  n = config.rollout.max_new_tokens
+  if t.prompt_sharing == "group":
+    return prompt_sharing.ShareSpec(
+      prompt_len=prompt_len,
+      seq_len=t.pack_len or prompt_len + config.rollout.group_size * n,
+      multiple=multiple,
+      pack=t.packing == "pack",
+    )
   if t.packing == "off":
     return None
   return packing.PackSpec(
-    pack_len=t.pack_len or prompt_len + config.rollout.max_new_tokens,
-    multiple=t.micro_batches * mm_step.batch_shards(mesh),
-    buckets=t.pack_buckets,
+    pack_len=t.pack_len or prompt_len + n, multiple=multiple, buckets=t.pack_buckets
   )
 
 

@@ -20,6 +20,11 @@ Both report the encoder counts of :data:`knitjax.train.dedup.COUNT_KEYS` per min
 (``encoder_images_encoded``, ``encoder_backward_passes``, ...), counted by the encoder calls that
 ran: every encoder application, the reference model's included, goes through
 :func:`~knitjax.train.dedup.apply_encoder`.
+
+Shared prompts (:mod:`knitjax.train.prompt_sharing`, ``train.prompt_sharing="group"``): a
+sequence per group (its prompt once, then its responses, under the tree mask), ``image_index``
+per sequence, so an image is encoded once per mini-batch (dedup) and its tokens pass the backbone
+once per group instead of once per response.
 """
 
 from __future__ import annotations
@@ -47,16 +52,32 @@ from knitjax.train.dedup import (
   dedup_value_and_grad,
   zero_counts,
 )
-from knitjax.train.step import MICRO_BATCH_FIELDS, StepHParams, TrainState, jit_step
+from knitjax.train.step import (
+  MICRO_BATCH_FIELDS,
+  SHARED_FIELDS,
+  StepHParams,
+  TrainState,
+  jit_step,
+  scored_states,
+)
 
 MM_ROW_FIELDS = (*MICRO_BATCH_FIELDS, "image_index")
+# Shared prompts (knitjax.train.prompt_sharing): a sequence per group, its image once.
+MM_SHARED_FIELDS = (*SHARED_FIELDS, "image_index")
+
+
+def _row_fields(batch) -> tuple[str, ...]:
+  return MM_SHARED_FIELDS if "score_index" in batch else MM_ROW_FIELDS
 
 
 def _logprobs(model, mb, image_rows_bpd, hparams: StepHParams, entropy: str):
-  """Log-probs and entropies of the targets (`knitjax.train.logprobs`, as the text step)."""
+  """Log-probs and entropies of the targets (`knitjax.train.logprobs`, as the text step; shared
+  prompts: the tree mask and the scoring gather of `knitjax.train.step.forward`)."""
   hidden = model.hidden_states(
-    mb["tokens"], mb["positions"], mb["valid"], image_rows_bpd=image_rows_bpd
-  )
+    mb["tokens"], mb["positions"], mb["valid"], image_rows_bpd=image_rows_bpd,
+    segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"),
+  )  # fmt: skip
+  hidden, _ = scored_states(hidden, None, mb.get("score_index"))
   table, layout = model.unembedding()
   return logprobs_lib.token_logprobs_and_entropy(
     hidden, table, mb["targets"], layout=layout, temperature=hparams.temperature,
@@ -78,6 +99,7 @@ def _policy_loss(model, feats, mb, norm, hparams: StepHParams, ref_model=None, r
     norm=norm,
     ref_logp_bt=ref_logp,
     entropy_bt=entropy,
+    segment_ids_bt=mb.get("segment_ids"),
   )
 
 
@@ -185,8 +207,12 @@ def mm_value_and_grad(
   Returns:
     ``(loss, metric sums, grads, counts)``, summed over the micro-batches.
   """
-  norm = losses.Normalizer.from_mask(batch["loss_mask"], max_len=float(hparams.max_new_tokens))
-  rows = {k: batch[k] for k in MM_ROW_FIELDS}
+  norm = losses.Normalizer.from_mask(
+    batch["loss_mask"],
+    max_len=float(hparams.max_new_tokens),
+    segment_ids_bt=batch.get("segment_ids"),
+  )
+  rows = {k: batch[k] for k in _row_fields(batch)}
   if ref_params is not None and hparams.loss.kl_coef <= 0:
     ref_params = None
   kwargs = dict(graphdef=graphdef, hparams=hparams, ref_params=ref_params)
@@ -236,10 +262,13 @@ def mm_train_step(
   return TrainState(params=params, opt_state=opt_state), metrics
 
 
-def batch_shardings(mesh: jax.sharding.Mesh) -> dict[str, NamedSharding]:
-  """Row fields ``[K, rows, ...]`` split on rows; images ``[U, ...]`` split over the batch axes."""
+def batch_shardings(mesh: jax.sharding.Mesh, *, shared: bool = False) -> dict[str, NamedSharding]:
+  """Row fields ``[K, rows, ...]`` split on rows; images ``[U, ...]`` split over the batch axes.
+
+  ``shared``: the fields of shared-prompt sequences (``MM_SHARED_FIELDS``)."""
   rows = sharding.logical_sharding(mesh, (None, "batch"))
-  return {**{k: rows for k in MM_ROW_FIELDS}, "images": sharding.logical_sharding(mesh, ("batch",))}
+  fields = MM_SHARED_FIELDS if shared else MM_ROW_FIELDS
+  return {**{k: rows for k in fields}, "images": sharding.logical_sharding(mesh, ("batch",))}
 
 
 def batch_shards(mesh: jax.sharding.Mesh) -> int:
@@ -271,11 +300,16 @@ def prepare_batch(
 
 
 def device_batch(
-  batch: dict[str, np.ndarray], micro_batches: int, mesh: jax.sharding.Mesh, *, num_images: int
+  batch: dict[str, np.ndarray],
+  micro_batches: int,
+  mesh: jax.sharding.Mesh,
+  *,
+  num_images: int,
+  shared: bool = False,
 ) -> dict[str, jax.Array]:
   """:func:`prepare_batch` for ``mesh``, placed with :func:`batch_shardings`."""
   host = prepare_batch(batch, micro_batches, num_images=num_images, shards=batch_shards(mesh))
-  return jax.device_put(host, batch_shardings(mesh))
+  return jax.device_put(host, batch_shardings(mesh, shared=shared))
 
 
 def compile_mm_train_step(
@@ -288,8 +322,10 @@ def compile_mm_train_step(
   encoder_dedup: bool = True,
   remat_encoder: bool = False,
   with_ref: bool = False,
+  shared: bool = False,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
-  """``jax.jit`` of :func:`mm_train_step` with explicit shardings and the state donated."""
+  """``jax.jit`` of :func:`mm_train_step` with explicit shardings and the state donated
+  (``shared``: the batch holds shared-prompt sequences, ``MM_SHARED_FIELDS``)."""
   fn = functools.partial(
     mm_train_step,
     graphdef=graphdef,
@@ -298,4 +334,6 @@ def compile_mm_train_step(
     encoder_dedup=encoder_dedup,
     remat_encoder=remat_encoder,
   )
-  return jit_step(fn, state_shardings, batch_shardings(mesh), mesh, with_ref=with_ref)
+  return jit_step(
+    fn, state_shardings, batch_shardings(mesh, shared=shared), mesh, with_ref=with_ref
+  )

@@ -21,6 +21,11 @@ the padded rows. In-step advantages (GAE, the KL as a reward) work per segment t
 at each segment's end and the group estimators run over the segments
 (:mod:`knitjax.train.step_advantages`).
 
+Shared prompts (`knitjax.train.prompt_sharing`): sequences laid out like packed ones (a segment
+per response, per-token row fields) whose responses also see their group's prompt (``prefix_ids``,
+the tree mask) and whose targets are scored from the hidden states at ``score_index``
+(:func:`scored_states`), in every forward: the policy's, the reference's and the in-step ones.
+
 With LoRA (`knitjax.models.lora`) the state's params are the adapters only: the step
 differentiates and updates them, while the frozen base comes in as a separate, non-donated
 argument, and the reference policy is that base with the adapters off (no second copy).
@@ -58,6 +63,9 @@ MICRO_BATCH_FIELDS = (
 )
 # With packing (knitjax.train.packing) every field is [sequences, pack_len], plus:
 PACKED_FIELDS = (*MICRO_BATCH_FIELDS, "segment_ids")
+# With shared prompts (knitjax.train.prompt_sharing) also the tree mask's prefix segment of each
+# query and the column whose hidden state scores each target:
+SHARED_FIELDS = (*PACKED_FIELDS, "prefix_ids", "score_index")
 
 
 @jax.tree_util.register_dataclass
@@ -126,17 +134,33 @@ def forward(
   """
   model = nnx.merge(graphdef, params)
   inputs = (mb["tokens"], mb["positions"], mb["valid"])
-  segments = mb.get("segment_ids")
+  masks = dict(segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"))
   if values:
-    hidden, values_bt = model.hidden_states_and_values(*inputs, segment_ids_bt=segments)
+    hidden, values_bt = model.hidden_states_and_values(*inputs, **masks)
   else:
-    hidden, values_bt = model.hidden_states(*inputs, segment_ids_bt=segments), None
+    hidden, values_bt = model.hidden_states(*inputs, **masks), None
+  hidden, values_bt = scored_states(hidden, values_bt, mb.get("score_index"))
   table, layout = model.unembedding()
   logp, ent = logprobs_lib.token_logprobs_and_entropy(
     hidden, table, mb["targets"], layout=layout, temperature=temperature, chunk=chunk,
     entropy=entropy,
   )  # fmt: skip
   return logp, ent, values_bt
+
+
+def scored_states(
+  hidden_btd: jax.Array, values_bt: jax.Array | None, score_index_bt: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+  """The hidden states (and values) that score each column's target: those at ``score_index``
+  (shared prompts, `knitjax.train.prompt_sharing`: a gather, whose transpose sums the G
+  responses' gradients into the prompt's last position), else unchanged."""
+  if score_index_bt is None:
+    return hidden_btd, values_bt
+  index = score_index_bt.astype(jnp.int32)
+  hidden_btd = jnp.take_along_axis(hidden_btd, index[..., None], axis=1)
+  if values_bt is not None:
+    values_bt = jnp.take_along_axis(values_bt, index, axis=1)
+  return hidden_btd, values_bt
 
 
 def micro_batch_loss(
@@ -315,13 +339,23 @@ def host_metrics(metrics: dict) -> dict[str, float]:
   return {**rest, **losses.finalize_metrics(sums)}
 
 
-def batch_shardings(mesh, *, packed: bool = False) -> dict[str, NamedSharding]:
+def batch_fields(*, packed: bool = False, shared: bool = False) -> tuple[str, ...]:
+  """The fields of a batch: padded rows, packed sequences or shared-prompt sequences."""
+  if shared:
+    return SHARED_FIELDS
+  return PACKED_FIELDS if packed else MICRO_BATCH_FIELDS
+
+
+def batch_shardings(
+  mesh, *, packed: bool = False, shared: bool = False
+) -> dict[str, NamedSharding]:
   """``[K, rows, ...]`` batch arrays: micro-batch axis unsharded, rows on the "batch" rule.
 
-  ``packed``: the fields of packed sequences (``PACKED_FIELDS``).
+  ``packed``: the fields of packed sequences (``PACKED_FIELDS``); ``shared``: of shared-prompt
+  sequences (``SHARED_FIELDS``, `knitjax.train.prompt_sharing`).
   """
   rows = sharding.logical_sharding(mesh, (None, "batch"))
-  return {k: rows for k in (PACKED_FIELDS if packed else MICRO_BATCH_FIELDS)}
+  return {k: rows for k in batch_fields(packed=packed, shared=shared)}
 
 
 def compile_train_step(
@@ -334,16 +368,18 @@ def compile_train_step(
   with_ref: bool = False,
   frozen_shardings=None,
   packed: bool = False,
+  shared: bool = False,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
   """``jax.jit`` of :func:`train_step` with explicit shardings and the state donated.
 
-  ``packed``: the batch holds packed sequences (``PACKED_FIELDS``, `knitjax.train.packing`).
+  ``packed``: the batch holds packed sequences (``PACKED_FIELDS``, `knitjax.train.packing`);
+  ``shared``: shared-prompt sequences (``SHARED_FIELDS``, `knitjax.train.prompt_sharing`).
   """
   fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, hparams=hparams)
   return jit_step(
     fn,
     state_shardings,
-    batch_shardings(mesh, packed=packed),
+    batch_shardings(mesh, packed=packed, shared=shared),
     mesh,
     with_ref=with_ref,
     frozen_shardings=frozen_shardings,

@@ -28,6 +28,10 @@ their own, and the advantages go back to every token of the row. The results are
 rows' (up to float32 summation order). The slots cost one sort of ``S * (pack_len + 1)`` group
 ids (``segment_advantages``' ``jnp.unique``), small next to the forward passes these advantages
 already need.
+
+Shared prompts (:mod:`knitjax.train.prompt_sharing`): laid out like packed rows, one segment per
+response; a group's prompt is a segment of its own, named by its responses' ``prefix_ids``, which
+is no row: it joins the empty slots.
 """
 
 import dataclasses
@@ -165,6 +169,10 @@ def _packed_group_advantages(
   # A row's first token: its reward and group id, summed once into its slot (exact: one term).
   first = (seg > 0) & (seg != jnp.pad(seg, ((0, 0), (1, 0)))[:, :-1])
   rows = row_totals(first.astype(jnp.int32), seg) > 0
+  if "prefix_ids" in batch:  # shared prompts: a prompt's segment is no row (it has no response)
+    prefix = batch["prefix_ids"].reshape(-1, t).astype(jnp.int32)
+    b = jnp.arange(seg.shape[0])[:, None]
+    rows = rows & ~jnp.zeros(rows.shape, bool).at[b, prefix].max(prefix > 0)
   reward = row_totals(
     jnp.where(first, batch["rewards"].reshape(-1, t), 0.0).astype(jnp.float32), seg
   )

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from knitjax import faultpoints
-from knitjax.train import mm_step, packing
+from knitjax.train import mm_step, packing, prompt_sharing
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import batch_shardings
 from knitjax.transfer.access import BatchLayout, layout_groups
@@ -148,7 +148,8 @@ class CentralizedPreparer:
     layout: advantage estimator and the padded row layout.
     mesh: the train mesh.
     micro_batches: ``K``, micro-batches per mini-batch.
-    pack: packs each mini-batch's rows (`knitjax.train.packing`); None: padded rows.
+    pack: packs each mini-batch's rows (`knitjax.train.packing`) or shares their prompts
+      (`knitjax.train.prompt_sharing`); None: padded rows.
   """
 
   def __init__(
@@ -158,7 +159,7 @@ class CentralizedPreparer:
     layout: BatchLayout,
     mesh: jax.sharding.Mesh,
     micro_batches: int,
-    pack: packing.PackSpec | None = None,
+    pack: packing.PackSpec | prompt_sharing.ShareSpec | None = None,
   ):
     if jax.process_count() > 1:
       raise ValueError(
@@ -167,7 +168,8 @@ class CentralizedPreparer:
       )
     self._storage, self._layout, self._mesh, self._k = storage, layout, mesh, micro_batches
     self._pack = pack
-    self._shardings = batch_shardings(mesh, packed=pack is not None)
+    self._shared = isinstance(pack, prompt_sharing.ShareSpec)
+    self._shardings = batch_shardings(mesh, packed=pack is not None, shared=self._shared)
 
   def __call__(self, minibatches: Sequence[MiniBatch]) -> list[tuple[dict, dict[str, float]]]:
     step = gather_step(minibatches, self._storage, self._layout)
@@ -177,7 +179,10 @@ class CentralizedPreparer:
     for batch, info in zip(step.batches, step.infos, strict=True):
       if "images" in batch:
         n = len(batch["images"])
-        placed = mm_step.device_batch(batch, self._k, self._mesh, num_images=n)
+        if self._shared:
+          batch, share_info = self._pack.with_metrics(batch)
+          info = {**info, **share_info}
+        placed = mm_step.device_batch(batch, self._k, self._mesh, num_images=n, shared=self._shared)
       else:
         if self._pack is not None:
           batch, pack_info = self._pack.with_metrics(batch)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 import jax
 
 from knitjax import faultpoints
-from knitjax.train import mm_step, packing
+from knitjax.train import mm_step, packing, prompt_sharing
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import batch_shardings
 from knitjax.transfer.access import BatchLayout, consumer_batch, to_global
@@ -41,7 +41,8 @@ class MiniBatchPreparer:
       several consumers each packs its own rows into the same number of sequences, the most any
       consumer's rows need, which every consumer computes alike from the consumer plan and the
       groups' metadata (their prompt and response lengths); the packing metrics are then the
-      whole mini-batch's, from that plan.
+      whole mini-batch's, from that plan. A `knitjax.train.prompt_sharing.ShareSpec` lays the
+      rows out with shared prompts (packed or not) the same way; a VLM's too.
     plan_for: ``plan_for(minibatch)``, the consumer plan announced for a mini-batch (a
       multi-process trainer's, `knitjax.runtime.trainer_group`); None: every consumer plans
       alike (`knitjax.transfer.consumer.plan_consumers`).
@@ -57,7 +58,7 @@ class MiniBatchPreparer:
     consumer: int | None = None,
     num_consumers: int | None = None,
     locality_slack: float = 0.5,
-    pack: packing.PackSpec | None = None,
+    pack: packing.PackSpec | prompt_sharing.ShareSpec | None = None,
     plan_for: Callable[[MiniBatch], ConsumerPlan] | None = None,
   ):
     self._storage, self._layout, self._mesh = storage, layout, mesh
@@ -77,7 +78,8 @@ class MiniBatchPreparer:
         )
       pack = dataclasses.replace(pack, multiple=pack.multiple // self._consumers)
     self._pack = pack
-    self._shardings = batch_shardings(mesh, packed=pack is not None)
+    self._shared = isinstance(pack, prompt_sharing.ShareSpec)
+    self._shardings = batch_shardings(mesh, packed=pack is not None, shared=self._shared)
 
   def __call__(self, minibatch: MiniBatch) -> tuple[dict[str, jax.Array], dict[str, float]]:
     plan = self._plan_for(minibatch)
@@ -93,14 +95,18 @@ class MiniBatchPreparer:
     )
     faultpoints.point("fetch")
     if "images" in local:  # this consumer's unique images, padded to the same count everywhere
+      if self._shared:
+        local, share_info = self._pack.with_metrics(local)
+        info = {**info, **share_info}
       host = mm_step.prepare_batch(local, self._k)
-      return to_global(host, mm_step.batch_shardings(self._mesh)), info
+      return to_global(host, mm_step.batch_shardings(self._mesh, shared=self._shared)), info
     if self._pack is not None and self._consumers == 1:
       local, pack_info = self._pack.with_metrics(local)
       info = {**info, **pack_info}
     elif self._pack is not None:
       row_len = self._layout.prompt_len + self._layout.max_new_tokens
-      count, pack_info = self._pack.plan_parts(_consumer_lengths(plan), row_len=row_len)
+      parts = _consumer_groups(plan) if self._shared else _consumer_lengths(plan)
+      count, pack_info = self._pack.plan_parts(parts, row_len=row_len)
       try:
         local = self._pack(local, count=count)
       except ValueError as e:
@@ -110,6 +116,12 @@ class MiniBatchPreparer:
         ) from e
       info = {**info, **pack_info}  # the whole mini-batch's, from the plan
     return to_global(split_micro_batches(local, self._k), self._shardings), info
+
+
+def _consumer_groups(plan: ConsumerPlan) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+  """Per consumer, each group's prompt and response token counts (its metadata), from which
+  every consumer computes the same count of shared-prompt sequences."""
+  return [[(g.prompt_tokens, g.response_tokens) for g in groups] for groups in plan.groups]
 
 
 def _consumer_lengths(plan: ConsumerPlan) -> list[list[int]]:

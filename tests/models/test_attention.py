@@ -330,3 +330,126 @@ def test_xla_inside_shard_map_matches_dense():
 
   for got, want in zip(run("xla"), run("dense"), strict=True):
     np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+# ---- tree mask (shared-prompt attention) --------------------------------------------------------
+# Each row: groups appended in order, a group (prompt length, response lengths); a group without
+# responses is an ordinary packed sequence. Trailing padding up to _TREE_T.
+_TREE_ROWS = (
+  ((5, (4, 6, 3)), (4, (5, 2))),  # two groups, 29 tokens, 11 padding
+  ((3, (7, 5, 4)), (6, (3, 3, 2)), (4, ())),  # two groups and a plain sequence, 37 tokens
+)
+_TREE_T = 40
+
+
+def _tree_layout(rows, t):
+  """Segment ids (prompt and each response its own, 0 on padding), prefix ids (a response
+  token's prompt segment, 0 elsewhere), and each group's (row, prompt slots, [response slots])."""
+  seg, prefix = np.zeros((len(rows), t), np.int32), np.zeros((len(rows), t), np.int32)
+  groups = []
+  for r, row in enumerate(rows):
+    slot, sid = 0, 0
+    for p_len, r_lens in row:
+      sid += 1
+      prompt, prompt_sid = np.arange(slot, slot + p_len), sid
+      seg[r, prompt] = sid
+      slot += p_len
+      responses = []
+      for n in r_lens:
+        sid += 1
+        slots = np.arange(slot, slot + n)
+        seg[r, slots], prefix[r, slots] = sid, prompt_sid
+        responses.append(slots)
+        slot += n
+      groups.append((r, prompt, responses))
+  return jnp.asarray(seg), jnp.asarray(prefix), groups
+
+
+def _causal(q_tnh, k_tkh, v_tkh):
+  """Plain causal softmax attention of one unpadded sequence (GQA), written out here."""
+  t, n, h = q_tnh.shape
+  kh = k_tkh.shape[1]
+  q = q_tnh.reshape(t, kh, n // kh, h)
+  scores = jnp.einsum("tkgh,skh->kgts", q, k_tkh) * h**-0.5
+  scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+  out = jnp.einsum("kgts,skh->tkgh", jax.nn.softmax(scores, axis=-1), v_tkh)
+  return out.reshape(t, n, h)
+
+
+def _each_response_in_its_own_row(q, kk, v, groups):
+  """The tree mask the long way: each prompt alone, each response in its own row [prompt |
+  response]; outputs back at their slots (0 on padding). Every row reads its own copy of the
+  prompt's keys and values, so their gradient is the sum over the rows."""
+  out = jnp.zeros_like(q)
+  for r, prompt, responses in groups:
+    out = out.at[r, prompt].set(_causal(q[r, prompt], kk[r, prompt], v[r, prompt]))
+    for slots in responses:
+      row = np.concatenate([prompt, slots])
+      out = out.at[r, slots].set(_causal(q[r, row], kk[r, row], v[r, row])[len(prompt) :])
+  return out
+
+
+def _assert_tree_mask_exact(tree_fn):
+  """``tree_fn(q, k, v, valid, seg, prefix)`` against `_each_response_in_its_own_row`: outputs at
+  the real tokens, and the gradients of q, k, v (float32, ~1e-6 apart in practice)."""
+  rng = np.random.default_rng(11)
+  seg, prefix, groups = _tree_layout(_TREE_ROWS, _TREE_T)
+  valid = seg > 0
+  q, kk, v = _qkv(rng, 2, _TREE_T, _TREE_T, 4, 2, 8)
+  w = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid[:, :, None, None]
+
+  def grads(fn):
+    loss = lambda *a: jnp.sum(fn(*a) * w)  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, kk, v)
+
+  tree = jax.jit(lambda q, kk, v: tree_fn(q, kk, v, valid, seg, prefix))
+  rows = jax.jit(lambda q, kk, v: _each_response_in_its_own_row(q, kk, v, groups))
+  got, want = np.asarray(tree(q, kk, v)), np.asarray(rows(q, kk, v))
+  real = np.asarray(valid)
+  np.testing.assert_allclose(got[real], want[real], rtol=1e-5, atol=ATOL)
+  (_, got_grads), (_, want_grads) = grads(tree), grads(rows)
+  for name, g, r in zip("qkv", got_grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=ATOL, err_msg=f"d{name}")
+  # Not vacuous: the prompts' keys get gradient from several rows, and without the prefix the
+  # responses would not see their prompts at all.
+  assert float(jnp.max(jnp.abs(want_grads[1]))) > 0.1
+  segments_only = attention.attend(
+    q, kk, v, kv_valid_bs=valid, q_segment_bt=seg, kv_segment_bs=seg, impl="dense"
+  )
+  response = np.asarray(prefix > 0)
+  assert np.max(np.abs(np.asarray(segments_only)[response] - got[response])) > 0.1
+
+
+@pytest.mark.parametrize(
+  "impl,block_q,block_k",
+  [
+    ("dense", None, None),
+    ("xla", 8, 8),  # blocks that divide T = 40; groups and responses cross block edges
+    ("xla", 12, 7),  # blocks that do not: the last query and key blocks overlap the one before
+  ],
+)
+def test_tree_mask_matches_each_response_in_its_own_row(impl, block_q, block_k):
+  def tree(q, kk, v, valid, seg, prefix):
+    return attention.attend(
+      q, kk, v, kv_valid_bs=valid, q_segment_bt=seg, kv_segment_bs=seg, q_prefix_bt=prefix,
+      impl=impl, block_q=block_q, block_k=block_k,
+    )  # fmt: skip
+
+  _assert_tree_mask_exact(tree)
+
+
+def test_splash_tree_mask_matches_each_response_in_its_own_row():
+  """The splash decomposition (own segment + prompt, merged by log-sum-exp, custom backward) in
+  the Pallas interpreter."""
+
+  def tree(q, kk, v, valid, seg, prefix):
+    return attention._splash(q, kk, v, valid, seg, seg, 8**-0.5, q_prefix=prefix, interpret=True)
+
+  _assert_tree_mask_exact(tree)
+
+
+def test_tree_mask_needs_segment_ids():
+  q, kk, v = _qkv(np.random.default_rng(12), 1, 4, 4, 2, 1, 8)
+  with pytest.raises(ValueError, match="q_prefix_bt .* needs q_segment_bt"):
+    attention.attend(q, kk, v, kv_valid_bs=jnp.ones((1, 4), bool),
+                     q_prefix_bt=jnp.zeros((1, 4), jnp.int32), impl="dense")  # fmt: skip

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from knitjax import sharding
+from knitjax.models import attention
 from knitjax.models.transformer import Transformer, TransformerConfig
 
 TINY = TransformerConfig(
@@ -246,3 +247,46 @@ def test_sharded_forward_on_2x2x2_mesh_matches_one_device():
     logits = forward(sharded_state, *inputs)
   # float32; the sharded matmuls reduce in a different order.
   np.testing.assert_allclose(logits, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["dense", "xla"])
+def test_shared_prompt_row_matches_each_response_in_its_own_row(impl, monkeypatch):
+  """Tree mask through the decoder: one row ``[prompt | r1 | r2 | r3 | padding]`` (positions: the
+  prompt 0..P-1, each response P..P+n-1) gives each response token the hidden state it has in its
+  own right-padded row ``[prompt | response]``, and the prompt the states it has in every one.
+  The xla path runs with blocks of 8 queries x 6 keys, so the 20 slots span several of each."""
+  monkeypatch.setattr(attention, "BLOCK_Q", 8)
+  monkeypatch.setattr(attention, "BLOCK_K", 6)
+  rng = np.random.default_rng(13)
+  p_len, r_lens, t = 5, (4, 6, 3), 20
+  prompt = rng.integers(1, TINY.vocab_size, p_len)
+  responses = [rng.integers(1, TINY.vocab_size, n) for n in r_lens]
+  shared = np.concatenate([prompt, *responses])
+  n_real = len(shared)
+  tokens = np.zeros((1, t), np.int32)
+  tokens[0, :n_real] = shared
+  positions = np.zeros((1, t), np.int32)
+  response_positions = [p_len + np.arange(n) for n in r_lens]
+  positions[0, :n_real] = np.concatenate([np.arange(p_len), *response_positions])
+  seg = np.zeros((1, t), np.int32)
+  seg[0, :n_real] = np.repeat(np.arange(1, len(r_lens) + 2), (p_len, *r_lens))
+  prefix = np.where(seg > 1, 1, 0).astype(np.int32)
+  width = p_len + max(r_lens)
+  rows = np.zeros((len(r_lens), width), np.int32)
+  for i, r in enumerate(responses):
+    rows[i, : p_len + len(r)] = np.concatenate([prompt, r])
+  row_valid = rows > 0
+  row_positions = np.tile(np.arange(width, dtype=np.int32), (len(r_lens), 1))
+
+  model = _model(dataclasses.replace(TINY, attention=impl))
+  run = nnx.jit(lambda m, *a, **kw: m.hidden_states(*a, **kw))
+  got = np.asarray(run(model, tokens, positions, seg > 0, segment_ids_bt=seg, prefix_ids_bt=prefix))
+  want = np.asarray(run(model, rows, row_positions, row_valid))
+  starts = np.cumsum((p_len, *r_lens))
+  for i, n in enumerate(r_lens):
+    np.testing.assert_allclose(got[0, starts[i] : starts[i] + n], want[i, p_len : p_len + n],
+                               rtol=1e-5, atol=1e-5, err_msg=f"response {i}")  # fmt: skip
+    np.testing.assert_allclose(got[0, :p_len], want[i, :p_len], rtol=1e-5, atol=1e-5)
+  # Not vacuous: without the prefix the responses would not see the prompt.
+  alone = np.asarray(run(model, tokens, positions, seg > 0, segment_ids_bt=seg))
+  assert np.max(np.abs(alone[0, p_len:n_real] - got[0, p_len:n_real])) > 0.1

@@ -82,6 +82,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
   from knitjax.train.kl import KL_ESTIMATORS
   from knitjax.train.losses import AGGREGATIONS, KL_PENALTIES, OBJECTIVES
   from knitjax.train.packing import PACKING_MODES
+  from knitjax.train.prompt_sharing import PROMPT_SHARING_MODES
   from knitjax.train.ratios import RATIO_LEVELS
   from knitjax.transfer.admission import POLICIES
 
@@ -96,6 +97,7 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     ("train", "kl_estimator"): KL_ESTIMATORS,
     ("train", "kl_penalty"): KL_PENALTIES,
     ("train", "packing"): PACKING_MODES,
+    ("train", "prompt_sharing"): PROMPT_SHARING_MODES,
     ("admission", "policy"): POLICIES,
     ("runtime", "mode"): config.MODES,
     ("runtime", "weight_sync"): config.WEIGHT_SYNC,

@@ -1,0 +1,48 @@
+"""Train-step speedup of shared prompts over padded rows, against the token ratio.
+
+Usage: python -m knitjax.bench --config configs/bench/prompt_sharing.py --workdir DIR
+       python -m knitjax.bench --config configs/bench/prompt_sharing.py:quick --workdir DIR
+
+Workload per point: 2 groups of G responses, each group one random prompt of exactly P tokens
+and responses of exactly R tokens (the token ratio G (P + R) / (P + G R) is then exact), random
+behaviour log-probs, GRPO advantages of random 0/1 rewards; AdamW, a k3 KL term (kl_coef 0.04)
+against a reference policy (the reference forward is in the step), 2 micro-batches, one CPU
+device. Points: P / R in {0.25, 1, 4} x G in {8, 16} for two model shapes: "arith"
+(configs/arith_tiny.py's decoder, vocab 16, R = 32: P = 8, 32, 128) and "smollm2" (SmolLM2-135M's
+shape, vocab 49152, d_model 576, 9 heads x 64, 3 KV heads, ffn 1536, tied embeddings, but 2 of
+its 30 layers: the ratio measures per-layer work; ``--config.models.smollm2.model.num_layers=30``
+for the whole depth; R = 16: P = 4, 16, 64). 3 alternating rounds a point after a warm-up step.
+``:quick`` is the arith shape at 2 small points, 1 round, for tests.
+"""
+
+import ml_collections
+
+from configs import common
+from configs.bench.lora_memory import SMOLLM2_135M
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.bench = "prompt_sharing"
+  c.cpu_devices = 1
+  c.devices = 1
+  c.mesh_shape = (1, 1, 1)
+  c.seed = 0
+  c.groups = 2
+  c.group_sizes = (8, 16)
+  c.prompt_ratios = (0.25, 1.0, 4.0)  # P / R
+  c.models = dict(
+    arith=dict(model=common.tiny_decoder(vocab_size=16), response_len=32),
+    smollm2=dict(model=dict(SMOLLM2_135M, num_layers=2), response_len=16),
+  )
+  c.micro_batches = 2
+  c.repeats = 3
+  c.kl_coef = 0.04
+  c.optimizer = dict(lr=1e-5, warmup_steps=0, weight_decay=0.0, b1=0.9, b2=0.999, grad_clip=1.0)
+  c.goal = 0.85  # speedup / token ratio
+  if arg == "quick":
+    c.models = dict(arith=dict(model=common.tiny_decoder(vocab_size=16), response_len=4))
+    c.group_sizes, c.prompt_ratios, c.repeats = (4,), (0.25, 4.0), 1
+  elif arg not in (None, ""):
+    raise ValueError(f"unknown variant {arg!r} of configs/bench/prompt_sharing.py; choose: quick.")
+  return c
