@@ -37,7 +37,7 @@ def evaluate(config, workdir: str) -> dict:
   check_writable(wd.path(workdir), f"--workdir {workdir}", create=False)
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
-  graphdef, learner = builder.build_learner(config, mesh, workdir)
+  graphdef, learner = builder.build_learner(config, mesh, workdir, prompt_len=prompts.prompt_len)
   restored = learner.restore()
   step = learner.version // config.admission.minibatches
   evaluator = rollout_builder.build_evaluator(config, graphdef, mesh, prompts)

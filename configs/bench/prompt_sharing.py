@@ -3,7 +3,8 @@
 Usage: python -m knitjax.bench --config configs/bench/prompt_sharing.py --workdir DIR
        python -m knitjax.bench --config configs/bench/prompt_sharing.py:quick --workdir DIR
 
-Workload per point: 2 groups of G responses, each group one random prompt of exactly P tokens
+Workload per point: a mini-batch of groups (arith: 32, as configs/arith_tiny.py's; smollm2: 8,
+as configs/smollm2_learn.py's) of G responses, each group one random prompt of exactly P tokens
 and responses of exactly R tokens (the token ratio G (P + R) / (P + G R) is then exact), random
 behaviour log-probs, GRPO advantages of random 0/1 rewards; AdamW, a k3 KL term (kl_coef 0.04)
 against a reference policy (the reference forward is in the step), 2 micro-batches, one CPU
@@ -28,12 +29,14 @@ def get_config(arg=None):
   c.devices = 1
   c.mesh_shape = (1, 1, 1)
   c.seed = 0
-  c.groups = 2
   c.group_sizes = (8, 16)
   c.prompt_ratios = (0.25, 1.0, 4.0)  # P / R
   c.models = dict(
-    arith=dict(model=common.tiny_decoder(vocab_size=16), response_len=32),
-    smollm2=dict(model=dict(SMOLLM2_135M, num_layers=2), response_len=16),
+    # groups: a mini-batch's, as the recipes have it (arith_tiny: 32 prompts a mini-batch;
+    # smollm2_learn: 8), so the step's per-token work weighs as in a run next to its fixed
+    # costs (the optimizer update, the table-sized gradients of a 49k vocabulary).
+    arith=dict(model=common.tiny_decoder(vocab_size=16), response_len=32, groups=32),
+    smollm2=dict(model=dict(SMOLLM2_135M, num_layers=2), response_len=16, groups=8),
   )
   c.micro_batches = 2
   c.repeats = 3
@@ -41,7 +44,7 @@ def get_config(arg=None):
   c.optimizer = dict(lr=1e-5, warmup_steps=0, weight_decay=0.0, b1=0.9, b2=0.999, grad_clip=1.0)
   c.goal = 0.85  # speedup / token ratio
   if arg == "quick":
-    c.models = dict(arith=dict(model=common.tiny_decoder(vocab_size=16), response_len=4))
+    c.models = dict(arith=dict(model=common.tiny_decoder(vocab_size=16), response_len=4, groups=2))
     c.group_sizes, c.prompt_ratios, c.repeats = (4,), (0.25, 4.0), 1
   elif arg not in (None, ""):
     raise ValueError(f"unknown variant {arg!r} of configs/bench/prompt_sharing.py; choose: quick.")

@@ -92,13 +92,19 @@ def workload(
 class _Layout:
   """One layout's compiled step, its live state and its device batch."""
 
-  def __init__(self, config, mesh, graphdef, params, batch, *, response_len: int, shared: bool):
+  def __init__(
+    self, config, mesh, graphdef, params, batch, *, prompt_len: int, response_len: int,
+    shared: bool,
+  ):  # fmt: skip
     optimizer = make_optimizer(config.optimizer)
     fresh = jax.tree.map(lambda x: x.copy(), params)  # the state is donated; the ref is not
     self.state, shardings = init_train_state(fresh, optimizer, mesh)
     self.ref = params
     hparams = StepHParams(
-      loss=losses.LossConfig(kl_coef=config.kl_coef), max_new_tokens=response_len
+      loss=losses.LossConfig(kl_coef=config.kl_coef),
+      max_new_tokens=response_len,
+      # Fixed slots attend slot by slot, as the runtime's step does (builder.shared_slots).
+      shared_slots=(prompt_len, response_len) if shared else None,
     )
     step = compile_train_step(
       graphdef=graphdef, optimizer=optimizer, hparams=hparams, state_shardings=shardings,
@@ -125,12 +131,12 @@ class _Layout:
 
 def measure_point(
   config, mesh, model: str, graphdef, params, *, vocab_size: int, prompt_len: int,
-  response_len: int, group_size: int,
+  response_len: int, group_size: int, groups: int,
 ) -> dict:  # fmt: skip
   """Both layouts of one point: compile, a warm-up step each, then alternating timed rounds."""
   rng = np.random.default_rng([config.seed, prompt_len, response_len, group_size])
   padded = workload(
-    rng, groups=config.groups, group_size=group_size, prompt_len=prompt_len,
+    rng, groups=groups, group_size=group_size, prompt_len=prompt_len,
     response_len=response_len, vocab_size=vocab_size,
   )  # fmt: skip
   shards = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
@@ -147,7 +153,16 @@ def measure_point(
       f"token ratio {ratio} by the formula, {metrics['share_token_ratio']} by sharing_metrics."
     )
   layouts = {
-    name: _Layout(config, mesh, graphdef, params, batch, response_len=response_len, shared=on)
+    name: _Layout(
+      config,
+      mesh,
+      graphdef,
+      params,
+      batch,
+      prompt_len=prompt_len,
+      response_len=response_len,
+      shared=on,
+    )  # fmt: skip
     for name, batch, on in (("off", padded, False), ("group", shared, True))
   }
   first = {name: host_metrics(layout.run()[1])["loss"] for name, layout in layouts.items()}
@@ -159,7 +174,7 @@ def measure_point(
     "prompt_len": prompt_len,
     "response_len": response_len,
     "group_size": group_size,
-    "groups": config.groups,
+    "groups": groups,
     "token_ratio": ratio,
     "tokens_off": int(np.count_nonzero(padded["valid"])),
     "tokens_group": int(np.count_nonzero(shared["valid"])),
@@ -195,14 +210,18 @@ def run(config, workdir: str) -> dict:
   points, models = [], {}
   for name, spec in config.models.items():
     model = TransformerConfig(**spec.model)
-    models[name] = {"response_len": spec.response_len, "config": spec.model.to_dict()}
+    models[name] = {
+      "response_len": spec.response_len,
+      "groups": spec.groups,
+      "config": spec.model.to_dict(),
+    }
     graphdef, params = sharding.init_sharded(lambda m=model: Transformer(m, rngs=nnx.Rngs(0)), mesh)
     for group_size in config.group_sizes:
       for ratio in config.prompt_ratios:
         point = measure_point(
           config, mesh, name, graphdef, params, vocab_size=model.vocab_size,
           prompt_len=_prompt_len(ratio, spec.response_len), response_len=spec.response_len,
-          group_size=group_size,
+          group_size=group_size, groups=spec.groups,
         )  # fmt: skip
         points.append(point)
         print(
@@ -215,7 +234,6 @@ def run(config, workdir: str) -> dict:
   result = {
     "points": points,
     "goal_speedup_over_ratio": config.goal,
-    "groups": config.groups,
     "group_sizes": list(config.group_sizes),
     "prompt_ratios": list(config.prompt_ratios),
     "micro_batches": config.micro_batches,

@@ -312,6 +312,7 @@ class Attention(nnx.Module):
     cache_index: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
+    slots: tuple[int, int] | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attends the T new positions to the earlier-or-equal valid keys (`attention_lib.attend`).
 
@@ -327,6 +328,10 @@ class Attention(nnx.Module):
       prefix_ids_bt: int32 [B, T] tree mask (shared-prompt rows ``[prompt | r1 | ... | rG]``):
         for a response token the segment id of its prompt, whose keys it sees too; 0 elsewhere.
         Needs `segment_ids_bt`. None: no prefixes.
+      slots: ``(P, N)`` of a fixed-slot shared-prompt row ``[prompt (P) | N | ... | N]``
+        (`knitjax.train.prompt_sharing`): the same tree mask computed per slot
+        (`attention_lib.attend_slots`), so no query meets another response's keys; the
+        segment and prefix ids are then not read. None: `attend` with the ids.
 
     Returns:
       The attention output [B, T, D] and the (updated) keys and values.
@@ -339,7 +344,7 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
     q_offset = 0
     if kv_cache is not None:
-      if segment_ids_bt is not None or prefix_ids_bt is not None:
+      if segment_ids_bt is not None or prefix_ids_bt is not None or slots is not None:
         raise ValueError(
           "segment_ids_bt and prefix_ids_bt apply to a full sequence, not to a KV cache."
         )
@@ -347,10 +352,16 @@ class Attention(nnx.Module):
       k = jax.lax.dynamic_update_slice(kv_cache[0], k.astype(kv_cache[0].dtype), start)
       v = jax.lax.dynamic_update_slice(kv_cache[1], v.astype(kv_cache[1].dtype), start)
       q_offset = cache_index
-    out = attention_lib.attend(
-      q, k, v, kv_valid_bs=valid_bs, q_offset=q_offset, q_segment_bt=segment_ids_bt,
-      kv_segment_bs=segment_ids_bt, q_prefix_bt=prefix_ids_bt, impl=self.attention,
-    )  # fmt: skip
+    if slots is not None:
+      out = attention_lib.attend_slots(
+        q, k, v, kv_valid_bs=valid_bs, prompt_len=slots[0], slot_len=slots[1],
+        impl=self.attention,
+      )  # fmt: skip
+    else:
+      out = attention_lib.attend(
+        q, k, v, kv_valid_bs=valid_bs, q_offset=q_offset, q_segment_bt=segment_ids_bt,
+        kv_segment_bs=segment_ids_bt, q_prefix_bt=prefix_ids_bt, impl=self.attention,
+      )  # fmt: skip
     proj = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(self.dtype))
     if self.o_lora is not None:
       proj = proj + self.o_lora(out)

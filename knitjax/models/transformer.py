@@ -222,10 +222,11 @@ class Block(nnx.Module):
     cache_index=None,
     segment_ids_bt=None,
     prefix_ids_bt=None,
+    slots=None,
   ):
     attn_out, kv = self.attn(
       self.attn_norm(x_btd), sin_cos, valid_bs, kv_cache, cache_index, segment_ids_bt,
-      prefix_ids_bt,
+      prefix_ids_bt, slots,
     )  # fmt: skip
     x_btd = x_btd + attn_out
     return x_btd + self.mlp(self.mlp_norm(x_btd)), kv
@@ -295,6 +296,7 @@ class Transformer(nnx.Module):
     embeddings_btd: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
+    slots: tuple[int, int] | None = None,
   ) -> jax.Array:
     """Full-sequence forward: float32 logits [B, T, V].
 
@@ -310,9 +312,11 @@ class Transformer(nnx.Module):
         response token the segment id of its prompt, whose keys it sees as well as its own
         segment's; 0 elsewhere. A response's states then equal those of its own row
         ``[prompt | response]``. Needs `segment_ids_bt`. None: no prefixes.
+      slots: ``(P, N)``: the rows are fixed-slot shared-prompt rows ``[prompt (P) | N | ... |
+        N]``, attended slot by slot (`knitjax.models.attention.attend_slots`); None: by the ids.
     """
     x = self._hidden(
-      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt
+      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt, slots
     )
     return self._logits(x)
 
@@ -324,6 +328,7 @@ class Transformer(nnx.Module):
     *,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
+    slots: tuple[int, int] | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """Full-sequence forward of policy and critic: float32 logits [B, T, V] and values [B, T].
 
@@ -332,7 +337,7 @@ class Transformer(nnx.Module):
     """
     if self.value_head is None:
       raise ValueError("logits_and_values needs a value head; set TransformerConfig.value_head.")
-    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt, prefix_ids_bt)
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt, prefix_ids_bt, slots)
     return self._logits(x), self.value_head(self.final_norm(x))
 
   def hidden_states(
@@ -344,6 +349,7 @@ class Transformer(nnx.Module):
     embeddings_btd: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
+    slots: tuple[int, int] | None = None,
   ) -> jax.Array:
     """Full-sequence forward up to the final norm: hidden states [B, T, D] in the compute dtype.
 
@@ -351,7 +357,7 @@ class Transformer(nnx.Module):
     that the [B, T, V] logits need not exist at once); the arguments are `__call__`'s.
     """
     x = self._hidden(
-      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt
+      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt, slots
     )
     return self.final_norm(x)
 
@@ -363,6 +369,7 @@ class Transformer(nnx.Module):
     *,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
+    slots: tuple[int, int] | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """`hidden_states` and the critic's float32 values [B, T] from the same forward pass.
 
@@ -373,8 +380,9 @@ class Transformer(nnx.Module):
         "hidden_states_and_values needs a value head; set TransformerConfig.value_head."
       )
     x = self.hidden_states(
-      tokens_bt, positions_bt, valid_bt, segment_ids_bt=segment_ids_bt, prefix_ids_bt=prefix_ids_bt
-    )
+      tokens_bt, positions_bt, valid_bt, segment_ids_bt=segment_ids_bt,
+      prefix_ids_bt=prefix_ids_bt, slots=slots,
+    )  # fmt: skip
     return x, self.value_head(x)
 
   def _hidden(
@@ -385,6 +393,7 @@ class Transformer(nnx.Module):
     embeddings_btd,
     segment_ids_bt=None,
     prefix_ids_bt=None,
+    slots=None,
   ) -> jax.Array:
     """The last block's output [B, T, D] (before the final norm)."""
     x = self._inputs(tokens_bt, embeddings_btd)
@@ -394,13 +403,13 @@ class Transformer(nnx.Module):
     if prefix_ids_bt is not None:
       prefix_ids_bt = prefix_ids_bt.astype(jnp.int32)
     sin_cos = self._rope(positions_bt)
-    return self._blocks(x, sin_cos, valid_bt, None, None, segment_ids_bt, prefix_ids_bt)
+    return self._blocks(x, sin_cos, valid_bt, None, None, segment_ids_bt, prefix_ids_bt, slots)
 
   def _blocks(self, x_btd: jax.Array, *block_args) -> jax.Array:
     """Every decoder block over a full sequence, with the configured remat and layer scan.
 
     ``block_args`` follow ``x_btd`` in `Block.__call__`: (sin_cos, valid_bs, kv_cache,
-    cache_index, segment_ids_bt, prefix_ids_bt).
+    cache_index, segment_ids_bt, prefix_ids_bt, slots).
     """
     c = self.config
     graphdef = nnx.graphdef(self.blocks[0])

@@ -251,8 +251,12 @@ def _add_value_head(config: Config, trunk: nnx.State, mesh) -> tuple[nnx.GraphDe
   return graphdef, params
 
 
-def build_trainer(config: Config, graphdef, params, mesh):
+def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0):
   """Returns ``(state, state_shardings, compiled step, the step's third argument or None)``.
+
+  ``prompt_len``: the prompts' padded width (``ClassStreams.prompt_len``); with shared prompts
+  in fixed slots the step then attends slot by slot (``StepHParams.shared_slots``); 0 (a
+  learner that never trains, e.g. for export): by the segment and prefix ids, the same result.
 
   The third argument is the reference params when the loss has a KL term (a copy of the initial
   params); with LoRA it is the frozen base, always (the train state holds only the adapters, and
@@ -290,6 +294,7 @@ def build_trainer(config: Config, graphdef, params, mesh):
     temperature=config.rollout.temperature,
     max_new_tokens=config.rollout.max_new_tokens,
     logprob_chunk=t.logprob_chunk,
+    shared_slots=shared_slots(config, prompt_len),
   )
   with_ref = t.kl_coef > 0 and frozen is None
   shared = t.prompt_sharing == "group"
@@ -304,7 +309,9 @@ def build_trainer(config: Config, graphdef, params, mesh):
   )
   if config.vision is not None:
     step = mm_step.compile_mm_train_step(
-      encoder_dedup=t.encoder_dedup, remat_encoder=t.remat_encoder, shared=shared,
+      encoder_dedup=t.encoder_dedup,
+      remat_encoder=t.remat_encoder,
+      shared=shared,
       **compile_kwargs,
     )
   elif frozen is not None:
@@ -331,15 +338,29 @@ def reference_params(params: nnx.State, dtype: str) -> nnx.State:
   return jax.tree.map(copy, params)
 
 
-def init_state(config: Config, mesh) -> tuple[nnx.GraphDef, TrainState, TrainState, object, object]:
+def shared_slots(config: Config, prompt_len: int) -> tuple[int, int] | None:
+  """``(P, N)`` of the fixed-slot shared-prompt rows the step takes, or None (padded or packed
+  rows, or an unknown prompt width)."""
+  t = config.train
+  if t.prompt_sharing != "group" or t.packing != "off" or not prompt_len:
+    return None
+  return (prompt_len, config.rollout.max_new_tokens)
+
+
+def init_state(
+  config: Config, mesh, *, prompt_len: int = 0
+) -> tuple[nnx.GraphDef, TrainState, TrainState, object, object]:
   graphdef, params = build_model(config, mesh)
-  state, shardings, step, ref = build_trainer(config, graphdef, params, mesh)
+  state, shardings, step, ref = build_trainer(config, graphdef, params, mesh, prompt_len=prompt_len)
   return graphdef, state, shardings, step, ref
 
 
-def build_learner(config: Config, mesh, workdir: str) -> tuple[nnx.GraphDef, Learner]:
-  """The policy's graph definition and a Learner over its freshly initialised train state."""
-  graphdef, state, _, step, extra = init_state(config, mesh)
+def build_learner(
+  config: Config, mesh, workdir: str, *, prompt_len: int = 0
+) -> tuple[nnx.GraphDef, Learner]:
+  """The policy's graph definition and a Learner over its freshly initialised train state
+  (``prompt_len``: see `build_trainer`)."""
+  graphdef, state, _, step, extra = init_state(config, mesh, prompt_len=prompt_len)
   lora_base = extra if config.model.lora_rank else None
   learner = Learner(
     state,

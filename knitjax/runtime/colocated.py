@@ -48,7 +48,7 @@ def run(
   """
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
-  graphdef, learner = builder.build_learner(config, mesh, workdir)
+  graphdef, learner = builder.build_learner(config, mesh, workdir, prompt_len=prompts.prompt_len)
   rollout = rollout_builder.build_rollout(config, graphdef, mesh, prompts)
   admission = builder.build_admission(
     config, on_reject=lambda g: release_groups(rollout.storage, [g])

@@ -94,7 +94,9 @@ def run(
     rollout_devices, train_devices = split_devices(config)
   train_mesh = builder.build_mesh(config, devices=train_devices)
   prompts = builder.build_prompts(config)
-  graphdef, learner = builder.build_learner(config, train_mesh, workdir)
+  graphdef, learner = builder.build_learner(
+    config, train_mesh, workdir, prompt_len=prompts.prompt_len
+  )
   rollout = admission = None
   if hosts:
     # Versions are staged on the train mesh; the hosts pull them from there.

@@ -199,7 +199,10 @@ def token_logprobs_and_entropy(
       return logp, None
     ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
     return logp, ent if entropy == "loss" else jax.lax.stop_gradient(ent)
-  chunk = min(chunk, hidden_btd.shape[1])
+  # Even chunks: as many as `chunk` asks for, each ceil(T / n) long, so the last is not mostly
+  # padding (T = 132 at chunk 128: two of 66, not 256 positions' logits).
+  t = hidden_btd.shape[1]
+  chunk = -(-t // -(-t // chunk))
   logp, ent = _chunked(hidden_btd, table, targets_bt, layout, float(temperature), chunk, entropy)
   if entropy == "none":
     return logp, None

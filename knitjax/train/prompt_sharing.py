@@ -47,12 +47,17 @@ single-row unit: to each token of its segment, prompt included, as packing does)
 prompt's tokens carry the padding values (0, 0, -1), so the in-step group estimators
 (:mod:`knitjax.train.step_advantages`) see one row per response, none for the prompt.
 
-Sequences: with ``pack=False`` each unit fills one sequence of ``seq_len`` tokens (the prompt
-width plus G response widths: every unit fits); with ``pack=True`` units are packed first-fit
-decreasing into sequences of ``seq_len`` (= ``pack_len``) tokens, a unit never split
-(:func:`knitjax.train.packing.first_fit_decreasing`). The count ``S`` is rounded up to
-``multiple`` (micro-batches times batch shards) with empty sequences, so a group never splits
-across micro-batches and the micro-batch count stays the config's.
+Sequences: with ``pack=False`` each unit fills one sequence in **fixed slots**, ``seq_len = P +
+G N`` tokens (``P``, ``N``: the padded prompt and response widths): the prompt left-padded in
+columns ``[0, P)`` as in its padded row, response ``j`` right-padded in ``[P + j N, P + (j + 1)
+N)``. The model then attends slot by slot (:func:`knitjax.models.attention.attend_slots`,
+``StepHParams.shared_slots``): the prompt once, each slot over the prompt's keys and its own, so
+no score is spent on one response against another. With ``pack=True`` units are laid out
+contiguously (``[prompt | r1 | r2 | ...]``) and packed first-fit decreasing into sequences of
+``seq_len`` (= ``pack_len``) tokens, a unit never split
+(:func:`knitjax.train.packing.first_fit_decreasing`), under the general tree mask. The count
+``S`` is rounded up to ``multiple`` (micro-batches times batch shards) with empty sequences, so
+a group never splits across micro-batches and the micro-batch count stays the config's.
 """
 
 from __future__ import annotations
@@ -200,12 +205,21 @@ def share_batch(
   }
   if images is not None:
     out["image_index"] = np.full((s_count,), -1, np.asarray(images).dtype)
+  slot_len = tokens.shape[1] - prompt_len  # N, a response's width (fixed slots)
+  most = max((len(u) for u in groups), default=0)
+  if not pack and prompt_len + most * slot_len > seq_len:
+    raise ValueError(
+      f"a group of {most} responses does not fit a shared-prompt row of {seq_len} tokens "
+      f"(a prompt of {prompt_len} and slots of {slot_len}); is config.rollout.group_size right?"
+    )
   for s, seq in enumerate(sequences):
     col, seg = 0, 1
     for u in seq:
       rows = groups[u]
       first = rows[0]
       pl = int(p_len[first])
+      if not pack:  # fixed slots: the prompt left-padded to P, response j at P + j N
+        col = prompt_len - pl
       src = slice(prompt_len - pl, prompt_len)
       dst = slice(col, col + pl)
       out["tokens"][s, dst] = tokens[first, src]
@@ -219,10 +233,12 @@ def share_batch(
       if images is not None:
         out["image_index"][s] = images[first]
       col += pl
-      for r in rows:
+      for j, r in enumerate(rows):
         n = int(n_len[r])
         if shared:
           seg += 1
+        if not pack:
+          col = prompt_len + j * slot_len
         dst = slice(col, col + n)
         out["tokens"][s, dst] = tokens[r, prompt_len : prompt_len + n]
         out["targets"][s, dst] = tokens[r, prompt_len : prompt_len + n]

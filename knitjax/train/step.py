@@ -88,6 +88,10 @@ class StepHParams:
   # Positions per chunk of the log-prob / entropy computation (knitjax.train.logprobs): the
   # [B, T, V] logits never exist at once; 0: the plain path (whole logits).
   logprob_chunk: int = logprobs_lib.DEFAULT_CHUNK
+  # Shared prompts in fixed slots (knitjax.train.prompt_sharing, not packed): (P, N), the prompt
+  # width and the response slot width, so attention runs slot by slot
+  # (knitjax.models.attention.attend_slots); None: by the batch's segment and prefix ids.
+  shared_slots: tuple[int, int] | None = None
 
   @property
   def entropy_mode(self) -> str:
@@ -107,11 +111,12 @@ def sequence_logprobs(
   temperature: float,
   *,
   chunk: int = logprobs_lib.DEFAULT_CHUNK,
+  slots: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Per-token log-probs and entropies (no gradient) of the targets, at the sampling
-  temperature."""
+  temperature (``slots``: see :func:`forward`)."""
   logp, entropy, _ = forward(
-    graphdef, params, mb, temperature, values=False, chunk=chunk, entropy="metric"
+    graphdef, params, mb, temperature, values=False, chunk=chunk, entropy="metric", slots=slots
   )
   return logp, entropy
 
@@ -125,22 +130,30 @@ def forward(
   values: bool,
   chunk: int = logprobs_lib.DEFAULT_CHUNK,
   entropy: str = "metric",
+  slots: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """Log-probs and entropies of the targets (at the sampling temperature), and with ``values``
   the critic's values ``[B, T]`` from the same forward pass (else None).
 
   ``chunk`` positions at a time (:mod:`knitjax.train.logprobs`; 0: whole logits); ``entropy``:
-  ``"none"`` (None is returned), ``"metric"`` (no gradient) or ``"loss"``.
+  ``"none"`` (None is returned), ``"metric"`` (no gradient) or ``"loss"``; ``slots``: the
+  batch holds fixed-slot shared-prompt rows of this ``(P, N)`` (``StepHParams.shared_slots``).
   """
   model = nnx.merge(graphdef, params)
   inputs = (mb["tokens"], mb["positions"], mb["valid"])
-  masks = dict(segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"))
+  masks = dict(
+    segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"), slots=slots
+  )
   if values:
     hidden, values_bt = model.hidden_states_and_values(*inputs, **masks)
   else:
     hidden, values_bt = model.hidden_states(*inputs, **masks), None
   hidden, values_bt = scored_states(hidden, values_bt, mb.get("score_index"))
   table, layout = model.unembedding()
+  if slots is not None and chunk:
+    # A row holds G responses: G times the positions per chunk keep the padded rows' logits
+    # memory per chunk (rows x chunk x V) with G times fewer table-sized gradient updates.
+    chunk *= max(1, (mb["tokens"].shape[-1] - slots[0]) // slots[1])
   logp, ent = logprobs_lib.token_logprobs_and_entropy(
     hidden, table, mb["targets"], layout=layout, temperature=temperature, chunk=chunk,
     entropy=entropy,
@@ -180,7 +193,7 @@ def micro_batch_loss(
   critic = hparams.advantage.critic
   logp, entropy, values = forward(
     graphdef, policy, mb, hparams.temperature, values=critic, chunk=hparams.logprob_chunk,
-    entropy=hparams.entropy_mode,
+    entropy=hparams.entropy_mode, slots=hparams.shared_slots,
   )  # fmt: skip
   loss, sums = losses.policy_loss(
     logp,
@@ -235,7 +248,7 @@ def recompute_advantages(
   logp, _, values = jax.lax.map(
     lambda mb: forward(
       graphdef, params, mb, hparams.temperature, values=critic, chunk=hparams.logprob_chunk,
-      entropy="none",
+      entropy="none", slots=hparams.shared_slots,
     ),
     batch,
   )  # fmt: skip
@@ -293,7 +306,7 @@ def train_step(
     ref_logp = jax.lax.map(
       lambda mb: forward(
         graphdef, ref_params, mb, hparams.temperature, values=False, chunk=hparams.logprob_chunk,
-        entropy="none",
+        entropy="none", slots=hparams.shared_slots,
       )[0],
       batch,
     )  # fmt: skip

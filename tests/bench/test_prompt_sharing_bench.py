@@ -32,7 +32,7 @@ def test_quick_bench_writes_points_with_exact_ratios_and_equal_losses(tmp_path):
   assert len(saved["points"]) == len(config.group_sizes) * len(config.prompt_ratios) == 2
   for p in saved["points"]:
     assert set(p) >= POINT_KEYS
-    g, pl, rl, k = p["group_size"], p["prompt_len"], p["response_len"], config.groups
+    g, pl, rl, k = p["group_size"], p["prompt_len"], p["response_len"], p["groups"]
     assert p["token_ratio"] == pytest.approx(g * (pl + rl) / (pl + g * rl), rel=1e-12)
     assert (p["tokens_off"], p["tokens_group"]) == (k * g * (pl + rl), k * (pl + g * rl))
     # Equal lengths fill every slot of either layout.

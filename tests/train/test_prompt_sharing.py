@@ -4,6 +4,7 @@ each assertion: rtol 1e-5 on log-probs, loss and metrics, rtol 1e-4 / atol 1e-6 
 entry, the packing tests' summation-order tolerances)."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -72,7 +73,15 @@ def test_hand_example_layout():
     pack_rows(prompts, responses, [np.array([-1.0, -2.0]), np.array([-3.0])]),
     np.array([0.5, -0.5]), prompt_len=4, max_new_tokens=2, pad_id=0, group_ids=np.array([1, 1]),
   )  # fmt: skip
+  # Fixed slots (pack=False): the prompt left-padded in [0, 4), the responses at 4 and 6.
   out = prompt_sharing.share_batch(batch, prompt_len=4, seq_len=8, multiple=1)
+  np.testing.assert_array_equal(out["tokens"][0], [0, 5, 6, 7, 8, 9, 10, 0])
+  np.testing.assert_array_equal(out["positions"][0], [0, 0, 1, 2, 3, 4, 3, 0])
+  np.testing.assert_array_equal(out["segment_ids"][0], [0, 1, 1, 1, 2, 2, 3, 0])
+  np.testing.assert_array_equal(out["prefix_ids"][0], [0, 0, 0, 0, 1, 1, 1, 0])
+  np.testing.assert_array_equal(out["score_index"][0], [0, 1, 2, 3, 3, 4, 3, 7])
+  # Contiguous (pack=True): [prompt | r1 | r2], then padding.
+  out = prompt_sharing.share_batch(batch, prompt_len=4, seq_len=8, multiple=1, pack=True)
   np.testing.assert_array_equal(out["tokens"][0], [5, 6, 7, 8, 9, 10, 0, 0])
   np.testing.assert_array_equal(out["positions"][0], [0, 1, 2, 3, 4, 3, 0, 0])
   np.testing.assert_array_equal(out["segment_ids"][0], [1, 1, 1, 2, 2, 3, 0, 0])
@@ -136,14 +145,19 @@ def _assert_same_tokens(shared_batch, shared_values, padded_batch, padded_values
   np.testing.assert_allclose([a[k] for k in keys], [b[k] for k in keys], rtol=rtol, atol=1e-6)
 
 
-def test_logprobs_equal_the_padded_rows():
-  """The forward of either layout, every loss token's log-prob and entropy (rtol 1e-5)."""
+@pytest.mark.parametrize("slots", [None, (P, N)])
+def test_logprobs_equal_the_padded_rows(slots):
+  """The forward of either layout, every loss token's log-prob and entropy (rtol 1e-5); fixed
+  slots attended by the tree mask's ids (None) or slot by slot (``attend_slots``)."""
   batch = _groups_batch(seed=3)
   shared = _share(batch)
   graphdef, params = tiny.init()
-  run = jax.jit(lambda p, mb: forward(graphdef, p, mb, 1.0, values=False, chunk=4))
-  lp0, ent0, _ = run(params, {k: v for k, v in batch.items()})
-  lp1, ent1, _ = run(params, {k: v for k, v in shared.items()})
+  run = jax.jit(
+    lambda p, mb, slots: forward(graphdef, p, mb, 1.0, values=False, chunk=4, slots=slots),
+    static_argnums=2,
+  )
+  lp0, ent0, _ = run(params, dict(batch), None)
+  lp1, ent1, _ = run(params, dict(shared), slots)
   _assert_same_tokens(shared, lp1, batch, lp0, 1e-5)
   _assert_same_tokens(shared, ent1, batch, ent0, 1e-5)
 
@@ -158,9 +172,11 @@ MODES = {
 }  # fmt: skip
 
 
-def _step(mesh, batch, mode, *, shared, micro_batches=2):
+def _step(mesh, batch, mode, *, shared, slots=None, micro_batches=2):
   loss_kw, advantage = MODES[mode]
-  hp = StepHParams(loss=losses.LossConfig(**loss_kw), advantage=advantage, max_new_tokens=N)
+  hp = StepHParams(
+    loss=losses.LossConfig(**loss_kw), advantage=advantage, max_new_tokens=N, shared_slots=slots
+  )
 
   def critic_predicts(params):  # a critic that predicts something: GAE bootstraps real values
     params["value_head"]["bias"][...] = params["value_head"]["bias"][...] + 0.3
@@ -193,7 +209,7 @@ def test_step_equals_padded_step(mode, pack, devices):
   batch = _groups_batch(seed=4)
   shared = _share(batch, multiple=2 * devices, pack=pack, seq_len=P + G * N + (7 if pack else 0))
   g0, m0 = _step(mesh, batch, mode, shared=False)
-  g1, m1 = _step(mesh, shared, mode, shared=True)
+  g1, m1 = _step(mesh, shared, mode, shared=True, slots=None if pack else (P, N))
   _assert_steps_equal(g0, m0, g1, m1)
   if MODES[mode][1].critic:
     assert m0["value_loss"] > 0
@@ -207,9 +223,10 @@ def test_lora_step_equals_padded_step():
   adapters, base = lora.split(params)
   adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # B != 0: the adapters matter
   batch = _groups_batch(seed=5)
-  hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05), max_new_tokens=N)
   out = []
   for b, shared in ((batch, False), (_share(batch), True)):
+    slots = (P, N) if shared else None
+    hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05), max_new_tokens=N, shared_slots=slots)
     tx = optax.sgd(1.0)
     state, shardings = init_train_state(jax.tree.map(lambda x: x.copy(), adapters), tx, mesh)
     step = compile_train_step(
@@ -292,7 +309,6 @@ def test_vlm_step_equals_padded_step():
     lambda: VLM(TINY, TINY_VISION, image_token_id=3, rngs=nnx.Rngs(0)), mesh
   )
   ref = jax.tree.map(lambda x: 0.9 * x, params)
-  hp = StepHParams(loss=losses.LossConfig(entropy_coef=0.01, kl_coef=0.05), max_new_tokens=N)
   batch = _vlm_batch()
   prompt_len = TINY_VISION.num_patches + 3
   spec = prompt_sharing.ShareSpec(prompt_len, prompt_len + G * N, 2)
@@ -300,13 +316,15 @@ def test_vlm_step_equals_padded_step():
   assert shared["valid"].shape[0] == 4 and info["share_token_ratio"] > 1.5
   out = []
   for b, is_shared in ((batch, False), (shared, True)):
+    hp = StepHParams(
+      loss=losses.LossConfig(entropy_coef=0.01, kl_coef=0.05), max_new_tokens=N,
+      shared_slots=(prompt_len, N) if is_shared else None,
+    )  # fmt: skip
     host = mm_step.prepare_batch(b, 2)
     dev = jax.device_put(host, mm_step.batch_shardings(mesh, shared=is_shared))
-    fn = jax.jit(
-      lambda p, b, r: mm_step.mm_value_and_grad(p, b, graphdef=graphdef, hparams=hp, ref_params=r)
-    )
+    fn = jax.jit(functools.partial(mm_step.mm_value_and_grad, graphdef=graphdef, hparams=hp))
     with jax.set_mesh(mesh):
-      out.append(jax.device_get(fn(params, dev, ref)))
+      out.append(jax.device_get(fn(params, dev, ref_params=ref)))
   (l0, s0, g0, c0), (l1, s1, g1, c1) = out
   np.testing.assert_allclose(l1, l0, rtol=1e-5)
   for key in s0:
