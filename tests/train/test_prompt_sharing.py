@@ -200,7 +200,7 @@ def _assert_steps_equal(g0, m0, g1, m1):
 # Each case compiles two steps (~10-20 s on two busy cores).
 @pytest.mark.parametrize(
   "mode,pack,devices",
-  [("grpo", False, 1), ("gspo", True, 1), ("gae_kl_reward", False, 1), ("grpo_kl_reward", True, 2)],
+  [("grpo", False, 2), ("gspo", True, 1), ("gae_kl_reward", False, 1), ("grpo_kl_reward", True, 2)],
 )
 def test_step_equals_padded_step(mode, pack, devices):
   """Loss, metrics (KL, clip fractions, in-step advantages' metrics) and the SGD update of the
