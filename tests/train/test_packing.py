@@ -244,8 +244,10 @@ def _run(mesh, batch, loss_config, *, packed):
   return sgd_step(mesh, batch, StepHParams(loss=loss_config, max_new_tokens=N_NEW), packed=packed)
 
 
-# The step test compiles two steps per mode (~10 s or more on two busy cores).
-@pytest.mark.parametrize("mode", sorted(MODES))
+# The step test compiles two steps per mode (~10 s or more on two busy cores): two modes whose
+# per-row terms differ most (token-level ratios and TIS; CISPO with sequence-token ratios) carry
+# the packed step's wiring, while every mode's loss runs packed above.
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum_unscaled"])
 def test_packed_step_equals_padded_step(mode):
   """Loss, metrics and the SGD update agree to float32 summation-order tolerance (rtol 1e-5 on
   the loss and metrics, 1e-4 / atol 1e-6 on each gradient entry)."""
