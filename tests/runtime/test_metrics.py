@@ -48,7 +48,7 @@ def test_eta_is_timed_from_the_steps_after_the_first(tmp_path, caplog, monkeypat
   # say 600 * 19 s; the ETA skips it and is known from step 2 on.
   clock = _fake_clock(monkeypatch)
   w = MetricsWriter(str(tmp_path), total_steps=20, log_every=10, primary=True)
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger="absl"):  # whatever verbosity runs before
     for step in range(1, 21):
       clock.now += 600.0 if step == 1 else 2.0
       w.write(step, {"reward_mean": 0.5, "loss": 0.1})
@@ -63,7 +63,7 @@ def test_eta_is_timed_from_the_steps_after_the_first(tmp_path, caplog, monkeypat
 def test_eta_after_a_resume_skips_the_first_step_of_this_process(tmp_path, caplog, monkeypatch):
   clock = _fake_clock(monkeypatch)
   w = MetricsWriter(str(tmp_path), total_steps=12, start_step=5, log_every=4, primary=True)
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger="absl"):  # whatever verbosity runs before
     for step in range(6, 9):
       clock.now += 300.0 if step == 6 else 3.0
       w.write(step, {"reward_mean": 0.5, "loss": 0.1})
