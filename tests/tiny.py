@@ -140,6 +140,21 @@ def train_step(
   return before, jax.device_get(state.params), host_metrics(metrics)
 
 
+def lora_step(mesh, graphdef, adapters, base, batch, hparams, *, micro_batches=2, **layout):
+  """One compiled LoRA step (SGD(1.0)) of ``adapters`` over the frozen ``base`` on ``batch``
+  (``layout``: the step's ``packed`` / ``shared``): (adapters after, host metrics)."""
+  tx = optax.sgd(1.0)
+  state, shardings = init_train_state(jax.tree.map(lambda x: x.copy(), adapters), tx, mesh)
+  step = compile_train_step(
+    graphdef=graphdef, optimizer=tx, hparams=hparams, state_shardings=shardings, mesh=mesh,
+    frozen_shardings=sharding.state_shardings(base, mesh), **layout,
+  )  # fmt: skip
+  dev = jax.device_put(split_micro_batches(batch, micro_batches), batch_shardings(mesh, **layout))
+  with jax.set_mesh(mesh):
+    state, metrics = step(state, dev, base)
+  return jax.device_get(state.params), host_metrics(metrics)
+
+
 def gradient(before, after):
   """The gradient an SGD(1.0) update took: ``before - after``, leaf by leaf."""
   return jax.tree.map(lambda a, b: a - b, before, after)

@@ -45,8 +45,9 @@ def compare(rows_a: list[dict], rows_b: list[dict], *, rtol: float, atol: float)
   by_step = {r["step"]: r for r in rows_b}
   steps = [r["step"] for r in rows_a if r["step"] in by_step]
   first_diff, diff_keys, worst = None, [], 0.0
+  by_step_a = {r["step"]: r for r in rows_a}
   for step in steps:
-    a, b = next(r for r in rows_a if r["step"] == step), by_step[step]
+    a, b = by_step_a[step], by_step[step]
     keys = [k for k in a if k in b and comparable(k, a[k], b[k])]
     bad = [k for k in keys if abs(a[k] - b[k]) > atol + rtol * abs(b[k])]
     if bad:

@@ -96,6 +96,23 @@ def first_fit_decreasing(
   return sequences
 
 
+def sequence_count(needed: int, multiple: int, count: int = 0, *, what: str = "") -> int:
+  """``S``: ``needed`` sequences rounded up to a multiple of ``multiple`` (at least one), or
+  ``count`` when it is given, checked to be at least that and a multiple.
+
+  Raises:
+    ValueError: ``count`` is too small or not a multiple; ``what`` says what needs them (e.g.
+      "the rows need {S} packed sequences of 8 tokens").
+  """
+  rounded = max(multiple, -(-needed // multiple) * multiple)
+  if count and (count < rounded or count % multiple):
+    raise ValueError(
+      f"{what.format(S=rounded)}, but count={count} was asked (at least that many and a "
+      f"multiple of {multiple})."
+    )
+  return count or rounded
+
+
 def _spans(valid: np.ndarray, loss_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Each row's valid span ``[start, start + length)``; checks that it is contiguous and holds
   every loss position."""
@@ -146,13 +163,10 @@ def pack_batch(
   valid = np.asarray(batch["valid"], bool)
   start, lengths = _spans(valid, np.asarray(batch["loss_mask"]))
   sequences = first_fit_decreasing(lengths, pack_len, buckets=buckets)
-  needed = max(multiple, -(-len(sequences) // multiple) * multiple)
-  if count and (count < needed or count % multiple):
-    raise ValueError(
-      f"the rows need {needed} packed sequences of {pack_len} tokens, but count={count} was "
-      f"asked (at least that many and a multiple of {multiple})."
-    )
-  count = count or needed
+  count = sequence_count(
+    len(sequences), multiple, count,
+    what=f"the rows need {{S}} packed sequences of {pack_len} tokens",
+  )  # fmt: skip
 
   # Source (row, column) and destination (sequence, column) of every kept token, vectorised.
   rows = np.array([i for seq in sequences for i in seq], np.int64)
@@ -221,8 +235,7 @@ def plan_parts(
   plans = [
     first_fit_decreasing(np.asarray(part, np.int64), pack_len, buckets=buckets) for part in lengths
   ]
-  needed = max((len(p) for p in plans), default=0)
-  count = max(multiple, -(-needed // multiple) * multiple)
+  count = sequence_count(max((len(p) for p in plans), default=0), multiple)
   segments = np.array([len(s) for p in plans for s in p] + [0] * sum(count - len(p) for p in plans))
   useful = float(sum(np.sum(part) for part in lengths))
   return count, {

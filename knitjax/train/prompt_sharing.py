@@ -67,7 +67,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from knitjax.train.packing import first_fit_decreasing
+from knitjax.train.packing import first_fit_decreasing, sequence_count
 
 PROMPT_SHARING_MODES = ("off", "group")
 
@@ -181,13 +181,10 @@ def share_batch(
   groups = units(batch, prompt_len)
   lengths = [int(p_len[u[0]] + n_len[u].sum()) for u in groups]
   sequences = plan_sequences(lengths, seq_len=seq_len, pack=pack)
-  needed = max(multiple, -(-len(sequences) // multiple) * multiple)
-  if count and (count < needed or count % multiple):
-    raise ValueError(
-      f"the shared-prompt units need {needed} sequences of {seq_len} tokens, but count={count} "
-      f"was asked (at least that many and a multiple of {multiple})."
-    )
-  s_count = count or needed
+  s_count = sequence_count(
+    len(sequences), multiple, count,
+    what=f"the shared-prompt units need {{S}} sequences of {seq_len} tokens",
+  )  # fmt: skip
   shape = (s_count, seq_len)
   out = {
     "tokens": np.zeros(shape, tokens.dtype),
@@ -328,8 +325,7 @@ class ShareSpec:
       plans.append(plan_sequences(lengths, seq_len=self.seq_len, pack=self.pack))
       tokens += sum(lengths)
       padded += sum(sum(p) + sum(r) for p, r in groups)
-    needed = max((len(p) for p in plans), default=0)
-    count = max(self.multiple, -(-needed // self.multiple) * self.multiple)
+    count = sequence_count(max((len(p) for p in plans), default=0), self.multiple)
     rows = count * len(parts)
     return count, {
       "share_padded_tokens": float(padded),

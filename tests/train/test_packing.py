@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from hypothesis import given, settings
@@ -17,13 +16,9 @@ from knitjax import sharding
 from knitjax.models import attention, lora
 from knitjax.models.transformer import Transformer
 from knitjax.train import losses, packing
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import make_batch, pack_rows
 from knitjax.train.step import (
   StepHParams,
-  batch_shardings,
-  compile_train_step,
-  host_metrics,
-  init_train_state,
 )
 from tests import tiny
 from tests.tiny import N_NEW, P_LEN, ROWS, TINY
@@ -276,16 +271,7 @@ def test_packed_lora_step_equals_padded_step():
   hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05, **MODES["seq_mean_token_mean"]))
   out = []
   for b, packed in ((batch, False), (packing.pack_batch(batch, pack_len=14, multiple=2), True)):
-    tx = optax.sgd(1.0)
-    state, shardings = init_train_state(jax.tree.map(lambda x: x.copy(), adapters), tx, mesh)
-    step = compile_train_step(
-      graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
-      frozen_shardings=sharding.state_shardings(base, mesh), packed=packed,
-    )  # fmt: skip
-    dev = jax.device_put(split_micro_batches(b, 2), batch_shardings(mesh, packed=packed))
-    with jax.set_mesh(mesh):
-      state, metrics = step(state, dev, base)
-    out.append((jax.device_get(state.params), host_metrics(metrics)))
+    out.append(tiny.lora_step(mesh, graphdef, adapters, base, b, hp, packed=packed))
   (p0, m0), (p1, m1) = out
   assert m0["kl"] != 0
   for key in sorted(m0):

@@ -8,7 +8,6 @@ import functools
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -16,14 +15,10 @@ from knitjax import sharding
 from knitjax.models import lora
 from knitjax.models.transformer import Transformer
 from knitjax.train import advantages, losses, prompt_sharing
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import make_batch, pack_rows
 from knitjax.train.step import (
   StepHParams,
-  batch_shardings,
-  compile_train_step,
   forward,
-  host_metrics,
-  init_train_state,
 )
 from knitjax.train.step_advantages import AdvantageConfig
 from tests import tiny
@@ -227,16 +222,7 @@ def test_lora_step_equals_padded_step():
   for b, shared in ((batch, False), (_share(batch), True)):
     slots = (P, N) if shared else None
     hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05), max_new_tokens=N, shared_slots=slots)
-    tx = optax.sgd(1.0)
-    state, shardings = init_train_state(jax.tree.map(lambda x: x.copy(), adapters), tx, mesh)
-    step = compile_train_step(
-      graphdef=graphdef, optimizer=tx, hparams=hp, state_shardings=shardings, mesh=mesh,
-      frozen_shardings=sharding.state_shardings(base, mesh), packed=shared, shared=shared,
-    )  # fmt: skip
-    dev = jax.device_put(split_micro_batches(b, 2), batch_shardings(mesh, shared=shared))
-    with jax.set_mesh(mesh):
-      state, metrics = step(state, dev, base)
-    out.append((jax.device_get(state.params), host_metrics(metrics)))
+    out.append(tiny.lora_step(mesh, graphdef, adapters, base, b, hp, packed=shared, shared=shared))
   (p0, m0), (p1, m1) = out
   assert m0["kl"] != 0
   for key in sorted(m0):
