@@ -1,4 +1,4 @@
-"""Command-line error handling shared by ``knitjax.main`` and ``knitjax.bench``."""
+"""Command-line error handling shared by ``knitjax.main`` and ``lab.bench``."""
 
 import contextlib
 import logging as std_logging

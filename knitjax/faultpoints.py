@@ -1,4 +1,4 @@
-"""Named points where the fault suite (`knitjax.faults`) kills a run with SIGKILL.
+"""Named points where the fault suite (`lab.faults`) kills a run with SIGKILL.
 
 A point costs one dict lookup when no fault is armed. ``KNITJAX_KILL_AT=<name>:<n>`` kills the
 process the ``n``-th time it passes ``<name>``; ``KNITJAX_FAULT_COUNTS=<file>`` writes how often

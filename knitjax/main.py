@@ -38,7 +38,7 @@ _ROLE = flags.DEFINE_enum(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _stopped(how: str) -> str:
+def stopped(how: str) -> str:
   """``stopped by Ctrl-C after step 3; rerun the same command to resume from checkpoint 2.``
 
   The step is the last one ``metrics.jsonl`` records; the checkpoint the newest finished one (a
@@ -56,7 +56,8 @@ def _stopped(how: str) -> str:
   return f"stopped by {how} {at}; rerun the same command to {then}."
 
 
-def main(argv):
+def main(argv, *, on_batch=None):
+  """Runs the command line's job; ``on_batch`` reaches :func:`knitjax.runtime.train.train`."""
   del argv
   cli.quiet_libraries()
   from knitjax.config import from_config_dict
@@ -90,7 +91,7 @@ def main(argv):
   logging.info("devices: %s", jax.devices())
   try:
     config_name = config_flags.get_config_filename(flags.FLAGS["config"])
-    final = train(config, _WORKDIR.value, config_name=config_name)
+    final = train(config, _WORKDIR.value, on_batch=on_batch, config_name=config_name)
   except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
   except RuntimeError as e:  # a rollout host gone (raised in the rollout thread or a fetch)
@@ -107,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main, stopped=_stopped)
+  cli.run(main, stopped=stopped)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from knitjax.faults import bad_inputs
-from knitjax.faults.bad_inputs import BadInput, classify, core, strategies
+from lab.faults import bad_inputs
+from lab.faults.bad_inputs import BadInput, classify, core, strategies
 
 KINDS = sorted(bad_inputs.KINDS)
 CASES = {kind: cases for kind, (cases, _) in bad_inputs.KINDS.items()}

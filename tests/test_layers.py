@@ -1,8 +1,11 @@
-"""The import graph of knitjax has layers, and imports only point down (docs/architecture.md).
+"""The import graph of knitjax and its lab has layers, and imports only point down
+(docs/architecture.md).
 
-Every module under knitjax/ is parsed with `ast`; each `import` anywhere in the file (inside
-functions too, except under `if TYPE_CHECKING:`) is an edge of the graph of knitjax-internal
-imports. The graph must have no cycle, and no module may import one of a higher layer.
+Every module under knitjax/ (the library) and lab/ (benchmarks, the fault suite, the emulated
+cluster, local launchers: beside the library, never imported by it) is parsed with `ast`; each
+`import` anywhere in the file (inside functions too, except under `if TYPE_CHECKING:`) is an edge
+of the graph of project-internal imports. The graph must have no cycle, and no module may import
+one of a higher layer: the lab is the top layer, so nothing in knitjax/ imports it.
 """
 
 import ast
@@ -11,15 +14,14 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = "knitjax"
+PACKAGES = ("knitjax", "lab")
 
 # Layers, lowest first: a module may import modules of its own layer or lower ones, never
 # higher. Same-layer imports are allowed as long as they form no cycle. Each entry is a module
 # name or a package prefix ending in ".*" (the package's __init__ and everything below it).
 #   0  the package itself, the mesh / logical-axis rules everything else shards by, and the
 #      codec of host records (checkpoints and Ray), fault points, how a config section is built
-#      and checked (config_fields), where a run's files go (workdir: local or gs://), and the
-#      emulated cluster's hosts and links (cluster, used by benchmarks and the fault suite):
+#      and checked (config_fields), where a run's files go (workdir: local or gs://):
 #      foundations that import no other layer.
 #   1  the parts that know nothing of RL: models, and tasks (prompts, rewards).
 #   2  RL training: losses, advantages, train step, optimizer, checkpoints.
@@ -28,7 +30,8 @@ PACKAGE = "knitjax"
 #   5  config: typed views of the ConfigDict. Validation names the registries of the parts
 #      below, and only runtime and entry points receive a Config.
 #   6  the loops (runtime) and the simulator (sim), side by side; see FORBIDDEN.
-#   7  entry points: benchmarks, the fault suite, main, eval, export, chat, cli.
+#   7  entry points: main, eval, export, chat, cli.
+#   8  the lab: benchmarks, the fault suite, the emulated cluster, local launchers, scripts.
 LAYERS = (
   (
     "knitjax",
@@ -37,7 +40,6 @@ LAYERS = (
     "knitjax.faultpoints",
     "knitjax.config_fields",
     "knitjax.workdir",
-    "knitjax.cluster.*",
   ),
   ("knitjax.models.*", "knitjax.tasks.*"),
   ("knitjax.train.*",),
@@ -46,14 +48,13 @@ LAYERS = (
   ("knitjax.config", "knitjax.config_sections", "knitjax.config_checkpoint"),
   ("knitjax.runtime.*", "knitjax.sim.*"),
   (
-    "knitjax.bench.*",
-    "knitjax.faults.*",
     "knitjax.main",
     "knitjax.eval",
     "knitjax.export",
     "knitjax.chat",
     "knitjax.cli",
   ),
+  ("lab.*",),
 )
 
 # Same-layer imports that are still forbidden, (importer prefix, imported prefix): the simulator
@@ -80,9 +81,9 @@ def layer_of(module: str) -> int | None:
 
 
 def _modules() -> dict[str, pathlib.Path]:
-  """Every module under knitjax/, by dotted name (a package by its own name)."""
+  """Every module under knitjax/ and lab/, by dotted name (a package by its own name)."""
   out = {}
-  for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+  for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
     parts = path.relative_to(ROOT).with_suffix("").parts
     if parts[-1] == "__init__":
       parts = parts[:-1]
@@ -120,7 +121,7 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 
 def _internal(name: str, modules: dict[str, pathlib.Path]) -> str | None:
-  """The longest prefix of `name` that is a knitjax module (`a.b.c` of `a.b` -> `a.b`)."""
+  """The longest prefix of `name` that is a project module (`a.b.c` of `a.b` -> `a.b`)."""
   parts = name.split(".")
   while parts:
     candidate = ".".join(parts)
@@ -131,7 +132,7 @@ def _internal(name: str, modules: dict[str, pathlib.Path]) -> str | None:
 
 
 def import_graph() -> dict[str, set[str]]:
-  """Module -> the knitjax modules it imports (itself excluded)."""
+  """Module -> the project modules it imports (itself excluded)."""
   modules = _modules()
   graph = {}
   for module, path in modules.items():
@@ -249,3 +250,15 @@ def test_layer_checks_catch_bad_graphs():
   assert layer_of("knitjax.runtime.builder") == 6
   assert layer_of("knitjax.configs") is None
   assert layer_of("knitjax") == 0
+  assert layer_of("lab.bench.staleness") == len(LAYERS) - 1
+
+
+def test_library_imports_no_lab(graph):
+  lab = sorted(
+    f"{m} imports {t}"
+    for m in graph
+    if m.startswith("knitjax")
+    for t in graph[m]
+    if t.startswith("lab")
+  )
+  assert not lab, "the library imports the lab:\n" + "\n".join(lab)

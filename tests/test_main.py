@@ -215,7 +215,7 @@ def test_steps_below_the_checkpoint_is_refused(tmp_path):
   ],
 )
 def test_bad_config_found_by_the_fault_suite_is_one_sentence(corrupt, expected):
-  """Bad inputs `knitjax.faults.bad_inputs` generated that were accepted or raised a traceback."""
+  """Bad inputs `lab.faults.bad_inputs` generated that were accepted or raised a traceback."""
   d = arith_tiny.get_config().to_dict()
   corrupt(d)
   with pytest.raises(ValueError, match=re.escape(expected)):

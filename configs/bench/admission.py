@@ -10,8 +10,8 @@ order, so supply meets demand (the exact check runs about 1.8 times per offer, r
 included); "iid" draws classes independently in proportion to the quotas instead (backlogs
 grow, and most offers just join a waiting queue).
 
-  python -m knitjax.bench --config configs/bench/admission.py --workdir /tmp/adm
-  python -m knitjax.bench --config configs/bench/admission.py:quick --workdir /tmp/adm  # smoke
+  python -m lab.bench --config configs/bench/admission.py --workdir /tmp/adm
+  python -m lab.bench --config configs/bench/admission.py:quick --workdir /tmp/adm  # smoke
 """
 
 import ml_collections

@@ -1,7 +1,7 @@
 """Compiled memory of one attention layer, dense vs blockwise ("xla"), forward and backward.
 
-Usage: python -m knitjax.bench --config configs/bench/attention_memory.py --workdir DIR
-       python -m knitjax.bench --config configs/bench/attention_memory.py:quick --workdir DIR
+Usage: python -m lab.bench --config configs/bench/attention_memory.py --workdir DIR
+       python -m lab.bench --config configs/bench/attention_memory.py:quick --workdir DIR
 
 Shape: Qwen2.5-0.5B's attention (d_model 896, 14 heads x 64, 2 KV heads, q/k/v bias), batch 1,
 float32, at T = 1024, 2048, 4096; one CPU device. ``:quick`` is a 2-head layer at T = 1024 and

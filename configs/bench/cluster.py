@@ -1,8 +1,8 @@
 """The paper's claims across an emulated cluster: hosts as network namespaces, shaped links,
-their own cores (knitjax/bench/cluster.py, docs/cluster.md). Needs root and iproute2.
+their own cores (lab/bench/cluster.py, docs/cluster.md). Needs root and iproute2.
 
-    python -m knitjax.bench --config configs/bench/cluster.py --workdir runs/cluster
-    python -m knitjax.bench --config configs/bench/cluster.py:quick --workdir /tmp/clq
+    python -m lab.bench --config configs/bench/cluster.py --workdir runs/cluster
+    python -m lab.bench --config configs/bench/cluster.py:quick --workdir /tmp/clq
 
 Hosts: 0 the trainer (core 0, the Ray head), 1 the storage units, 2 the controller (the
 centralized baseline's driver); 1 and 2 share core 1. The named real workload: Qwen2.5-VL-3B

@@ -1,9 +1,9 @@
 """Encoder dedup: the multimodal train step with and without encoding each unique image once.
 
 Usage:
-  python -m knitjax.bench --config configs/bench/dedup.py --workdir DIR
-  python -m knitjax.bench --config configs/bench/dedup.py:balanced --workdir DIR  # LM-heavier
-  python -m knitjax.bench --config configs/bench/dedup.py:quick --workdir DIR   # smoke
+  python -m lab.bench --config configs/bench/dedup.py --workdir DIR
+  python -m lab.bench --config configs/bench/dedup.py:balanced --workdir DIR  # LM-heavier
+  python -m lab.bench --config configs/bench/dedup.py:quick --workdir DIR   # smoke
 
 Workload: 8 unique images per mini-batch (one per group), G = 8 responses per group (64 rows),
 4 micro-batches with every group's members spread over all of them. Prompt: BOS, 64 image

@@ -1,9 +1,9 @@
 """Rollout engine benchmark: group-start stalls and tokens/s of the run's engine against the engine
-before chunked prefill and prefix sharing, and the batched sampler (`knitjax/bench/engine.py`).
+before chunked prefill and prefix sharing, and the batched sampler (`lab/bench/engine.py`).
 
 Usage:
-  python -m knitjax.bench --config configs/bench/engine.py --workdir /tmp/engine
-  python -m knitjax.bench --config configs/bench/engine.py:quick --workdir /tmp/engine_q  # smoke
+  python -m lab.bench --config configs/bench/engine.py --workdir /tmp/engine
+  python -m lab.bench --config configs/bench/engine.py:quick --workdir /tmp/engine_q  # smoke
 
 Shape: a Qwen3-style decoder (2 layers, d_model 128, ffn 256, 4 heads x 32, 2 KV heads, vocab
 512) on one CPU device (the real staleness runs' rollout side); 64 groups x G=8; prompts of 64-128

@@ -1,7 +1,7 @@
 """Train-step memory and compile time: layer loop vs scan, remat none / block / dots.
 
-Usage: python -m knitjax.bench --config configs/bench/layer_memory.py --workdir DIR
-       python -m knitjax.bench --config configs/bench/layer_memory.py:quick --workdir DIR
+Usage: python -m lab.bench --config configs/bench/layer_memory.py --workdir DIR
+       python -m lab.bench --config configs/bench/layer_memory.py:quick --workdir DIR
 
 Shape: Qwen2.5-0.5B's decoder (24 layers, d_model 896, 14 heads x 64, 2 KV heads, ffn 4864,
 q/k/v bias) in bf16 with its vocabulary cut to 8192 (the logits are the log-prob benchmark's

@@ -1,7 +1,7 @@
 """Log-prob + entropy memory, whole logits vs chunked, from XLA's compiled memory analysis.
 
-Usage: python -m knitjax.bench --config configs/bench/logprob_memory.py --workdir DIR
-       python -m knitjax.bench --config configs/bench/logprob_memory.py:quick --workdir DIR
+Usage: python -m lab.bench --config configs/bench/logprob_memory.py --workdir DIR
+       python -m lab.bench --config configs/bench/logprob_memory.py:quick --workdir DIR
 
 Shape: Qwen2.5-0.5B's output layer (vocab 151936, d_model 896, tied), one row of T = 2048 and
 4096 positions, bfloat16 hidden states and a float32 table; chunks of 128 positions (the

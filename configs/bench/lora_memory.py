@@ -1,7 +1,7 @@
 """Train-step memory, full fine-tuning vs LoRA, from XLA's compiled memory analysis.
 
-Usage: python -m knitjax.bench --config configs/bench/lora_memory.py --workdir DIR
-       python -m knitjax.bench --config configs/bench/lora_memory.py:quick --workdir DIR
+Usage: python -m lab.bench --config configs/bench/lora_memory.py --workdir DIR
+       python -m lab.bench --config configs/bench/lora_memory.py:quick --workdir DIR
 
 Shape: SmolLM2-135M (Llama: 30 layers, d_model 576, 9 heads x 64, 3 KV heads, ffn 1536, vocab
 49152, tied embeddings), traced only (nothing is allocated); a mini-batch of 16 sequences x 256

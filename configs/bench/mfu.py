@@ -1,10 +1,10 @@
 """Train-step MFU and sampler tokens/s at the Qwen2.5-0.5B shape (random weights).
 
-Usage: python -m knitjax.bench --config configs/bench/mfu.py --workdir DIR        # one H200
-       python -m knitjax.bench --config configs/bench/mfu.py:cpu --workdir DIR    # reduced, CPU
-       python -m knitjax.bench --config configs/bench/mfu.py:quick --workdir DIR  # tests
+Usage: python -m lab.bench --config configs/bench/mfu.py --workdir DIR        # one H200
+       python -m lab.bench --config configs/bench/mfu.py:cpu --workdir DIR    # reduced, CPU
+       python -m lab.bench --config configs/bench/mfu.py:quick --workdir DIR  # tests
 
-Default (one H200, benchmarks/device/h200.sh): Qwen2.5-0.5B (24 layers, d_model 896, 14 heads x
+Default (one H200, lab/scripts/device/h200.sh): Qwen2.5-0.5B (24 layers, d_model 896, 14 heads x
 64, 2 KV heads, ffn 4864, vocab 151936, q/k/v bias, tied), bf16 compute over float32 params and
 AdamW state, layers scanned with block remat; train rows of 2048 and 4096 tokens (512 prompt),
 16 rows per step in 4 micro-batches; peak 989 TFLOP/s (H200 SXM dense bf16). Sampler: 128 rows,

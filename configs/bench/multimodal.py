@@ -1,10 +1,10 @@
 """Multimodal transfer + training: centralized baseline vs on-demand access with encoder dedup.
 
 Usage:
-  python -m knitjax.bench --config configs/bench/multimodal.py --workdir DIR
-  python -m knitjax.bench --config configs/bench/multimodal.py:quick --workdir DIR   # smoke
+  python -m lab.bench --config configs/bench/multimodal.py --workdir DIR
+  python -m lab.bench --config configs/bench/multimodal.py:quick --workdir DIR   # smoke
 
-One run, both modes side by side (knitjax/bench/multimodal.py): local Ray, 2 storage-unit
+One run, both modes side by side (lab/bench/multimodal.py): local Ray, 2 storage-unit
 actors, 2 consumers (threads of the trainer process, one per data-parallel shard of a 2-device
 train mesh), a driver actor for the centralized baseline.
 

@@ -1,7 +1,7 @@
 """Train-step useful tokens/s, packed rows vs padded rows (same rows, one run).
 
-Usage: python -m knitjax.bench --config configs/bench/packing.py --workdir DIR
-       python -m knitjax.bench --config configs/bench/packing.py:quick --workdir DIR
+Usage: python -m lab.bench --config configs/bench/packing.py --workdir DIR
+       python -m lab.bench --config configs/bench/packing.py:quick --workdir DIR
 
 Workload: 64 rows, prompts of 16..64 tokens (P = 64), responses lognormal with median 48 tokens
 and log-sd 1.0, clipped to [1, 512] (N = 512): a long tail, ~6% of the rows at the budget's upper

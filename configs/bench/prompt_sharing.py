@@ -1,7 +1,7 @@
 """Train-step speedup of shared prompts over padded rows, against the token ratio.
 
-Usage: python -m knitjax.bench --config configs/bench/prompt_sharing.py --workdir DIR
-       python -m knitjax.bench --config configs/bench/prompt_sharing.py:quick --workdir DIR
+Usage: python -m lab.bench --config configs/bench/prompt_sharing.py --workdir DIR
+       python -m lab.bench --config configs/bench/prompt_sharing.py:quick --workdir DIR
 
 Workload per point: a mini-batch of groups (arith: 32, as configs/arith_tiny.py's; smollm2: 8,
 as configs/smollm2_learn.py's) of G responses, each group one random prompt of exactly P tokens

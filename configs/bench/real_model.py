@@ -1,13 +1,13 @@
 """The real-size path (issue 35): SmolLM2-135M-Instruct's generation vs transformers', train pass.
 
-Usage: python -m knitjax.bench --config configs/bench/real_model.py --workdir DIR        # CPU
-       python -m knitjax.bench --config configs/bench/real_model.py:gpu --workdir DIR    # one H100
-       python -m knitjax.bench --config configs/bench/real_model.py:quick --workdir DIR  # tests
+Usage: python -m lab.bench --config configs/bench/real_model.py --workdir DIR        # CPU
+       python -m lab.bench --config configs/bench/real_model.py:gpu --workdir DIR    # one H100
+       python -m lab.bench --config configs/bench/real_model.py:quick --workdir DIR  # tests
 
 Default (the CPU sizes of docs/real_model.md): 32 chat prompts x 128 greedy tokens in float32,
 knitjax's sampler and transformers' ``generate`` in alternating rounds; the train pass on 32 rows
 x 256 tokens (64 prompt) in 4 micro-batches with AdamW, float32, beside a 2048^3 float32 matmul;
-3 rounds of each. ``:gpu`` (one H100, benchmarks/device/smollm2_learn.sh): 128 prompts x 256
+3 rounds of each. ``:gpu`` (one H100, lab/scripts/device/smollm2_learn.sh): 128 prompts x 256
 tokens, generation still in float32 (tokens comparable with transformers'), the train pass in
 bfloat16 compute on 64 rows x 1024 tokens beside an 8192^3 bfloat16 matmul, MFU against the H100
 SXM's 989 TFLOP/s dense bf16. ``:quick``: 2 prompts x 4 tokens, 2 rows x 32 tokens, 1 round,

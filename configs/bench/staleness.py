@@ -1,9 +1,9 @@
 """Staleness benchmark: train_batch vs constraint-preserving admission on simulated clusters.
 
-    python -m knitjax.bench --config configs/bench/staleness.py --workdir /tmp/staleness
-    python -m knitjax.bench --config configs/bench/staleness.py:quick --workdir /tmp/st_quick
-    python -m knitjax.bench --config configs/bench/staleness.py:sweep --workdir /tmp/st_sweep
-    python -m knitjax.bench --config configs/bench/staleness.py:paper --workdir /tmp/st_paper
+    python -m lab.bench --config configs/bench/staleness.py --workdir /tmp/staleness
+    python -m lab.bench --config configs/bench/staleness.py:quick --workdir /tmp/st_quick
+    python -m lab.bench --config configs/bench/staleness.py:sweep --workdir /tmp/st_sweep
+    python -m lab.bench --config configs/bench/staleness.py:paper --workdir /tmp/st_paper
 
 Every field is overridable, e.g. ``--config.slots=1024`` or
 ``--config.classes.math.length_cv=0.5``. docs/simulator.md explains each cost-model assumption;

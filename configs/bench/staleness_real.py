@@ -1,7 +1,7 @@
 """Real staleness benchmark: measured frontier of real runs, the simulator's prediction, learning.
 
-    python -m knitjax.bench --config configs/bench/staleness_real.py --workdir /tmp/st_real
-    python -m knitjax.bench --config configs/bench/staleness_real.py:quick --workdir /tmp/st_rq
+    python -m lab.bench --config configs/bench/staleness_real.py --workdir /tmp/st_real
+    python -m lab.bench --config configs/bench/staleness_real.py:quick --workdir /tmp/st_rq
 
 Runs (each a ``python -m knitjax.main`` process; the commands are in the JSON):
 * frontier: colocated, and disaggregated ``train_batch`` / ``minibatch`` at depths
@@ -51,7 +51,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   # > 0: disaggregated runs generate in that many rollout host processes (`--role=rollout`,
   # config.runtime.rollout_hosts) instead of a thread of the trainer's process.
   c.rollout_hosts = 0
-  # > 0: every run in an emulated cluster (knitjax/cluster, needs root and iproute2): the trainer
+  # > 0: every run in an emulated cluster (lab/cluster, needs root and iproute2): the trainer
   # and the rollout host each on a host of its own core, a colocated run on a host of both cores,
   # links shaped at this rate. Needs rollout_hosts=1.
   c.cluster_link_mbit = 0.0

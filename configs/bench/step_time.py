@@ -1,10 +1,10 @@
 """Seconds per full GRPO step (rollout + reward + transfer + log-probs + update), colocated.
 
-Usage: python -m knitjax.bench --config configs/bench/step_time.py --workdir DIR
+Usage: python -m lab.bench --config configs/bench/step_time.py --workdir DIR
 
-Side by side with Tunix 0.1.7 (installed in a throwaway venv, knitjax/bench/external/README.md):
+Side by side with Tunix 0.1.7 (installed in a throwaway venv, lab/bench/external/README.md):
   python3 -m venv /tmp/tunix-venv && /tmp/tunix-venv/bin/pip install google-tunix==0.1.7
-  python -m knitjax.bench --config configs/bench/step_time.py --workdir DIR \
+  python -m lab.bench --config configs/bench/step_time.py --workdir DIR \
     --config.baseline_python=/tmp/tunix-venv/bin/python --config.rounds=3
 
 Shape (issue 2, the shape Tunix 0.1.7 was measured on): a Qwen3-style decoder with 2 layers,
@@ -26,7 +26,7 @@ def get_config(arg=None):
   c.warmup_steps = 5
   c.rounds = 1  # rounds of (baseline, knitjax) back to back; the headline is the median round
   c.baseline_python = ""  # a venv python with the external system; empty: knitjax alone
-  c.baseline_script = "knitjax/bench/external/tunix_step_time.py"
+  c.baseline_script = "lab/bench/external/tunix_step_time.py"
   run = arith_tiny.get_config()
   run.model = common.tiny_decoder(vocab_size=256, d_model=128, head_dim=32, ffn_dim=256)
   run.task.prompt_len = 8

@@ -1,7 +1,7 @@
 """A disaggregated trainer of 2 processes vs 1, the paper's regime at CPU size (one point).
 
-    python -m knitjax.bench --config configs/bench/trainer_group.py --workdir runs/bench_group
-    python -m knitjax.bench --config configs/bench/trainer_group.py:quick --workdir /tmp/bgq
+    python -m lab.bench --config configs/bench/trainer_group.py --workdir runs/bench_group
+    python -m lab.bench --config configs/bench/trainer_group.py:quick --workdir /tmp/bgq
 
 Both variants train on 4 devices (FSDP) with the rollout in 2 Ray actors: ``one`` is one
 trainer process of 8 fake devices (4 train; 4 stage the published weights, the one-process

@@ -1,8 +1,8 @@
 """Trajectory transfer: on-demand access vs central gather-and-scatter vs hash placement.
 
 Usage:
-  python -m knitjax.bench --config configs/bench/transfer.py --workdir DIR
-  python -m knitjax.bench --config configs/bench/transfer.py:quick --workdir DIR   # smoke
+  python -m lab.bench --config configs/bench/transfer.py --workdir DIR
+  python -m lab.bench --config configs/bench/transfer.py:quick --workdir DIR   # smoke
 
 Workload: 4 trainer hosts (consumers), one storage unit each; 8 mini-batches of 32 groups x
 G = 16 samples, 512-token prompts, responses of 512-2048 tokens (uniform), written to the unit of

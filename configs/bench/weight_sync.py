@@ -1,8 +1,8 @@
-"""Weight publish time per version (knitjax/bench/weight_sync.py).
+"""Weight publish time per version (lab/bench/weight_sync.py).
 
-Usage: python -m knitjax.bench --config configs/bench/weight_sync.py --workdir DIR
-       python -m knitjax.bench --config configs/bench/weight_sync.py:cpu --workdir DIR
-       python -m knitjax.bench --config configs/bench/weight_sync.py:quick --workdir DIR
+Usage: python -m lab.bench --config configs/bench/weight_sync.py --workdir DIR
+       python -m lab.bench --config configs/bench/weight_sync.py:cpu --workdir DIR
+       python -m lab.bench --config configs/bench/weight_sync.py:quick --workdir DIR
 
 Shape: Qwen2.5-0.5B (24 layers, d_model 896, 14 heads x 64, 2 KV heads, ffn 4864, vocab 151936,
 tied embeddings; 494M params), random. 8 devices: 4 train (FSDP (1, 4, 1) or tensor (1, 1, 4))

@@ -67,6 +67,7 @@ def run(
   workdir: str,
   *,
   on_step: Callable[[int, dict], None] | None = None,
+  on_batch: Callable | None = None,
   config_name: str | None = None,
 ) -> dict:
   """Trains for ``config.runtime.steps`` train steps, resuming from ``workdir`` if possible.
@@ -75,6 +76,8 @@ def run(
     config: the validated run config (``runtime.mode == "disaggregated"``).
     workdir: checkpoints, ``metrics.jsonl``, ``consumed.jsonl``, ``timings.json``, TensorBoard.
     on_step: called after each train step with ``(step, metrics)``.
+    on_batch: a trainer of several processes calls it in each process with ``(mini-batch,
+      train batch)`` for each mini-batch that process prepared.
     config_name: the config's file and variant (``configs/arith_tiny.py:quick``), for the title
       of ``reward.png``.
 
@@ -127,6 +130,7 @@ def run(
       rollout=rollout,
       admission=admission,
       resumed=resumed,
+      on_batch=on_batch,
     )
   else:
     pipe = Pipeline(config, workdir, learner, rollout, admission, prompts, rollout_mesh, resumed)

@@ -12,12 +12,15 @@ def train(
   workdir: str,
   *,
   on_step: Callable[[int, dict], None] | None = None,
+  on_batch: Callable | None = None,
   config_name: str | None = None,
 ) -> dict:
   """Runs (or resumes) training as ``config.runtime.mode`` says; returns the last step's metrics.
 
   ``config_name`` (the config's file and variant, ``configs/arith_tiny.py:quick``) titles the
-  reward plot.
+  reward plot. ``on_step(step, metrics)`` runs after each train step; ``on_batch(mini-batch,
+  train batch)`` in each process of a trainer of several processes, for each mini-batch it
+  prepared.
 
   Raises:
     ValueError: the work directory cannot hold this run (see :mod:`knitjax.runtime.preflight`),
@@ -36,4 +39,6 @@ def train(
       return colocated.run(config, workdir, on_step=on_step, config_name=config_name)
     from knitjax.runtime import disaggregated
 
-    return disaggregated.run(config, workdir, on_step=on_step, config_name=config_name)
+    return disaggregated.run(
+      config, workdir, on_step=on_step, on_batch=on_batch, config_name=config_name
+    )

@@ -28,6 +28,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 
 import jax
 
@@ -45,25 +46,6 @@ from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
 PLAN_TIMEOUT_S = 300.0  # a follower waits this long for the next plan before it gives up
 
 
-DUMP_ENV = "KNITJAX_DUMP_BATCHES"
-
-
-def _dump_shards(folder: str, process: int, mb: MiniBatch, batch) -> None:
-  """``<folder>/<step>-<index>.p<k>.npz``: per key, this process's first-hand shards and where
-  they sit in the global array (``<key>|<shard>|index`` holds (start, stop) per dimension)."""
-  import numpy as np
-
-  arrays = {}
-  for key, x in batch.items():
-    for n, shard in enumerate(s for s in x.addressable_shards if s.replica_id == 0):
-      dims = zip(shard.index, x.shape, strict=True)
-      arrays[f"{key}|{n}|index"] = np.array([(s.start or 0, s.stop or d) for s, d in dims])
-      arrays[f"{key}|{n}|data"] = np.asarray(shard.data)
-      arrays[f"{key}|shape"] = np.array(x.shape)
-  os.makedirs(folder, exist_ok=True)
-  np.savez(os.path.join(folder, f"{mb.step}-{mb.index}.p{process}.npz"), **arrays)
-
-
 def _plan_key(step: int, index: int) -> str:
   return f"plan/{step}/{index}"
 
@@ -77,6 +59,8 @@ class PlanBook:
     start_step: the first train step this run consumes (a resumed run's).
     locality_slack: see :func:`knitjax.transfer.consumer.plan_consumers`.
     timeout_s: how long a follower waits for the next announcement.
+    on_batch: called with ``(mini-batch, train batch)`` for each mini-batch this process
+      prepared, before its update (tests replay the global batch from every process's shards).
   """
 
   def __init__(
@@ -87,6 +71,7 @@ class PlanBook:
     start_step: int,
     locality_slack: float,
     timeout_s: float = PLAN_TIMEOUT_S,
+    on_batch: Callable[[MiniBatch, dict], None] | None = None,
   ):
     self.process, self.processes = jax.process_index(), jax.process_count()
     self._m, self._slack, self._timeout = minibatches, locality_slack, timeout_s
@@ -94,6 +79,7 @@ class PlanBook:
     self._plans: dict[tuple[int, int], ConsumerPlan] = {}  # announced or heard, not fetched
     self._used: dict[tuple[int, int], ConsumerPlan] = {}  # fetched, not yet recorded
     self._waited = 0.0
+    self._on_batch = on_batch
     name = f"fetched.p{self.process}.jsonl"
     path = wd.path(workdir, name)
     rows = [json.loads(line) for line in wd.read_lines(path) if line.strip()]
@@ -151,14 +137,12 @@ class PlanBook:
     return plan
 
   def record(self, prepared) -> None:
-    """One row of ``fetched.p<k>.jsonl``: the plan used and what this process fetched (and,
-    with ``KNITJAX_DUMP_BATCHES=<folder>``, this process's shards of the train batch, which a
-    test's one-process reference replays)."""
+    """One row of ``fetched.p<k>.jsonl``: the plan used and what this process fetched."""
     mb = prepared.minibatch
     payload_bytes = prepared.info.get("fetched_bytes", 0.0)
     plan = self._used.pop((mb.step, mb.index))
-    if folder := os.environ.get(DUMP_ENV):
-      _dump_shards(folder, self.process, mb, prepared.batch)
+    if self._on_batch is not None:
+      self._on_batch(mb, prepared.batch)
     self._log.write(
       {
         "step": plan.step,
@@ -238,7 +222,9 @@ class FollowerPipe:
     pass
 
 
-def join(config, workdir: str, learner, prompts, start: int, *, rollout, admission, resumed):
+def join(
+  config, workdir: str, learner, prompts, start: int, *, rollout, admission, resumed, on_batch=None
+):
   """This process's place in a trainer spread over processes: ``(pipe, storage units)``.
 
   Process 0 (which built the Ray rollout and the admission index) creates the weights board and
@@ -250,6 +236,7 @@ def join(config, workdir: str, learner, prompts, start: int, *, rollout, admissi
     minibatches=config.admission.minibatches,
     start_step=start,
     locality_slack=config.runtime.locality_slack,
+    on_batch=on_batch,
   )
   sync = {
     "sync_dtype": resolve_sync_dtype(config.runtime.sync_dtype, config.model.dtype),

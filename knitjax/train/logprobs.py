@@ -39,7 +39,7 @@ import jax.numpy as jnp
 # rows x 128 x V x 4 bytes (74 MiB a row at V = 152k). Below a few hundred positions the memory
 # is mostly the table-sized part (its float32 gradient accumulator and its compute-dtype copy,
 # ~800 MiB at Qwen2.5-0.5B), so smaller chunks save little and only add scan iterations
-# (knitjax/bench/logprob_memory.py: fwd+bwd temporaries at T = 2048, one row: 1343 MiB with
+# (lab/bench/logprob_memory.py: fwd+bwd temporaries at T = 2048, one row: 1343 MiB with
 # chunks of 512, 1120 with 128, against 4755 with whole logits).
 DEFAULT_CHUNK = 128
 ENTROPY_MODES = ("none", "metric", "loss")

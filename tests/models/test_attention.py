@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from knitjax.bench.compiled_memory import compiled_memory
 from knitjax.models import attention
 from knitjax.models.transformer import Transformer, TransformerConfig
+from lab.bench.compiled_memory import compiled_memory
 
 ATOL = 2e-5
 

@@ -357,7 +357,7 @@ def test_unsupported_configs_are_rejected(change, message):
     hf.config_from_hf(dict(HF_CONFIGS["llama"], **change))
 
 
-# Corruptions the bad-input generator (knitjax.faults.bad_inputs, kind hf_checkpoints) found to
+# Corruptions the bad-input generator (lab.faults.bad_inputs, kind hf_checkpoints) found to
 # crash with another exception, to be accepted silently, or to be refused without naming the field.
 @pytest.mark.parametrize(
   ("change", "message"),

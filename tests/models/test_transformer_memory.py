@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from knitjax.bench.compiled_memory import compiled_memory
 from knitjax.models.transformer import Transformer, TransformerConfig
+from lab.bench.compiled_memory import compiled_memory
 
 BASE = TransformerConfig(
   vocab_size=64,

@@ -7,11 +7,11 @@ import os
 import pytest
 
 from configs import arith_disagg
-from knitjax.bench import group_times, rollout_summary
 from knitjax.config import from_config_dict
 from knitjax.rollout import versions
 from knitjax.runtime.disaggregated import split_devices
 from knitjax.runtime.train import train
+from lab.bench import group_times, rollout_summary
 
 
 def quick_config(**runtime):

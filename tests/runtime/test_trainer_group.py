@@ -22,9 +22,10 @@ from flax import nnx
 from configs import arith_disagg
 from knitjax.config import from_config_dict
 from knitjax.rollout.weight_parts import layout_of
-from knitjax.runtime import builder, local_group
+from knitjax.runtime import builder
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import batch_shardings
+from lab import local_group
 from tests.runtime.test_disaggregated import check_run, read_jsonl
 from tests.runtime.test_multihost_main import _gloo_available
 
@@ -76,7 +77,8 @@ def test_two_trainer_processes_share_one_admission_index(tmp_path):
   args = ["--config=configs/arith_disagg.py:quick"] + [
     f"--config.{k}={v}" for k, v in OVERRIDES.items()
   ]
-  result = local_group.launch(args, workdir, [{"KNITJAX_DUMP_BATCHES": dumps}] * 2, timeout=600)
+  args.append(f"--dump_batches={dumps}")
+  result = local_group.launch(args, workdir, [{}] * 2, timeout=600, module="lab.batch_dump")
   assert [code for code, _ in result] == [0, 0], [err[-3000:] for _, err in result]
   s0, s1 = (_summary(err, k) for k, (_, err) in enumerate(result))
   for key in ("step", "version", "loss", "param_norm"):

@@ -1,0 +1,306 @@
+"""The paper's claims measured across an emulated cluster (see docs/cluster.md).
+
+``python -m lab.bench --config configs/bench/cluster.py --workdir DIR`` builds hosts as
+network namespaces with shaped links and their own cores (`lab.cluster.hosts`): a trainer
+host, a storage host (the rollout's storage units) and a controller host (the centralized
+baseline's driver), joined as one Ray cluster over their own addresses. Then:
+
+1. **Calibration**: the multimodal benchmark (configs/bench/multimodal.py's ``cluster``
+   variant, one process on the trainer host) runs with the links unshaped; its centralized
+   compute seconds per row on the trainer's core give the dilation against the named real
+   workload (`lab.cluster.scale`).
+2. **Multimodal transfer**: the same benchmark with every link shaped to the real link rate /
+   dilation, ``repeats`` runs at the headline rate and one at each rate of the sweep. Payloads
+   cross the shaped links: storage host -> trainer host (on demand), storage host -> controller
+   -> trainer host (centralized).
+
+3. **Staleness**: the real staleness benchmark (configs/bench/staleness_real.py,
+   ``staleness_variant``), each run in a cluster of its own: the trainer and the rollout host on
+   hosts of one core each, a colocated run on a host of both cores, links at the dilated rate.
+   The simulator predicts each of its points.
+
+Writes ``DIR/cluster.json`` (the dilation and its inputs, each run, the headline figures; the
+claims not measured yet are null with the reason) and ``DIR/cluster.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from lab import REPO
+from lab.bench.report import format_table, write_json
+from lab.cluster import net, scale
+from lab.cluster.hosts import Cluster, HostSpec
+
+RAY_PORT = 6379
+TRAINER, STORAGE, CONTROLLER = 0, 1, 2
+
+
+def _ray_env(workdir: str) -> dict:
+  """Every Ray process of the cluster authenticates with the run's own token (0600)."""
+  from knitjax.runtime.local_ray import private_ray_token
+
+  path = os.path.join(os.path.abspath(workdir), "ray_token")
+  saved = os.environ.get("RAY_AUTH_TOKEN_PATH")
+  os.environ["RAY_AUTH_TOKEN_PATH"] = path
+  try:
+    private_ray_token()
+  finally:
+    if saved is None:
+      os.environ.pop("RAY_AUTH_TOKEN_PATH")
+    else:
+      os.environ["RAY_AUTH_TOKEN_PATH"] = saved
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "XLA_FLAGS"))}
+  env.update(
+    RAY_AUTH_MODE="token",
+    RAY_AUTH_TOKEN_PATH=path,
+    RAY_USAGE_STATS_ENABLED="0",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=REPO,
+  )
+  return env
+
+
+def _start_ray(cluster: Cluster, env: dict, temp_dir: str, log) -> str:
+  """A Ray head on the trainer host and one node on every other host; returns its address."""
+  ray = os.path.join(os.path.dirname(sys.executable), "ray")
+  head = cluster.hosts[TRAINER].address
+  common = ["--num-cpus=1", "--disable-usage-stats"]
+  for h in cluster.hosts:
+    if h.index == TRAINER:
+      argv = [ray, "start", "--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
+      argv.append(f"--temp-dir={temp_dir}")
+    else:
+      argv = [ray, "start", f"--address={head}:{RAY_PORT}"]
+    argv += [f"--node-ip-address={h.address}", *common]
+    p = cluster.spawn(h.index, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = p.communicate(timeout=120)[0].decode(errors="replace")
+    if p.returncode != 0:
+      raise RuntimeError(f"`ray start` on host {h.index} failed: {out.strip()[-600:]}")
+    log(f"cluster: Ray node on host {h.index} ({h.address}) started")
+  return f"{head}:{RAY_PORT}"
+
+
+def _multimodal(cluster: Cluster, config, env, address: str, workdir: str, log) -> dict:
+  """One multimodal benchmark run on the trainer host; returns its JSON."""
+  argv = [sys.executable, "-m", "lab.bench"]
+  argv += ["--config", f"configs/bench/multimodal.py:{config.multimodal_variant}"]
+  argv += ["--workdir", workdir, f"--config.ray_address={address}"]
+  argv += [f"--config.unit_nodes={cluster.hosts[STORAGE].address}"]
+  argv += [f"--config.driver_node={cluster.hosts[CONTROLLER].address}"]
+  result = os.path.join(workdir, "multimodal.json")
+  if config.reuse_runs and os.path.exists(result):
+    log(f"cluster: reusing {result}")
+    with open(result) as f:
+      return json.load(f)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "log.txt"), "w") as f:
+    p = cluster.spawn(TRAINER, argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+      code = p.wait(timeout=config.run_timeout_s)
+    except subprocess.TimeoutExpired:
+      p.kill()
+      raise RuntimeError(
+        f"the multimodal run in {workdir} took over {config.run_timeout_s} s; see its log.txt."
+      ) from None
+  if code != 0:
+    with open(os.path.join(workdir, "log.txt")) as f:
+      tail = f.read()[-1500:]
+    raise RuntimeError(f"the multimodal run in {workdir} exited {code}: {tail}")
+  with open(os.path.join(workdir, "multimodal.json")) as f:
+    return json.load(f)
+
+
+def _figures(mm: dict) -> dict:
+  """Per workload of one multimodal run: the two headline figures and the step's parts."""
+  out = {}
+  for r in mm["results"]:
+    c, o = r["centralized"], r["on_demand"]
+    out[r["workload"]["name"]] = {
+      "latency_ratio": r["latency_ratio"],
+      "speedup": r["speedup"],
+      "centralized_step_s": c["step_s"],
+      "centralized_transfer_s": c["step_transfer_s"],
+      "on_demand_step_s": o["step_s"],
+      "on_demand_transfer_s": o["step_transfer_s"],
+      "bytes_per_step": {"centralized": c["bytes_per_step"], "on_demand": o["bytes_per_step"]},
+      "counts": {"centralized": c["counts"], "on_demand": o["counts"]},
+    }
+  return out
+
+
+def _die_with_parent() -> None:
+  """In the child: SIGKILL when this bench dies (a kill -9 included), so its cluster's reaper
+  tears down what the child built."""
+  import ctypes
+
+  ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _staleness(config, rate_mbit: float, workdir: str, log) -> dict | None:
+  """The real staleness benchmark (configs/bench/staleness_real.py, ``staleness_variant``) with
+  every run in an emulated cluster of its own (trainer, rollout host, colocated: one host each,
+  links at ``rate_mbit``); returns its headline figures and learning, or None when not asked."""
+  if not config.staleness_variant:
+    return None
+  argv = [sys.executable, "-m", "lab.bench"]
+  argv += ["--config", f"configs/bench/staleness_real.py:{config.staleness_variant}"]
+  argv += ["--workdir", workdir, f"--config.cluster_link_mbit={rate_mbit}"]
+  argv += ["--config.rollout_hosts=1", f"--config.reuse_runs={config.reuse_runs}"]
+  argv += list(config.staleness_flags)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = REPO
+  os.makedirs(workdir, exist_ok=True)
+  log(f"cluster: staleness runs in {workdir} (links at {rate_mbit:.0f} Mbit/s)")
+  with open(os.path.join(workdir, "log.txt"), "w") as f:
+    p = subprocess.run(
+      argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+    )
+  if p.returncode != 0:
+    with open(os.path.join(workdir, "log.txt")) as f:
+      raise RuntimeError(f"the staleness runs in {workdir} failed: {f.read()[-1500:]}")
+  with open(os.path.join(workdir, "staleness_real.json")) as f:
+    st = json.load(f)
+  with open(os.path.join(workdir, "learning.json")) as f:
+    learn = json.load(f)
+  return {
+    "weight_sync": _weight_sync(os.path.join(workdir, "runs")),
+    "cut_matched": st["reduction"],
+    "cut_equal": st["reduction_equal_config"],
+    "throughput_gain": st["throughput_gain"],
+    "disaggregated_over_colocated_throughput": st["disaggregated_over_colocated_throughput"],
+    "policies": st["policies"],
+    "checks": st["checks"],
+    "sim_max_rel_error": st["max_abs_rel_error"],
+    "predicted": st["predicted"],
+    "learning": learn,
+    "command": " ".join(argv),
+  }
+
+
+def _weight_sync(runs_dir: str) -> dict | None:
+  """Seconds and bytes per version each rollout host pulled across its link (its counters)."""
+  per_run = {}
+  for name in sorted(os.listdir(runs_dir)):
+    path = os.path.join(runs_dir, name, "rollout_host0.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        h = json.load(f)
+      if h["versions"]:
+        per_run[name] = {"seconds": h["pull_s"] / h["versions"], "bytes": h["version_bytes"]}
+  if not per_run:
+    return None
+  seconds = sorted(r["seconds"] for r in per_run.values())
+  return {
+    "seconds": seconds[len(seconds) // 2],
+    "bytes": next(iter(per_run.values()))["bytes"],
+    "per_run": per_run,
+  }
+
+
+def _naive_s_per_row(mm: dict) -> float:
+  main = mm["main"]
+  w = main["workload"]
+  return main["centralized"]["step_compute_s"] / (w["groups_per_step"] * w["group_size"])
+
+
+def run(config, workdir: str) -> dict:
+  if problem := net.missing_tools():
+    raise ValueError(problem)
+  workdir = os.path.abspath(workdir)
+  real = scale.RealWorkload(**dict(config.real))
+  log = lambda m: print(m, flush=True)  # noqa: E731
+  env = _ray_env(workdir)
+  specs = [HostSpec(cores=tuple(cores)) for cores in config.host_cores]
+  t0 = time.time()
+  with Cluster(specs, log=log) as cluster:
+    temp_dir = f"/tmp/ray_{cluster.tag}"
+    try:
+      address = _start_ray(cluster, env, temp_dir, log)
+      calib = _multimodal(cluster, config, env, address, os.path.join(workdir, "calibrate"), log)
+      d = scale.dilation(real, _naive_s_per_row(calib))
+      log(
+        f"cluster: dilation {d['factor']:.1f} (emulated {d['emulated_naive_s_per_row'] * 1e3:.2f} "
+        f"ms/row, {real.name} {d['real']['naive_s'] * 1e3:.3f} ms/row): "
+        f"{real.link_gbps} Gb/s -> {d['link_mbit']:.0f} Mbit/s per link"
+      )
+      runs = [{"real_gbps": None, "link_mbit": None, "figures": _figures(calib)}]
+      plan = [real.link_gbps] * config.repeats
+      plan += [g for g in config.sweep_gbps if g != real.link_gbps]
+      for i, gbps in enumerate(plan):
+        rate = scale.link_mbit(gbps, d["factor"])
+        cluster.shape(rate)
+        log(f"cluster: run {i + 1}/{len(plan)}: links at {rate:.0f} Mbit/s ({gbps} Gb/s real)")
+        mm = _multimodal(cluster, config, env, address, os.path.join(workdir, f"mm{i}"), log)
+        runs.append({"real_gbps": gbps, "link_mbit": rate, "figures": _figures(mm)})
+    finally:
+      shutil.rmtree(temp_dir, ignore_errors=True)
+  staleness = _staleness(config, d["link_mbit"], os.path.join(workdir, "staleness"), log)
+  headline = [r for r in runs if r["real_gbps"] == real.link_gbps]
+  out = {
+    "bench": "cluster",
+    "hosts": [list(c) for c in config.host_cores],
+    "dilation": d,
+    "multimodal": {
+      "real_gbps": real.link_gbps,
+      "latency_ratio": [r["figures"]["main"]["latency_ratio"] for r in headline],
+      "speedup": [r["figures"]["main"]["speedup"] for r in headline],
+      "pipelined": {
+        k: [r["figures"].get("pipelined", {}).get(k) for r in headline]
+        for k in ("latency_ratio", "speedup")
+      },
+      "runs": runs,
+    },
+    "staleness": staleness,
+    "weight_sync": staleness and staleness["weight_sync"],
+    "sim_max_rel_error": staleness and staleness["sim_max_rel_error"],
+    "wall_s": time.time() - t0,
+  }
+  write_json(workdir, "cluster", out)
+  _plot(runs, os.path.join(workdir, "cluster.png"))
+  rows = [
+    {
+      "real Gb/s": r["real_gbps"] or "unshaped",
+      "link Mbit/s": r["link_mbit"] or 0.0,
+      **{
+        f"{k} {name}": f[k]
+        for name, f in r["figures"].items()
+        for k in ("latency_ratio", "speedup", "centralized_transfer_s")
+      },
+    }
+    for r in runs
+  ]
+  print(format_table(rows, list(rows[0])))
+  return out
+
+
+def _plot(runs: list[dict], path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  shaped = sorted((r for r in runs if r["real_gbps"]), key=lambda r: r["real_gbps"])
+  if not shaped:
+    return
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for name in shaped[0]["figures"]:
+    g = [r["real_gbps"] for r in shaped]
+    for ax, key in zip(axes, ("speedup", "latency_ratio"), strict=True):
+      ax.plot(g, [r["figures"][name][key] for r in shaped], "o-", label=name)
+  for ax, key in zip(axes, ("transfer+train speedup", "latency ratio"), strict=True):
+    ax.set_xscale("log")
+    ax.set_xlabel("real link Gb/s per host (emulated at rate / dilation)")
+    ax.set_ylabel(key)
+    ax.legend()
+  axes[1].set_yscale("log")
+  fig.suptitle("centralized + naive vs on-demand + dedup across the emulated cluster")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

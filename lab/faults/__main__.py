@@ -1,0 +1,170 @@
+"""``python -m lab.faults --workdir DIR``: the fault suite; writes ``DIR/faults.json``.
+
+Parts (``--parts``): ``kill`` (SIGKILL at fault points and resume, both runtime modes), ``actors``
+(a Ray storage unit and a rollout actor killed mid-run), ``inputs`` (generated bad inputs: configs
+and their extremes, payloads, records, prompt files, checkpoints, hostile model folders),
+``entry_points`` (every command fed a hostile command line), ``workdir`` (two runs on one workdir,
+SIGINT / SIGTERM, SIGKILL during a resume, a full disk), ``handshake`` (hostile peers at the
+rollout endpoint), ``backpressure`` (10x over-production against the storage byte budget), and
+``network`` (a link down, packet loss, a partition, across an emulated cluster; needs root).
+The ``entry_points`` and ``workdir`` parts mount (a read-only bind, a small tmpfs) when run as
+root and skip those cases otherwise. See docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+from knitjax import cli
+from lab import REPO
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Scratch folder; faults.json is written here.")
+_PARTS = flags.DEFINE_list(
+  "parts",
+  ["kill", "actors", "inputs", "entry_points", "workdir", "handshake", "backpressure", "network"],
+  "Parts to run.",
+)
+_KILLS = flags.DEFINE_integer("kills", 10, "Kill-resume trials per runtime mode.")
+_KILL_MODES = flags.DEFINE_list(
+  "kill_modes",
+  ["colocated", "disaggregated", "rollout_hosts", "trainer_group"],
+  "Runtime modes of the kill-resume part (rollout_hosts: a trainer and a rollout host process; "
+  "trainer_group: two trainer processes and two Ray rollout actors).",
+)
+_EXAMPLES = flags.DEFINE_integer("examples", 10_000, "Generated bad inputs.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of kill points and generated inputs.")
+flags.mark_flag_as_required("workdir")
+
+
+def _table(results: dict) -> str:
+  lines = ["part           | result"]
+  if "kill" in results:
+    for mode, r in results["kill"].items():
+      lines.append(f"kill-resume    | {mode}: {r['ok']}/{len(r['trials'])} resumed correctly")
+  if "actors" in results:
+    r = results["actors"]
+    n = sum(r["survived"].values())
+    lines.append(f"Ray actor loss | {n}/{len(r['survived'])} kinds survived {r['problems'] or ''}")
+  if "inputs" in results:
+    r = results["inputs"]
+    kinds = r["by_kind"].values()
+    tb = sum(k["tracebacks"] for k in kinds)
+    silent = sum(k["silent_accepts"] for k in kinds)
+    lines.append(
+      f"bad inputs     | {r['examples']} generated: {tb} tracebacks, {silent} silent accepts"
+    )
+  if "entry_points" in results:
+    for entry, c in results["entry_points"]["by_entry"].items():
+      lines.append(
+        f"entry points   | {entry}: {c['cases']} cases, {c['rejected']} refused, "
+        f"{c['tracebacks']} tracebacks, {c['silent_accepts']} silent accepts, {c['hangs']} hangs, "
+        f"{c['data_losses']} data losses, {c['not_one_sentence'] + c['not_named']} unclear"
+      )
+  if "workdir" in results:
+    for name, c in results["workdir"]["cases"].items():
+      result = "skipped" if c["skipped"] else "ok" if c["ok"] else "; ".join(c["problems"])[:160]
+      lines.append(f"workdir        | {name}: {result}")
+  if "handshake" in results:
+    c = results["handshake"]["counts"]
+    lines.append(
+      f"handshake      | {c['trials']} trials: {c['attached']} attached, {c['refused']} refused, "
+      f"{c['tracebacks']} tracebacks, {c['code_ran']} code ran, {c['hangs']} hangs, "
+      f"{c['not_named']} unnamed"
+    )
+  if "backpressure" in results:
+    r = results["backpressure"]
+    lines.append(
+      f"backpressure   | budget held: {r['budget_held']} (peak {r['peak_bytes']} of "
+      f"{r['max_bytes']} bytes), deadlock: {r['deadlock']}, peak RSS {r['peak_rss_mib']:.0f} MiB"
+    )
+  if "network" in results:
+    r = results["network"]
+    if "skipped" in r:
+      lines.append(f"network        | skipped: {r['skipped']}")
+    for name, t in r.get("trials", {}).items():
+      result = "ok" if t["ok"] else "; ".join(t["problems"])[:160]
+      lines.append(f"network        | {name}: {t['outcome']}, {result}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  cli.quiet_libraries()
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # the in-process runs (actor loss) use the shipped configs' 8 fake CPU devices
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+  workdir = os.path.abspath(_WORKDIR.value)
+  os.makedirs(workdir, exist_ok=True)
+  results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+  path = os.path.join(workdir, "faults.json")
+
+  def save():
+    with open(path, "w") as f:
+      json.dump(results, f, indent=1)
+
+  for part in _PARTS.value:
+    t0 = time.time()
+    if part == "kill":
+      from lab.faults import kill_resume
+
+      unknown = sorted(set(_KILL_MODES.value) - set(kill_resume.RUNS))
+      if unknown:
+        sys.exit(
+          f"error: --kill_modes {unknown} not accepted; choose from {', '.join(kill_resume.RUNS)}."
+        )
+      results["kill"] = kill_resume.run(
+        os.path.join(workdir, "kill"),
+        kills=_KILLS.value,
+        seed=_SEED.value,
+        modes=tuple(_KILL_MODES.value),
+      )
+    elif part == "actors":
+      from lab.faults import actor_loss
+
+      results["actors"] = actor_loss.run(os.path.join(workdir, "actors"))
+    elif part == "inputs":
+      from lab.faults import bad_inputs
+
+      results["inputs"] = bad_inputs.run(
+        os.path.join(workdir, "inputs"), examples=_EXAMPLES.value, seed=_SEED.value
+      )
+    elif part == "entry_points":
+      from lab.faults import entry_points
+
+      results["entry_points"] = entry_points.run(os.path.join(workdir, "entry_points"), REPO)
+    elif part == "workdir":
+      from lab.faults import workdir_faults
+
+      results["workdir"] = workdir_faults.run(os.path.join(workdir, "workdir"))
+    elif part == "handshake":
+      from lab.faults import handshake
+
+      results["handshake"] = handshake.run(seed=_SEED.value)
+    elif part == "backpressure":
+      from lab.faults import backpressure
+
+      results["backpressure"] = backpressure.run()
+    elif part == "network":
+      from lab.faults import network
+
+      results["network"] = network.run(os.path.join(workdir, "network"))
+    else:
+      sys.exit(
+        f"error: --parts {part!r} is not accepted; choose from kill, actors, inputs, entry_points, "
+        "workdir, handshake, backpressure, network."
+      )
+    results.setdefault("seconds", {})[part] = time.time() - t0
+    save()
+  print(_table(results))
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,418 @@
+"""SIGKILL a run at a named fault point, resume it, and check what the resumed run ends with.
+
+Colocated runs are deterministic: the resumed run must end with exactly the parameters of an
+uninterrupted run. Disaggregated runs are not (two threads race), so the check is conservation:
+offered = consumed + rejected + pending as sets of group ids, no group consumed twice, every
+train step logged once, quotas exact. ``rollout_hosts`` is a disaggregated run whose rollout is
+a rollout host process: a kill in the trainer ends the host too (its connection closes); a kill
+in the host (``rollout_host`` point) ends the trainer with one sentence; either way a new
+trainer and a new host resume. ``trainer_group`` is a disaggregated trainer of two processes
+(``--distributed``, `knitjax.runtime.trainer_group`) with two Ray rollout actors: trials kill
+trainer process 0 and 1 in turn (the other must stop with one sentence, and both resume), and
+one more kills a rollout actor's process mid-run (survived: Ray replaces it, its groups are
+generated again).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from knitjax import faultpoints
+from lab import REPO, local_group
+
+# Small runs that checkpoint every step, so that a kill anywhere has something to resume from:
+# (config file, variant, overrides), given to `knitjax.main` as flags.
+RUNS = {
+  "colocated": (
+    "configs/arith_tiny.py",
+    "",
+    {
+      "runtime.steps": 4,
+      "runtime.log_every": 1,
+      "checkpoint.every_steps": 1,
+      "admission.quotas.arith": 8,
+      "admission.minibatches": 2,
+      "rollout.group_size": 4,
+    },
+  ),
+  "disaggregated": (
+    "configs/arith_disagg.py",
+    "quick",
+    {"runtime.steps": 4, "checkpoint.every_steps": 1},
+  ),
+  "rollout_hosts": (
+    "configs/arith_disagg.py",
+    "quick",
+    {
+      "runtime.steps": 4,
+      "checkpoint.every_steps": 1,
+      "runtime.rollout_hosts": 1,
+      "mesh.cpu_devices": 2,
+      "runtime.rollout_host_wait_s": 120,
+    },
+  ),
+  "trainer_group": (
+    "configs/arith_disagg.py",
+    "quick",
+    {
+      "runtime.steps": 4,
+      "checkpoint.every_steps": 1,
+      "mesh.cpu_devices": 2,
+      "runtime.rollout_workers": 2,
+    },
+  ),
+}
+PROCESSES = {"trainer_group": 2}  # trainer processes per run (--distributed); others: 1
+
+# Where each point is passed: the trainer's process, or (rollout_hosts) the host's.
+HOST_POINTS = ("rollout_host",)
+
+
+def _argv(run) -> list[str]:
+  path, variant, overrides = run
+  return [f"--config={path}{':' + variant if variant else ''}"] + [
+    f"--config.{k}={v}" for k, v in overrides.items()
+  ]
+
+
+def _config(run):
+  """The ConfigDict of ``run``, as `knitjax.main` builds it from the same flags."""
+  import runpy
+
+  path, variant, overrides = run
+  c = runpy.run_path(os.path.join(REPO, path))["get_config"](variant or None)
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def _env(env: dict[str, str], *, own_devices: bool) -> dict[str, str]:
+  env = {**os.environ, "PYTHONPATH": REPO, **env}
+  for key in ("KNITJAX_KILL_AT", "KNITJAX_FAULT_COUNTS"):
+    if key not in env or not env[key]:
+      env.pop(key, None)
+  if own_devices:  # trainer and hosts: each process gets the config's cpu_devices
+    env.pop("XLA_FLAGS", None)
+  return env
+
+
+def _main(
+  args: list[str],
+  workdir: str,
+  env: dict[str, str],
+  timeout: float = 900,
+  *,
+  hosts: int = 0,
+  host_env: dict[str, str] | None = None,
+):
+  """Runs the trainer (and ``hosts`` rollout hosts beside it); returns the trainer's result and
+  the hosts' exit codes."""
+  cmd = [sys.executable, "-m", "knitjax.main", *args, f"--workdir={workdir}"]
+  started = [
+    subprocess.Popen(
+      [*cmd, "--role=rollout"],
+      cwd=REPO,
+      env=_env(host_env or {}, own_devices=True),
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+    )
+    for _ in range(hosts)
+  ]
+  try:
+    proc = subprocess.run(
+      cmd,
+      cwd=REPO,
+      env=_env(env, own_devices=hosts > 0),
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+    )
+    codes = []
+    for h in started:
+      try:
+        codes.append(h.wait(timeout=60))
+      except subprocess.TimeoutExpired:
+        codes.append(None)
+  finally:
+    for h in started:
+      if h.poll() is None:
+        h.kill()
+  proc.host_codes = codes
+  return proc
+
+
+# How a surviving trainer process stops when another dies: a follower lost is noticed by the
+# others' pulse watch (`knitjax.runtime.coordination.GroupWatch`, one sentence, exit 1); process
+# 0 lost takes the coordination service with it, and JAX's runtime in the others aborts at once
+# with its own line (and a stack trace; jaxlib 0.10 gives Python no way to replace it).
+JAX_ABORT = "Terminating process because the JAX distributed service detected fatal errors"
+
+
+def _stopped_by(code: int, err: str) -> str | None:
+  """``"pulse"`` or ``"jax_runtime"``: how a surviving trainer process stopped (None: it did not
+  stop as either)."""
+  if code == 1 and _last_line(err).startswith("error: trainer process"):
+    return "pulse"
+  if code == -signal.SIGABRT and JAX_ABORT in err:
+    return "jax_runtime"
+  return None
+
+
+def _last_line(text: str) -> str:
+  lines = [line for line in text.strip().splitlines() if line.strip()]
+  return lines[-1] if lines else ""
+
+
+def actor_pids(kind: str) -> list[int]:
+  """Processes of Ray actors of class ``kind`` (Ray titles them ``ray::<Class>...``)."""
+  import psutil
+
+  out = []
+  for p in psutil.process_iter(["pid", "cmdline"]):
+    cmd = " ".join(p.info["cmdline"] or [])
+    if cmd.startswith(f"ray::{kind}"):
+      out.append(p.info["pid"])
+  return sorted(out)
+
+
+def _kill_rollout_actor_after_first_step(workdir: str, killed: list) -> None:
+  """A thread: once the run logged a train step, SIGKILLs one Ray rollout actor process."""
+  import threading
+
+  def loop():
+    deadline = time.time() + 600
+    while time.time() < deadline and not killed:
+      if _jsonl(os.path.join(workdir, "metrics.jsonl")):
+        pids = actor_pids("_RolloutActor")
+        if pids:
+          os.kill(pids[0], signal.SIGKILL)
+          killed.append(pids[0])
+          return
+      time.sleep(0.2)
+
+  threading.Thread(target=loop, daemon=True).start()
+
+
+def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
+  """Kill-resume trials of a trainer spread over processes (see the module docstring)."""
+  args, steps = _argv(RUNS[mode]), RUNS[mode][2]["runtime.steps"]
+  n = PROCESSES[mode]
+  ref = os.path.join(workdir, mode, "reference")
+  files = [os.path.join(workdir, mode, f"counts.p{k}.json") for k in range(n)]
+  t0 = time.time()
+  result = local_group.launch(args, ref, [{"KNITJAX_FAULT_COUNTS": f} for f in files])
+  if any(code != 0 for code, _ in result):
+    raise RuntimeError(f"the {mode} reference run failed: {[_last_line(e) for _, e in result]}")
+  counts = []
+  for f in files:
+    with open(f) as fh:
+      counts.append(json.load(fh))
+  log(f"[kill-resume] {mode}: reference run {time.time() - t0:.0f} s, points passed {counts}")
+  trials = []
+  for k in range(kills + 1):
+    t0 = time.time()
+    wd = os.path.join(workdir, mode, f"kill{k}")
+    if k == kills:  # the last trial: a rollout actor's process
+      killed: list = []
+      first = local_group.launch(
+        args,
+        wd,
+        [{}] * n,
+        on_start=functools.partial(_kill_rollout_actor_after_first_step, wd, killed),
+      )
+      point, target, n_at, survivors = "rollout_actor", -1, 1, []
+      problems = [] if killed else ["no rollout actor process was found to kill"]
+      if any(code != 0 for code, _ in first):
+        problems.append(f"the run did not survive it: {[_last_line(e) for _, e in first]}")
+      else:
+        problems += check_disaggregated(wd, steps)
+    else:
+      target = k % n
+      points = [p for p in faultpoints.POINTS if counts[target].get(p) and p not in HOST_POINTS]
+      point = points[(k // n) % len(points)]
+      # The first half of the passes: a rerun passes the rollout's points a varying number of times.
+      n_at = int(rng.integers(1, max(1, counts[target][point] // 2) + 1))
+      envs = [{"KNITJAX_KILL_AT": f"{point}:{n_at}"} if j == target else {} for j in range(n)]
+      first = local_group.launch(args, wd, envs)
+      problems = []
+      if first[target][0] != -signal.SIGKILL:
+        problems.append(f"process {target} was not killed as planned (exit {first[target][0]})")
+      for j, (code, err) in enumerate(first):
+        if j != target and _stopped_by(code, err) is None:
+          problems.append(f"process {j} did not stop as planned: {code} {_last_line(err)!r}")
+      survivors = [_stopped_by(c, e) for j, (c, e) in enumerate(first) if j != target]
+      second = local_group.launch(args, wd, [{}] * n)
+      if any(code != 0 for code, _ in second):
+        problems.append(f"resume failed: {[_last_line(e) for _, e in second]}")
+      else:
+        problems += check_disaggregated(wd, steps)
+    ok = not problems
+    trials.append(
+      {
+        "point": point,
+        "process": target,
+        "n": n_at,
+        "survivors_stopped_by": survivors,
+        "ok": ok,
+        "problems": problems,
+        "seconds": time.time() - t0,
+      }
+    )
+    where = "a rollout actor" if target < 0 else f"process {target} at {point}:{n_at}"
+    log(f"[kill-resume] {mode} #{k}: kill {where} -> {'ok' if ok else problems}")
+  return {"ok": sum(t["ok"] for t in trials), "trials": trials, "points_passed": counts}
+
+
+def _jsonl(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _latest_meta(workdir: str) -> dict:
+  folder = os.path.join(workdir, "checkpoints")
+  step = max(int(n) for n in os.listdir(folder) if n.isdigit())
+  with open(os.path.join(folder, str(step), "meta", "metadata")) as f:
+    return json.load(f)
+
+
+def _params(workdir: str, run):
+  """The parameters of a run's newest checkpoint, as host arrays."""
+  import jax
+
+  from knitjax.config import from_config_dict
+  from knitjax.runtime import builder
+  from knitjax.train.checkpoint import Checkpointer
+
+  config = from_config_dict(_config(run))
+  mesh = builder.build_mesh(config)
+  _, state, *_ = builder.init_state(config, mesh)
+  ckpt = Checkpointer(workdir)
+  restored, _ = ckpt.restore(state)
+  ckpt.close()
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(restored.params))]
+
+
+def check_colocated(workdir: str, reference: str, run, steps: int) -> list[str]:
+  problems = []
+  rows = _jsonl(os.path.join(workdir, "metrics.jsonl"))
+  if [r["step"] for r in rows] != list(range(1, steps + 1)):
+    problems.append(f"metrics steps {[r['step'] for r in rows]}")
+  got, want = _params(workdir, run), _params(reference, run)
+  if any(not np.array_equal(a, b) for a, b in zip(got, want, strict=True)):
+    problems.append("final params differ from the uninterrupted run")
+  return problems
+
+
+def check_disaggregated(workdir: str, steps: int) -> list[str]:
+  problems = []
+  rows = _jsonl(os.path.join(workdir, "metrics.jsonl"))
+  if [r["step"] for r in rows] != list(range(1, steps + 1)):
+    problems.append(f"metrics steps {[r['step'] for r in rows]}")
+  consumed = _jsonl(os.path.join(workdir, "consumed.jsonl"))
+  offered = _jsonl(os.path.join(workdir, "offered.jsonl"))
+  ids = [g for c in consumed for g in c["group_ids"]]
+  if len(ids) != len(set(ids)):
+    problems.append("a group was consumed twice")
+  final = _latest_meta(workdir)
+  pending = [g["group_id"] for g in final["admission"]["open"]]
+  pending += [g["group_id"] for _, g in final["admission"]["waiting"]]
+  pending += [g["group_id"] for mb in final["queued"] for g in mb["groups"]]
+  rejected = [o["group_id"] for o in offered if o["rejected"]]
+  if sorted(ids + rejected + pending) != sorted(o["group_id"] for o in offered):
+    problems.append("offered != consumed + rejected + pending as sets of group ids")
+  if any(r.get("quota_violations", 0) for r in rows) or rows and rows[-1].get("groups_lost", 0):
+    problems.append("quota violations or lost groups in metrics")
+  return problems
+
+
+def run(
+  workdir: str,
+  *,
+  kills: int = 10,
+  seed: int = 0,
+  modes=("colocated", "disaggregated", "rollout_hosts"),
+  log=print,
+) -> dict:
+  """``kills`` kill-resume trials per mode; returns per-trial records and k/``kills`` per mode."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for mode in modes:
+    if mode in PROCESSES:
+      out[mode] = run_group(workdir, mode, kills=kills, rng=rng, log=log)
+      continue
+    args, steps = _argv(RUNS[mode]), RUNS[mode][2]["runtime.steps"]
+    hosts = RUNS[mode][2].get("runtime.rollout_hosts", 0)
+    ref = os.path.join(workdir, mode, "reference")
+    counts_file = os.path.join(workdir, mode, "counts.json")
+    host_counts_file = os.path.join(workdir, mode, "host_counts.json")
+    os.makedirs(ref, exist_ok=True)
+    t0 = time.time()
+    proc = _main(
+      args,
+      ref,
+      {"KNITJAX_FAULT_COUNTS": counts_file},
+      hosts=hosts,
+      host_env={"KNITJAX_FAULT_COUNTS": host_counts_file},
+    )
+    if proc.returncode != 0:
+      raise RuntimeError(f"the {mode} reference run failed: {proc.stderr[-2000:]}")
+    with open(counts_file) as f:
+      counts = json.load(f)
+    if hosts:
+      with open(host_counts_file) as f:
+        counts.update({p: n for p, n in json.load(f).items() if p in HOST_POINTS})
+    log(f"[kill-resume] {mode}: reference run {time.time() - t0:.0f} s, points passed {counts}")
+    points = [p for p in faultpoints.POINTS if counts.get(p)]
+    trials = []
+    for k in range(kills):
+      point = points[k % len(points)]
+      n = int(rng.integers(1, counts[point] + 1))
+      wd = os.path.join(workdir, mode, f"kill{k}")
+      t0 = time.time()
+      kill = {"KNITJAX_KILL_AT": f"{point}:{n}"}
+      in_host = point in HOST_POINTS
+      first = _main(
+        args, wd, {} if in_host else kill, hosts=hosts, host_env=kill if in_host else None
+      )
+      if in_host:  # the host dies; the trainer must stop with one sentence naming it
+        killed = first.host_codes == [-signal.SIGKILL] and first.returncode == 1
+        killed = killed and "rollout host 0" in first.stderr.strip().splitlines()[-1]
+      else:
+        killed = first.returncode == -signal.SIGKILL
+      second = _main(args, wd, {}, hosts=hosts)
+      problems = []
+      if not killed:
+        tail = first.stderr.strip().splitlines()[-1:]
+        problems.append(
+          f"the run was not killed as planned (exit {first.returncode}, hosts "
+          f"{getattr(first, 'host_codes', [])}, {tail})"
+        )
+      if second.returncode != 0:
+        problems.append(f"resume failed: {second.stderr.strip().splitlines()[-1:]}")
+      else:
+        problems += (
+          check_colocated(wd, ref, RUNS[mode], steps)
+          if mode == "colocated"
+          else check_disaggregated(wd, steps)
+        )
+      ok = not problems
+      trials.append(
+        {"point": point, "n": n, "ok": ok, "problems": problems, "seconds": time.time() - t0}
+      )
+      log(f"[kill-resume] {mode} #{k}: kill at {point}:{n} -> {'ok' if ok else problems}")
+    out[mode] = {"ok": sum(t["ok"] for t in trials), "trials": trials, "points_passed": counts}
+  return out

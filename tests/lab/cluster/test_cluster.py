@@ -1,0 +1,167 @@
+"""The emulated cluster: its names and commands (pure), its errors, and, where this machine has
+root and iproute2, a real one: two hosts with shaped links running a trainer and a rollout host
+across them for two steps, then nothing of it left; and nothing left after a kill -9 of its owner.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lab.cluster import net
+from lab.cluster.hosts import Cluster, HostSpec
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cannot_build() -> str | None:
+  """Why this machine cannot build a cluster (root and tools, then a namespace tried), or None."""
+  if problem := net.missing_tools():
+    return problem
+  probe = f"kjprobe{os.getpid()}"
+  made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+  if made.returncode != 0:
+    return f"this machine cannot make a network namespace: {made.stderr.strip()}"
+  subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+  return None
+
+
+MISSING = _cannot_build()
+needs_root = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+def test_names_fit_linux_interface_names_and_parse_back():
+  tag = net.tag_of(4194304)  # the largest pid Linux gives
+  assert tag == "kj4194304"
+  assert len(net.veth_name(tag, 99)) <= 15 and len(net.bridge_name(tag)) <= 15
+  assert net.NS_RE.match(net.ns_name(tag, 3)).groups() == ("4194304", "3")
+  assert net.host_address(44, 1) == "10.213.44.11" and net.bridge_address(44) == "10.213.44.1"
+
+
+def test_stale_tags_are_the_namespaces_of_dead_owners():
+  names = ["kj10h0", "kj10h1", "kj11h0", "other", "kj12h0x"]
+  assert net.stale_tags(names, alive=lambda pid: pid == 11) == ["kj10"]
+
+
+def test_a_free_subnet_skips_those_in_use():
+  assert net.free_subnet(43, set()) == 44
+  assert net.free_subnet(43, {44, 45}) == 46
+  with pytest.raises(RuntimeError, match="every subnet"):
+    net.free_subnet(0, set(range(1, 251)))
+
+
+def test_shaping_commands():
+  assert net.tbf("kj1v0", 1000.0) == [
+    *("tc", "qdisc", "replace", "dev", "kj1v0", "root", "tbf", "rate", "1000.0mbit"),
+    *("burst", "65536", "latency", "200ms"),
+  ]
+  assert net.tbf("eth0", 1.0, ns="kj1h0")[:5] == ["ip", "netns", "exec", "kj1h0", "tc"]
+  assert net.loss_rule("kj1h0", 0.01)[-8:] == [
+    *("-m", "statistic", "--mode", "random", "--probability", "0.01", "-j", "DROP")
+  ]
+  assert net.block_rule("kj1h0", "10.213.1.11", add=False)[4:7] == ["iptables", "-D", "OUTPUT"]
+
+
+def test_missing_root_or_tools_is_one_sentence(monkeypatch):
+  monkeypatch.setattr(os, "geteuid", lambda: 1000)
+  assert net.missing_tools() == (
+    "the emulated cluster needs root (network namespaces, veth links and tc need it)."
+  )
+  monkeypatch.setattr(os, "geteuid", lambda: 0)
+  monkeypatch.setattr(net.shutil, "which", lambda t: None if t in ("tc", "iptables") else t)
+  assert net.missing_tools() == "the emulated cluster needs tc: apt-get install iproute2."
+  assert net.missing_tools(need_iptables=True) == (
+    "the emulated cluster needs tc, iptables: apt-get install iproute2 iptables."
+  )
+  with pytest.raises(RuntimeError, match="needs tc: apt-get install iproute2"):
+    Cluster([HostSpec(cores=(0,))]).start()
+
+
+def test_host_spec_and_cluster_errors():
+  with pytest.raises(ValueError, match="give one or more core numbers"):
+    HostSpec(cores=())
+  with pytest.raises(ValueError, match="must be > 0"):
+    HostSpec(cores=(0,), rate_mbit=0)
+  with pytest.raises(ValueError, match=r"this machine has 0\.\."):
+    Cluster([HostSpec(cores=(4096,))])
+
+
+@needs_root
+def test_a_kill_9_of_the_owner_leaves_no_namespace():
+  code = (
+    "import time\n"
+    "from lab.cluster.hosts import Cluster, HostSpec\n"
+    "c = Cluster([HostSpec(cores=(0,)), HostSpec(cores=(0,))]); c.start()\n"
+    "c.spawn(1, ['sleep', '600'])\n"
+    "print('up', flush=True); time.sleep(600)\n"
+  )
+  p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+  assert p.stdout.readline().startswith("cluster: 2 hosts")
+  assert p.stdout.readline() == "up\n"
+  tag = net.tag_of(p.pid)
+  assert len(net.own_namespaces(tag)) == 2
+  sleeper = net.ns_pids(net.ns_name(tag, 1))
+  assert sleeper
+  p.kill()
+  p.wait()
+  deadline = time.monotonic() + 20
+  while net.own_namespaces(tag) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert net.own_namespaces(tag) == []
+  assert not os.path.exists(f"/sys/class/net/{net.bridge_name(tag)}")
+  for pid in sleeper:
+    assert not os.path.exists(f"/proc/{pid}") or net._zombie(pid)
+
+
+@needs_root
+def test_trainer_and_rollout_host_run_two_steps_across_two_shaped_hosts(tmp_path):
+  workdir = tmp_path / "run"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+  env.pop("XLA_FLAGS", None)
+  env.pop("KNITJAX_ROLLOUT_TOKEN", None)
+  lines = []
+  with Cluster(
+    [HostSpec(cores=(0,), rate_mbit=200.0), HostSpec(cores=(1,), rate_mbit=200.0)],
+    log=lines.append,
+  ) as cluster:
+    trainer = cluster.hosts[0]
+    base = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_disagg.py:quick"]
+    base += ["--workdir", str(workdir), "--config.runtime.rollout_hosts=1"]
+    base += ["--config.mesh.cpu_devices=1", "--config.runtime.steps=2"]
+    base += ["--config.runtime.rollout_host_wait_s=200"]
+    base += [f"--config.runtime.rollout_listen={trainer.address}:0"]
+    logs, procs = {}, {}
+    for i, role in ((1, "rollout"), (0, "train")):
+      logs[role] = tmp_path / f"{role}.log"
+      with open(logs[role], "w") as log:
+        procs[role] = cluster.spawn(
+          i, [*base, f"--role={role}"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+      codes = {role: p.wait(timeout=300) for role, p in procs.items()}
+    finally:
+      for p in procs.values():
+        if p.poll() is None:
+          p.kill()
+    qdiscs = net.sh(*net.in_ns(trainer.ns, "tc", "qdisc", "show", "dev", "eth0"))
+    tag = cluster.tag
+  out = {role: f.read_text() for role, f in logs.items()}
+  assert codes == {"rollout": 0, "train": 0}, (
+    f"{codes}\n{out['train'][-3000:]}\n---\n" + (out["rollout"][-3000:])
+  )
+  assert re.match(r"cluster: 2 hosts: kj\d+h0 10\.213\.\d+\.10 cores 0 200.0 Mbit/s", lines[-1])
+  assert "tbf" in qdiscs and "rate 200Mbit" in qdiscs
+  # the host reached the trainer at the trainer host's own address, from the other host's
+  host_addr = trainer.address.rsplit(".", 1)[0] + ".11"
+  assert re.search(rf"rollout host 0 \(.*{re.escape(host_addr)}.*\) attached", out["train"]), out[
+    "train"
+  ][-2000:]
+  consumed = [json.loads(x) for x in (workdir / "consumed.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in consumed] == [0, 0, 1, 1]
+  ids = [g for r in consumed for g in r["group_ids"]]
+  assert len(ids) == len(set(ids))
+  assert net.own_namespaces(tag) == []
