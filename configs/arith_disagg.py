@@ -32,22 +32,18 @@ def get_config(arg=None):
     decode_steps=8,
     refill_groups=8,
   )
-  c.train = common.grpo_train()
+  c.update(common.grpo())
   c.admission = dict(
     policy="minibatch",
     quotas={"arith": 16, "think": 16},
     minibatches=4,
     min_per_minibatch={"arith": 2, "think": 2},
   )
-  c.runtime = dict(
-    mode="disaggregated",
-    steps=300,
-    log_every=25,
-    weight_sync="minibatch",
+  c.topology = dict(mode="disaggregated", rollout_devices=4)
+  c.loop = dict(steps=300, log_every=25)
+  c.sync = dict(every="minibatch", adoption="new_groups", held_versions=2)
+  c.pipeline = dict(
     max_lag_steps=1.0,
-    rollout_devices=4,
-    adoption="new_groups",
-    param_slots=2,
     prefetch=1,  # on-demand access: the next mini-batch is fetched while this one trains
     locality_slack=0.5,
   )
@@ -61,11 +57,11 @@ def get_config(arg=None):
     c.admission.min_per_minibatch = {"arith": 1, "think": 1}
     c.rollout.group_size = 4
     c.rollout.slots = 32
-    c.runtime.steps = 3
-    c.runtime.log_every = 1
+    c.loop.steps = 3
+    c.loop.log_every = 1
     c.checkpoint.every_steps = 1
     return common.complete(c)
   if arg == "colocated":
-    c.runtime.mode = "colocated"
+    c.topology.mode = "colocated"
     return common.complete(c)
   raise ValueError(f"unknown variant {arg!r} of configs/arith_disagg.py; choose: quick, colocated.")

@@ -29,21 +29,25 @@ def get_config(arg=None):
   c.rollout = dict(
     group_size=8, max_new_tokens=16, turn_tokens=6, max_turns=3, temperature=1.0, slots=64
   )
-  c.train = common.grpo_train()
+  c.update(common.grpo())
   c.admission = dict(policy="minibatch", quotas={"calc": 32}, minibatches=1)
-  c.runtime = dict(mode="colocated", steps=600, log_every=25, prefetch=1)
+  c.topology = dict(mode="colocated")
+  c.loop = dict(steps=600, log_every=25)
+  c.pipeline = dict(prefetch=1)
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)
   c.checkpoint = dict(every_steps=100, keep=2)
   if arg in ("disagg", "disagg_quick"):
     # 4 fake devices: 2 sample, 2 train; up to slots / G = 16 live groups; M = 2 mini-batches.
-    c.runtime.update(mode="disaggregated", rollout_devices=2, max_lag_steps=1.0, steps=200)
+    c.topology.update(mode="disaggregated", rollout_devices=2)
+    c.pipeline.max_lag_steps = 1.0
+    c.loop.steps = 200
     c.rollout.slots = 128
     c.admission.minibatches = 2
     c.mesh.cpu_devices = 4
   if arg in ("quick", "disagg_quick"):
     c.admission.quotas = {"calc": 4}
-    c.runtime.steps = 2
-    c.runtime.log_every = 1
+    c.loop.steps = 2
+    c.loop.log_every = 1
     c.checkpoint.every_steps = 1
   elif arg not in (None, "", "disagg"):
     raise ValueError(

@@ -1,4 +1,4 @@
-"""Defaults the training configs share: the tiny decoder, the GRPO train settings, and
+"""Defaults the training configs share: the tiny decoder, the GRPO settings, and
 :func:`complete`, which gives a config every field the typed views know.
 
 Configs import it as ``from configs import common`` (like big_vision's ``configs/common.py``),
@@ -28,26 +28,20 @@ def tiny_decoder(*, vocab_size: int, **changes) -> dict:
   return model | changes
 
 
-def grpo_train(**changes) -> dict:
-  """GRPO settings that learn the tiny tasks from random init.
-
-  lr 1e-3, warmup 10, token-mean, entropy bonus 0.01.
-  """
-  train = dict(
-    lr=1e-3,
-    warmup_steps=10,
-    grad_clip=1.0,
-    micro_batches=1,
-    advantage="grpo",
-    aggregation="token_mean",
-    entropy_coef=0.01,
+def grpo() -> dict:
+  """GRPO settings that learn the tiny tasks from random init, as the sections ``optimizer``,
+  ``loss`` and ``layout`` (``c.update(common.grpo())``): lr 1e-3, warmup 10, token-mean, entropy
+  bonus 0.01, one micro-batch."""
+  return dict(
+    optimizer=dict(lr=1e-3, warmup_steps=10, grad_clip=1.0),
+    loss=dict(advantage="grpo", aggregation="token_mean", entropy_coef=0.01),
+    layout=dict(micro_batches=1),
   )
-  return train | changes
 
 
 def complete(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Adds every field of every section at its default (`knitjax.config`), so that any documented
-  field can be set from the command line on a shipped config (``--config.runtime.storage=ray``,
+  field can be set from the command line on a shipped config (``--config.topology.storage=ray``,
   ``--config.init_from=DIR``); fields the config sets keep their values."""
   from knitjax import config as typed
 

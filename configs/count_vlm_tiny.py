@@ -8,7 +8,7 @@ Policy: SigLIP-style ViT (16x16 RGB, 4x4 patches -> 16 image tokens, 2 layers, d
 projector + Qwen3-style decoder (2 layers, d_model 64), all from random init. Task: count_images
 (knitjax/tasks/count_images.py); reward 1 for the right digit then the end token (any constant
 answer scores 0.10). 32 prompts x G=8 per step, one mini-batch split into 2 micro-batches; each
-mini-batch encodes its 32 unique images once (train.encoder_dedup), not 256 times.
+mini-batch encodes its 32 unique images once (vlm.encoder_dedup), not 256 times.
 """
 
 import ml_collections
@@ -33,14 +33,17 @@ def get_config(arg=None):
   )
   c.task = dict(name="count_images", reward="count_exact")
   c.rollout = dict(group_size=8, max_new_tokens=2, temperature=1.0)
-  c.train = common.grpo_train(micro_batches=2, encoder_dedup=True, remat_encoder=False)
+  c.update(common.grpo())
+  c.layout.micro_batches = 2
+  c.vlm = dict(encoder_dedup=True, remat_encoder=False)
   c.admission = dict(policy="minibatch", quotas={"count": 32}, minibatches=1)
-  c.runtime = dict(mode="colocated", steps=600, log_every=25)
+  c.topology = dict(mode="colocated")
+  c.loop = dict(steps=600, log_every=25)
   c.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)
   c.checkpoint = dict(every_steps=200, keep=1)
   if arg == "quick":
-    c.runtime.steps = 2
-    c.runtime.log_every = 1
+    c.loop.steps = 2
+    c.loop.log_every = 1
     c.checkpoint.every_steps = 1
   elif arg not in (None, ""):
     raise ValueError(f"unknown variant {arg!r} of configs/count_vlm_tiny.py; choose: quick.")

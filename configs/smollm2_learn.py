@@ -33,11 +33,14 @@ def get_config(arg=None):
     name="gsm8k", reward="numeric_match", path="generated:one_step:train", chat="on", instruction=""
   )
   c.rollout = dict(group_size=8, max_new_tokens=64, temperature=0.7, top_p=1.0)
-  c.train = common.grpo_train(
-    lr=2e-4, warmup_steps=0, micro_batches=2, entropy_coef=0.0, grad_clip=1.0
-  )
+  c.update(common.grpo())
+  c.optimizer.update(lr=2e-4, warmup_steps=0, grad_clip=1.0)
+  c.loss.entropy_coef = 0.0
+  c.layout.micro_batches = 2
   c.admission = dict(policy="minibatch", quotas={"gsm8k": 8}, minibatches=1)
-  c.runtime = dict(mode="colocated", steps=20, log_every=1, prefetch=1)
+  c.topology = dict(mode="colocated")
+  c.loop = dict(steps=20, log_every=1)
+  c.pipeline = dict(prefetch=1)
   c.mesh = dict(shape=(1, -1, 1), cpu_devices=1)
   c.checkpoint = dict(every_steps=10, keep=2)
   c.eval = dict(every_steps=10, prompts=256, samples=0, k=1, batch_prompts=64)
@@ -45,9 +48,9 @@ def get_config(arg=None):
   if variant == "tiny":
     # Two steps at the smallest sizes: what the test runs.
     c.rollout.update(group_size=2, max_new_tokens=8)
-    c.train.update(micro_batches=1)
+    c.layout.micro_batches = 1
     c.admission.update(quotas={"gsm8k": 2})
-    c.runtime.update(steps=2)
+    c.loop.steps = 2
     c.checkpoint.update(every_steps=1)
     c.eval.update(every_steps=2, prompts=4, batch_prompts=4)
   elif variant == "gpu":
@@ -55,7 +58,7 @@ def get_config(arg=None):
     c.model.dtype = "bfloat16"
     c.rollout.update(max_new_tokens=128)
     c.admission.update(quotas={"gsm8k": 64})
-    c.runtime.update(steps=40)
+    c.loop.steps = 40
     c.mesh.update(shape=(1, 1, 1), cpu_devices=0)
     c.checkpoint.update(every_steps=20)
     c.eval.update(every_steps=10, prompts=512, batch_prompts=512)

@@ -43,20 +43,24 @@ def get_config(arg=None):
     name="gsm8k", reward="math", path="generated:train", chat="on", system_prompt=SYSTEM
   )
   c.rollout = dict(group_size=8, max_new_tokens=192, temperature=1.0, top_p=1.0)
-  c.train = common.grpo_train(
-    lr=2e-6, warmup_steps=5, micro_batches=8, entropy_coef=0.0, grad_clip=1.0
-  )
+  c.update(common.grpo())
+  c.optimizer.update(lr=2e-6, warmup_steps=5, grad_clip=1.0)
+  c.loss.entropy_coef = 0.0
+  c.layout.micro_batches = 8
   c.admission = dict(policy="minibatch", quotas={"gsm8k": 32}, minibatches=2)
-  c.runtime = dict(mode="colocated", steps=200, log_every=5, prefetch=1)
+  c.topology = dict(mode="colocated")
+  c.loop = dict(steps=200, log_every=5)
+  c.pipeline = dict(prefetch=1)
   c.mesh = dict(shape=(1, -1, 1), cpu_devices=1)  # FSDP: params and Adam state sharded
   c.checkpoint = dict(every_steps=25, keep=2)
   c.eval = dict(every_steps=25, prompts=256, samples=8, k=4, reward="numeric_match")
   variant, _, rest = (arg or "").partition(",")
   if variant == "quick":
     c.rollout.update(group_size=2, max_new_tokens=8)
-    c.train.update(micro_batches=1, warmup_steps=0)
+    c.layout.micro_batches = 1
+    c.optimizer.warmup_steps = 0
     c.admission.update(quotas={"gsm8k": 2}, minibatches=1)
-    c.runtime.update(steps=2, log_every=1)
+    c.loop.update(steps=2, log_every=1)
     c.checkpoint.update(every_steps=1)
     c.eval.update(every_steps=2, prompts=4, samples=2, k=2, batch_prompts=4, max_new_tokens=8)
   elif variant == "h200":
@@ -64,7 +68,8 @@ def get_config(arg=None):
     c.init_from = "HuggingFaceTB/SmolLM2-135M-Instruct"
     c.model.dtype = "bfloat16"
     c.rollout.update(max_new_tokens=384)
-    c.train.update(lr=1e-6, micro_batches=4)
+    c.optimizer.lr = 1e-6
+    c.layout.micro_batches = 4
     c.admission.update(quotas={"gsm8k": 128}, minibatches=4)
     c.mesh.update(shape=(1, 1, 1), cpu_devices=0)
     c.eval.update(prompts=512, batch_prompts=128)
@@ -73,7 +78,8 @@ def get_config(arg=None):
     c.init_from = "HuggingFaceTB/SmolLM2-135M-Instruct"
     c.model.dtype = "bfloat16"
     c.rollout.update(max_new_tokens=384)
-    c.train.update(lr=1e-6, micro_batches=4)
+    c.optimizer.lr = 1e-6
+    c.layout.micro_batches = 4
     c.admission.update(quotas={"gsm8k": 256}, minibatches=4)
     c.mesh.update(shape=(1, 8, 1), cpu_devices=0)
     c.eval.update(prompts=512, batch_prompts=256)

@@ -125,6 +125,9 @@ def parse_flags(argv: list[str]) -> list[str]:
   is reported as ``file:line: error``; a bad override names the field.
   """
   argv = [argv[0], *_joined(argv[1:])]
+  for arg in argv[1:]:
+    if sentence := _renamed_override(arg):
+      sys.exit(f"error: bad --config or flag: {sentence}")
   try:
     return flags.FLAGS(argv)
   except SystemExit:
@@ -136,6 +139,17 @@ def parse_flags(argv: list[str]) -> list[str]:
     if isinstance(e, flags.Error | AttributeError | KeyError | OSError | TypeError | ValueError):
       sys.exit(f"error: bad --config or flag: {one_line(e)}")
     raise
+
+
+def _renamed_override(arg: str) -> str | None:
+  """The sentence naming the new name of an override of a renamed field
+  (``--config.train.lr=3e-4`` -> ``config.optimizer.lr``), else None."""
+  name = arg.lstrip("-").split("=", 1)[0]
+  if not name.startswith(("config.train.", "config.runtime.")):
+    return None
+  from knitjax.config import renamed
+
+  return renamed(name)
 
 
 def _joined(args: list[str]) -> list[str]:

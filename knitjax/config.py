@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,153 +20,40 @@ from knitjax.config_checkpoint import (
 )
 from knitjax.config_fields import (
   MAX_CPU_DEVICES,
-  MAX_DEVICES,
   MAX_SAMPLES,
   MAX_STEPS,
   MAX_TOKENS,
   build_section,
   one_of,
   positive,
+  setting,
   to_plain,
+)
+from knitjax.config_run import (
+  RUN_SECTIONS,
+  LoopConfig,
+  PipelineConfig,
+  SyncConfig,
+  TopologyConfig,
 )
 from knitjax.config_sections import (
   AdmissionConfig,
   RolloutConfig,
   TaskConfig,
-  TrainConfig,
+)
+from knitjax.config_train import (
+  TRAIN_SECTIONS,
+  CriticConfig,
+  LayoutConfig,
+  LossConfig,
+  OptimizerConfig,
+  VlmConfig,
 )
 from knitjax.models.dtypes import AUTO_DTYPE
 from knitjax.models.transformer import TransformerConfig
 from knitjax.models.vision import VisionConfig
-from knitjax.rollout.contract import ADOPTION
-from knitjax.rollout.versions import LAG_UNITS
 
-# Choices the runtime implements; runtime sits above config, so config owns their names.
-MODES = ("colocated", "disaggregated")
-WEIGHT_SYNC = ("minibatch", "step")
-SYNC_DTYPES = ("auto", "bfloat16", "float32")
-SYNC_PUBLISH = ("async", "blocking")
-STORAGE = ("in_process", "ray")
 TRANSFER = ("on_demand", "centralized")
-
-MAX_PARAM_SLOTS = 64  # versions the rollout holds at once: far above any lag bound in use
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RuntimeConfig:
-  """The loop: how many steps, colocated or disaggregated, logging."""
-
-  mode: str = "colocated"
-  steps: int = 100
-  log_every: int = 10
-  weight_sync: str = "minibatch"
-  # Disaggregated weight publish: the dtype on the wire and the rollout's params ("auto":
-  # bfloat16 when config.model.dtype is bfloat16, else float32, so float32 runs stay exact), and
-  # whether the trainer waits for the copy ("blocking") or it completes in the background.
-  sync_dtype: str = "auto"
-  sync_publish: str = "async"
-  max_lag_steps: float = 1.0
-  # How depth capacity comes back: "step" (once a step's last mini-batch is consumed) or
-  # "minibatch" (each consumed mini-batch frees its B/M groups; version-granular).
-  lag_unit: str = "step"
-  # Disaggregated only: the first `rollout_devices` devices form the rollout mesh (0: half);
-  # a trainer of several processes trains on every device (its rollout is in Ray actors).
-  rollout_devices: int = 0
-  adoption: str = "new_groups"  # or "mid_generation" (partial rollout)
-  param_slots: int = 2  # versions the rollout holds at once with adoption="new_groups"
-  # On-demand access: mini-batches each consumer prepares ahead of its update (0: on demand in
-  # the trainer's thread), and how far token balance may give way to fetching locally.
-  prefetch: int = 1
-  locality_slack: float = 0.5
-  # Storage units: in this process, or Ray actors (needs `pip install -e '.[ray]'`); ray_address
-  # "" starts or joins a local Ray, otherwise it is passed to ray.init (e.g. "auto").
-  storage: str = "in_process"
-  ray_address: str = ""
-  # Generate in this many Ray actors (each writing to a Ray storage unit on its own node)
-  # instead of in process; 0: in process. A disaggregated trainer of several processes
-  # (--distributed) needs them: process 0 runs the admission index, every process trains on
-  # the one global mesh and fetches its own share (knitjax.runtime.trainer_group).
-  rollout_workers: int = 0
-  # Ray actor deaths (rollout actors, storage units) a run survives; one more ends it.
-  actor_restarts: int = 3
-  # Disaggregated only: generate in this many rollout host processes instead of in process
-  # (each `python -m knitjax.main --role=rollout` with the same --config and --workdir, on its
-  # own machine or devices; knitjax.rollout.remote); the trainer then trains on every device.
-  rollout_hosts: int = 0
-  # Where the trainer listens for rollout hosts (host:port, port 0: a free one, written to
-  # WORKDIR/rollout_endpoint.json); use an address on the private network between hosts.
-  rollout_listen: str = "127.0.0.1:0"
-  # How long the trainer waits for its rollout hosts, and a host for the trainer (seconds).
-  rollout_host_wait_s: float = 600.0
-
-  def __post_init__(self):
-    one_of("config.runtime.mode", self.mode, MODES)
-    one_of("config.runtime.weight_sync", self.weight_sync, WEIGHT_SYNC)
-    one_of("config.runtime.sync_dtype", self.sync_dtype, SYNC_DTYPES)
-    one_of("config.runtime.sync_publish", self.sync_publish, SYNC_PUBLISH)
-    one_of("config.runtime.lag_unit", self.lag_unit, LAG_UNITS)
-    one_of("config.runtime.adoption", self.adoption, ADOPTION)
-    one_of("config.runtime.storage", self.storage, STORAGE)
-    positive(
-      "config.runtime.rollout_workers",
-      self.rollout_workers,
-      allow_zero=True,
-      at_most=MAX_CPU_DEVICES,
-    )
-    positive("config.runtime.actor_restarts", self.actor_restarts, allow_zero=True)
-    positive(
-      "config.runtime.rollout_devices", self.rollout_devices, allow_zero=True, at_most=MAX_DEVICES
-    )
-    positive(
-      "config.runtime.rollout_hosts", self.rollout_hosts, allow_zero=True, at_most=MAX_CPU_DEVICES
-    )
-    positive("config.runtime.rollout_host_wait_s", self.rollout_host_wait_s)
-    if self.rollout_hosts:
-      _check_rollout_hosts(self)
-    if self.param_slots < 1 + (self.adoption == "new_groups"):
-      raise ValueError(
-        f"config.runtime.param_slots={self.param_slots!r} is not accepted; adoption="
-        f"{self.adoption!r} needs at least {1 + (self.adoption == 'new_groups')}."
-      )
-    # each slot holds a whole copy of the params on the rollout devices
-    positive("config.runtime.param_slots", self.param_slots, at_most=MAX_PARAM_SLOTS)
-    positive("config.runtime.steps", self.steps, at_most=MAX_STEPS)
-    positive("config.runtime.log_every", self.log_every, at_most=MAX_STEPS)
-    positive("config.runtime.max_lag_steps", self.max_lag_steps, allow_zero=True)
-    positive("config.runtime.prefetch", self.prefetch, allow_zero=True, at_most=MAX_SAMPLES)
-    positive("config.runtime.locality_slack", self.locality_slack, allow_zero=True)
-
-
-def _check_rollout_hosts(runtime) -> None:
-  """What ``runtime.rollout_hosts > 0`` needs of the other runtime fields."""
-  if runtime.mode != "disaggregated":
-    raise ValueError(
-      f"config.runtime.rollout_hosts={runtime.rollout_hosts} needs config.runtime.mode="
-      f"'disaggregated' (got {runtime.mode!r}): colocated runs generate on the train devices."
-    )
-  if runtime.rollout_workers or runtime.storage != "in_process":
-    raise ValueError(
-      "config.runtime.rollout_hosts is not accepted with rollout_workers or storage='ray': "
-      "rollout hosts keep the payloads in their own storage units; choose one of them."
-    )
-  host, sep, port = runtime.rollout_listen.rpartition(":")
-  if not sep or not host or not port.lstrip("-").isdigit():
-    raise ValueError(
-      f"config.runtime.rollout_listen={runtime.rollout_listen!r} is not accepted; give "
-      "host:port, e.g. '127.0.0.1:0' or '10.0.0.2:7000' (port 0: a free one)."
-    )
-  if not 0 <= int(port) <= 65535:
-    raise ValueError(
-      f"config.runtime.rollout_listen={runtime.rollout_listen!r} is not accepted; its port "
-      f"{int(port)} is outside 0..65535 (0: a free one)."
-    )
-  try:  # a name that does not resolve fails here, not when the trainer binds after its compile
-    socket.getaddrinfo(host.strip("[]"), int(port), socket.AF_INET, socket.SOCK_STREAM)
-  except OSError as e:
-    raise ValueError(
-      f"config.runtime.rollout_listen={runtime.rollout_listen!r} is not accepted; host "
-      f"{host!r} does not resolve to an IPv4 address ({e.strerror or e})."
-    ) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,7 +61,8 @@ class MeshConfig:
   """Device mesh (data, fsdp, tensor); -1 infers one axis from the device count."""
 
   shape: tuple[int, ...] = (-1, 1, 1)
-  cpu_devices: int = 2  # fake CPU devices when running on the CPU (0: leave JAX's default)
+  # Fake CPU devices when running on the CPU.
+  cpu_devices: int = setting(2, off=0, meaning="JAX's own device count")
 
   def __post_init__(self):
     if len(self.shape) != 3:
@@ -190,7 +77,13 @@ class MeshConfig:
         f"config.mesh.shape={self.shape!r} is not accepted; give 3 ints >= 1, at most one of "
         "them -1 (inferred from the device count)."
       )
-    positive("config.mesh.cpu_devices", self.cpu_devices, allow_zero=True, at_most=MAX_CPU_DEVICES)
+    positive(
+      "config.mesh.cpu_devices",
+      self.cpu_devices,
+      allow_zero=True,
+      at_most=MAX_CPU_DEVICES,
+      section=MeshConfig,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -224,15 +117,19 @@ class CheckpointConfig:
 class EvalConfig:
   """Held-out evaluation (`knitjax.runtime.evaluation`): greedy accuracy and pass@k."""
 
-  every_steps: int = 0  # 0: no evaluation while training (python -m knitjax.eval still works)
+  # Train steps between evaluations (python -m knitjax.eval works either way).
+  every_steps: int = setting(0, off=0, meaning="no evaluation while training")
   prompts: int = 64  # held-out prompts per evaluation
-  samples: int = 0  # samples per prompt at the rollout temperature for pass@k (0: greedy only)
+  # Samples per prompt at the rollout temperature for pass@k.
+  samples: int = setting(0, off=0, meaning="greedy only")
   k: int = 1  # pass@k's k, <= samples
-  reward: str = ""  # "" = config.task.reward; a prompt is solved when the reward is >= 1
-  # Held-out prompts: a file for file-backed tasks; "" = the task's held-out split
-  # ("generated:heldout" for "generated:train"), or for generated tasks a stream of another seed.
-  path: str = ""
-  max_new_tokens: int = 0  # 0 = config.rollout.max_new_tokens
+  # A prompt is solved when the reward is >= 1.
+  reward: str = setting("", off="", meaning="config.task.reward")
+  # Held-out prompts: a file for file-backed tasks; for generated tasks a stream of another seed.
+  path: str = setting(
+    "", off="", meaning="the task's held-out split (generated:heldout for generated:train)"
+  )
+  max_new_tokens: int = setting(0, off=0, meaning="config.rollout.max_new_tokens")
   batch_prompts: int = 16  # prompts per sampler call
 
   def __post_init__(self):
@@ -261,11 +158,18 @@ class Config:
   model: TransformerConfig
   task: TaskConfig
   rollout: RolloutConfig
-  train: TrainConfig
   admission: AdmissionConfig
-  runtime: RuntimeConfig
   mesh: MeshConfig
   checkpoint: CheckpointConfig
+  loop: LoopConfig = dataclasses.field(default_factory=LoopConfig)
+  topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
+  sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+  pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+  critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
+  layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
+  vlm: VlmConfig = dataclasses.field(default_factory=VlmConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
   vision: VisionConfig | None = None  # set: the policy is a VLM (knitjax.models.vlm)
@@ -282,14 +186,64 @@ class Config:
 SECTIONS = {
   "task": TaskConfig,
   "rollout": RolloutConfig,
-  "train": TrainConfig,
   "admission": AdmissionConfig,
-  "runtime": RuntimeConfig,
+  **RUN_SECTIONS,
+  **TRAIN_SECTIONS,
   "mesh": MeshConfig,
   "checkpoint": CheckpointConfig,
   "eval": EvalConfig,
   "transfer": TransferConfig,
 }
+
+# The sections "train" and "runtime" were split by concept (2026-12): old name -> new name.
+RENAMED = {
+  **{
+    f"runtime.{f}": f"{section}.{f}"
+    for section, fields in (
+      ("loop", ("steps", "log_every")),
+      ("pipeline", ("max_lag_steps", "lag_unit", "prefetch", "locality_slack")),
+      ("sync", ("adoption",)),
+      (
+        "topology",
+        (
+          "mode",
+          "rollout_devices",
+          "storage",
+          "ray_address",
+          "rollout_workers",
+          "actor_restarts",
+          "rollout_hosts",
+          "rollout_listen",
+          "rollout_host_wait_s",
+        ),
+      ),
+    )
+    for f in fields
+  },
+  "runtime.weight_sync": "sync.every",
+  "runtime.sync_dtype": "sync.dtype",
+  "runtime.sync_publish": "sync.publish",
+  "runtime.param_slots": "sync.held_versions",
+  **{
+    f"train.{f}": f"{section}.{f}"
+    for section, cls in TRAIN_SECTIONS.items()
+    for f in (x.name for x in dataclasses.fields(cls))
+  },
+}
+
+
+def renamed(old: str) -> str | None:
+  """One sentence naming the new name of an old ``section.field`` (or ``section``), else None."""
+  old = old.removeprefix("config.")
+  if old in RENAMED:
+    return f"config.{old} is now config.{RENAMED[old]}."
+  if old in ("train", "runtime"):
+    new = sorted({v.split(".")[0] for k, v in RENAMED.items() if k.startswith(old + ".")})
+    return (
+      f"config.{old} was split by concept into {', '.join('config.' + n for n in new)} "
+      "(docs/config.md lists where each field went)."
+    )
+  return None
 
 
 def from_config_dict(config: Mapping[str, Any]) -> Config:
@@ -303,6 +257,10 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     raise ValueError(f"the config must be a mapping of sections, got {type(config).__name__}.")
   known = {"seed", "model", "vision", "init_from", *SECTIONS}
   for key in config:
+    if key in ("train", "runtime"):
+      fields = config[key] if isinstance(config[key], Mapping) else {}
+      sentence = next((renamed(f"{key}.{f}") for f in fields if renamed(f"{key}.{f}")), None)
+      raise ValueError(sentence or renamed(key))
     if key not in known:
       raise ValueError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}.")
   for name in ("model", "vision"):  # merged with defaults below: a mapping or nothing
@@ -336,9 +294,9 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   elif config.get("vision"):
     vision_fields = {"dtype": model.dtype, **config["vision"]}  # default: the decoder's dtype
     vision = build_section(VisionConfig, vision_fields, "config.vision")
-  if vision is not None and sections["train"].packing != "off":
+  if vision is not None and sections["layout"].packing != "off":
     raise ValueError(
-      "config.train.packing='pack' is not accepted with a VLM (config.vision); its step takes "
+      "config.layout.packing='pack' is not accepted with a VLM (config.vision); its step takes "
       "padded rows: set packing 'off'."
     )
   if vision is not None and model.lora_rank:
@@ -346,9 +304,9 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
       f"config.model.lora_rank={model.lora_rank} is not supported for a VLM (config.vision); "
       "LoRA covers text decoders: set lora_rank=0 to fine-tune the VLM fully."
     )
-  if model.lora_rank and sections["train"].advantage == "gae":
+  if model.lora_rank and sections["loss"].advantage == "gae":
     raise ValueError(
-      f"config.model.lora_rank={model.lora_rank} is not accepted with config.train.advantage="
+      f"config.model.lora_rank={model.lora_rank} is not accepted with config.loss.advantage="
       "'gae': LoRA trains adapters only and would freeze the critic's value head; use "
       "lora_rank=0 with gae, or a group estimator (grpo, drgrpo, rloo) with LoRA."
     )
@@ -360,7 +318,12 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
       f"model's vocab_size {model.vocab_size} (0: off)."
     )
   sections["rollout"] = _resolve_engine(sections, vision)
-  model = _with_value_head(model, sections["train"], vision)
+  if sections["loss"].advantage == "gae" and not sections["critic"].value_coef > 0:
+    raise ValueError(
+      f"config.critic.value_coef={sections['critic'].value_coef!r} is not accepted; it must be > 0 "
+      "with config.loss.advantage='gae' (the critic would never train)."
+    )
+  model = _with_value_head(model, sections["loss"], vision)
   _check_class_budgets(sections)
   _check_micro_batches(sections)
   return Config(
@@ -402,12 +365,12 @@ def _resolve_engine(sections: dict, vision: VisionConfig | None) -> RolloutConfi
   """Resolves ``rollout.engine="auto"`` and checks the rollout can run the policy."""
   from knitjax.tasks.registry import ENVIRONMENTS
 
-  rollout, runtime, task = sections["rollout"], sections["runtime"], sections["task"]
+  rollout, topology, task = sections["rollout"], sections["topology"], sections["task"]
   engine = rollout.engine
   if engine == "auto" and task.name in ENVIRONMENTS:
     engine = "multiturn"
   elif engine == "auto":
-    text_disagg = runtime.mode == "disaggregated" and vision is None
+    text_disagg = topology.mode == "disaggregated" and vision is None
     engine = "continuous" if text_disagg else "batched"
   _check_multiturn(sections, engine)
   if vision is not None:
@@ -456,17 +419,17 @@ def _check_multiturn(sections: dict, engine: str) -> None:
 
 
 def _with_value_head(
-  model: TransformerConfig, train: TrainConfig, vision: VisionConfig | None
+  model: TransformerConfig, loss: LossConfig, vision: VisionConfig | None
 ) -> TransformerConfig:
   """The policy model, with a critic head when the advantage is "gae" (text models only)."""
-  in_step = train.advantage == "gae" or train.kl_penalty == "reward"
+  in_step = loss.advantage == "gae" or loss.kl_penalty == "reward"
   if vision is not None and in_step:
     raise ValueError(
-      f"config.train.advantage={train.advantage!r} with kl_penalty={train.kl_penalty!r} is not "
+      f"config.loss.advantage={loss.advantage!r} with kl_penalty={loss.kl_penalty!r} is not "
       "accepted with a VLM (config.vision); its step takes host advantages only: use advantage "
       "'grpo', 'drgrpo' or 'rloo' with kl_penalty 'loss'."
     )
-  return dataclasses.replace(model, value_head=train.advantage == "gae")
+  return dataclasses.replace(model, value_head=loss.advantage == "gae")
 
 
 def _check_class_budgets(sections: dict) -> None:
@@ -480,10 +443,10 @@ def _check_class_budgets(sections: dict) -> None:
 
 
 def _check_micro_batches(sections: dict) -> None:
-  a, r, t = sections["admission"], sections["rollout"], sections["train"]
+  a, r, t = sections["admission"], sections["rollout"], sections["layout"]
   rows = a.groups_per_step // a.minibatches * r.group_size
   if rows % t.micro_batches:
     raise ValueError(
-      f"config.train.micro_batches={t.micro_batches} does not divide a mini-batch of {rows} "
+      f"config.layout.micro_batches={t.micro_batches} does not divide a mini-batch of {rows} "
       f"sequences (config.admission.quotas / minibatches x config.rollout.group_size)."
     )

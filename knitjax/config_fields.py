@@ -5,6 +5,11 @@ keyword-only dataclass: it rejects unknown keys and missing required fields, che
 against its field's type (mapping value types included), and accepts only finite floats. Every
 error is one sentence naming the field and what is accepted. :func:`one_of` and
 :func:`positive` are the small checks the sections' ``__post_init__`` run.
+
+A field whose value can switch its feature off declares that value once, beside the field, with
+:func:`setting` (``tis_cap: float = setting(0.0, off=0.0, meaning="no truncated IS")``);
+:func:`off_of` reads it back for the errors, the docs (docs/config.md) and the lab's extremes
+sweep.
 """
 
 from __future__ import annotations
@@ -15,6 +20,25 @@ import types
 import typing
 from collections.abc import Mapping
 from typing import Any
+
+_OFF = "knitjax.off"  # dataclass field metadata: (off value, what it means)
+
+
+def setting(default: Any, *, off: Any, meaning: str) -> Any:
+  """A section field whose value ``off`` turns its feature off (``meaning`` says how)."""
+  return dataclasses.field(default=default, metadata={_OFF: (off, meaning)})
+
+
+def off_of(cls: type, name: str) -> tuple[Any, str] | None:
+  """``(off value, meaning)`` of field ``name`` of section ``cls``, or None if it has none."""
+  field = {f.name: f for f in dataclasses.fields(cls)}[name]
+  return field.metadata.get(_OFF)
+
+
+def off_note(cls: type, name: str) -> str:
+  """`` (0: no truncated IS)`` for a field that declares an off value, else ``""``."""
+  off = off_of(cls, name)
+  return f" ({off[0]!r}: {off[1]})" if off else ""
 
 
 def one_of(path: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -34,13 +58,20 @@ MAX_TEXT = 1 << 16  # characters of a config string (a path, an address, a syste
 
 
 def positive(
-  path: str, value: float, *, allow_zero: bool = False, at_most: int | None = None
+  path: str,
+  value: float,
+  *,
+  allow_zero: bool = False,
+  at_most: int | None = None,
+  section: type | None = None,
 ) -> None:
   """Raises a ValueError naming ``path`` unless ``value`` > 0 (>= 0 with ``allow_zero``) and, with
-  ``at_most``, ``value <= at_most``."""
+  ``at_most``, ``value <= at_most``. With ``section`` (the field's dataclass), the error also
+  says what the field's declared off value means."""
   if value < 0 or (value == 0 and not allow_zero):
     bound = ">= 0" if allow_zero else "> 0"
-    raise ValueError(f"{path}={value!r} is not accepted; it must be {bound}.")
+    note = off_note(section, path.rsplit(".", 1)[1]) if section is not None else ""
+    raise ValueError(f"{path}={value!r} is not accepted; it must be {bound}{note}.")
   if at_most is not None and value > at_most:
     raise ValueError(f"{path}={value!r} is not accepted; it must be at most {at_most:,}.")
 

@@ -33,7 +33,7 @@ _ROLE = flags.DEFINE_enum(
   "train",
   ["train", "rollout"],
   "train: run (or resume) training; rollout: serve as one of a disaggregated trainer's rollout "
-  "hosts (config.runtime.rollout_hosts), same --config and --workdir as the trainer.",
+  "hosts (config.topology.rollout_hosts), same --config and --workdir as the trainer.",
 )
 flags.mark_flags_as_required(["config", "workdir"])
 

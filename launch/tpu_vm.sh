@@ -2,12 +2,12 @@
 # Launch knitjax training on a Cloud TPU VM slice. Every worker runs the same command: the trainer
 # is one multi-host JAX program, started with --distributed. A disaggregated trainer takes its
 # rollout from other VMs in one of two ways:
-# - rollout hosts, for a one-process trainer (--config.runtime.rollout_hosts=N, a single-host
+# - rollout hosts, for a one-process trainer (--config.topology.rollout_hosts=N, a single-host
 #   VM): `rollout` starts one on every worker of another TPU VM;
 # - Ray rollout workers, for a trainer of any number of processes
-#   (--config.runtime.rollout_workers=N): `ray-head` starts a Ray cluster on the trainer VM,
+#   (--config.topology.rollout_workers=N): `ray-head` starts a Ray cluster on the trainer VM,
 #   `ray-workers` joins every worker of a rollout VM to it (one rollout actor each), and `run`
-#   is given --config.runtime.ray_address=HEAD_IP:6379.
+#   is given --config.topology.ray_address=HEAD_IP:6379.
 #
 # Usage: launch/tpu_vm.sh [--dry-run] COMMAND NAME ZONE [ARGS...]
 #   up     NAME ZONE TYPE CONFIG WORKDIR [FLAGS...]   create (if missing), setup, run
@@ -235,7 +235,7 @@ on_head_workers() {  # on_workers, with $HEAD_IP as a dry run prints it: "$HEAD_
 }
 
 ray_next() {  # $1: the head's IP
-  printf 'ray_address: %s (ray-workers ROLLOUT_VM ZONE %s, then run with --config.runtime.ray_address=%s)' \
+  printf 'ray_address: %s (ray-workers ROLLOUT_VM ZONE %s, then run with --config.topology.ray_address=%s)' \
     "$1:$RAY_PORT" "$1:$RAY_PORT" "$1:$RAY_PORT"
 }
 

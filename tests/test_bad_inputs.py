@@ -22,13 +22,13 @@ def _raise(e):
 
 
 def test_classify_counts_each_outcome():
-  named = ("config.train.lr",)
-  ok = ValueError("config.train.lr=-1 is not accepted; it must be > 0.")
+  named = ("config.optimizer.lr",)
+  ok = ValueError("config.optimizer.lr=-1 is not accepted; it must be > 0.")
   assert classify(BadInput("", named, _raise(ok))) == (("rejected",), ok)
   assert classify(BadInput("", named, lambda: None)) == (("silent_accepts",), None)
   crash = KeyError("lr")
   assert classify(BadInput("", named, _raise(crash))) == (("tracebacks",), crash)
-  two_lines = ValueError("config.train.lr is bad.\nTraceback (most recent call last):")
+  two_lines = ValueError("config.optimizer.lr is bad.\nTraceback (most recent call last):")
   assert classify(BadInput("", named, _raise(two_lines)))[0] == ("rejected", "not_one_sentence")
   vague = ValueError("could not convert string to float: 'x'")
   assert classify(BadInput("", named, _raise(vague)))[0] == ("rejected", "not_named")

@@ -4,11 +4,12 @@ import pytest
 
 from configs import arith_tiny, count_vlm_tiny
 from knitjax.config import from_config_dict
+from tests import tiny
 
 
 def _arith(variant="quick", **train):
   c = arith_tiny.get_config(variant)
-  c.train.update(train)
+  tiny.set_fields(c, **train)
   return c
 
 
@@ -21,15 +22,15 @@ def test_gae_gives_the_policy_a_value_head_and_only_gae_does():
 @pytest.mark.parametrize(
   "train, match",
   [
-    (dict(advantage="ppo"), r"config.train.advantage='ppo' is not accepted; choose one of: "
+    (dict(advantage="ppo"), r"config.loss.advantage='ppo' is not accepted; choose one of: "
      r"grpo, drgrpo, rloo, gae"),
-    (dict(kl_penalty="advantage"), r"config.train.kl_penalty='advantage' is not accepted"),
-    (dict(kl_penalty="reward"), r"kl_penalty='reward' is not accepted with config.train.kl_coef=0"),
-    (dict(gamma=1.5), r"config.train.gamma=1.5 is not accepted; it must be in \[0, 1\]"),
-    (dict(gae_lambda=-0.1), r"config.train.gae_lambda=-0.1 is not accepted"),
-    (dict(advantage="gae", value_coef=0.0), r"config.train.value_coef=0.0 is not accepted; it "
+    (dict(kl_penalty="advantage"), r"config.loss.kl_penalty='advantage' is not accepted"),
+    (dict(kl_penalty="reward"), r"kl_penalty='reward' is not accepted with config.loss.kl_coef=0"),
+    (dict(gamma=1.5), r"config.critic.gamma=1.5 is not accepted; it must be in \[0, 1\]"),
+    (dict(gae_lambda=-0.1), r"config.critic.gae_lambda=-0.1 is not accepted"),
+    (dict(advantage="gae", value_coef=0.0), r"config.critic.value_coef=0.0 is not accepted; it "
      r"must be > 0"),
-    (dict(value_clip=-0.2), r"config.train.value_clip=-0.2 is not accepted; it must be >= 0"),
+    (dict(value_clip=-0.2), r"config.critic.value_clip=-0.2 is not accepted; it must be >= 0"),
   ],
 )  # fmt: skip
 def test_bad_ppo_fields_are_one_sentence(train, match):
@@ -40,7 +41,7 @@ def test_bad_ppo_fields_are_one_sentence(train, match):
 @pytest.mark.parametrize("train", [dict(advantage="gae"), dict(kl_coef=0.1, kl_penalty="reward")])
 def test_a_vlm_refuses_in_step_advantages(train):
   c = count_vlm_tiny.get_config("quick")
-  c.train.update(train)
+  tiny.set_fields(c, **train)
   with pytest.raises(ValueError, match="is not accepted with a VLM"):
     from_config_dict(c)
 
@@ -61,10 +62,10 @@ def test_unknown_arith_variant():
     ("rollout", "prefill_chunk", 10**12, "at most 1,048,576"),
     ("task", "prompt_len", 10**12, "at most 1,048,576"),
     ("mesh", "cpu_devices", 100000, "at most 1,024"),
-    ("runtime", "steps", 10**12, "at most 2,147,483,647"),
+    ("loop", "steps", 10**12, "at most 2,147,483,647"),
     ("checkpoint", "every_steps", 10**12, "at most 2,147,483,647"),
     ("eval", "prompts", 10**12, "at most 1,048,576"),
-    ("train", "micro_batches", 10**12, "at most 1,048,576"),
+    ("layout", "micro_batches", 10**12, "at most 1,048,576"),
     ("admission", "minibatches", 10**12, "at most 1,048,576"),
   ],
 )
@@ -112,3 +113,30 @@ def test_token_budgets_must_fit_the_checkpoint_positions():
   c.task.prompt_len = 29
   with pytest.raises(ValueError, match=r"max_new_tokens=100 is not accepted with config.task"):
     from_config_dict(c)
+
+
+@pytest.mark.parametrize(
+  "old, new",
+  [
+    ("train.lr", "config.train.lr is now config.optimizer.lr."),
+    ("train.packing", "config.train.packing is now config.layout.packing."),
+    ("runtime.steps", "config.runtime.steps is now config.loop.steps."),
+    ("runtime.param_slots", "config.runtime.param_slots is now config.sync.held_versions."),
+    ("runtime.mode", "config.runtime.mode is now config.topology.mode."),
+  ],
+)
+def test_an_old_name_is_one_sentence_naming_the_new_one(old, new):
+  section, field = old.split(".")
+  c = arith_tiny.get_config("quick").to_dict()
+  c[section] = {field: 1}
+  with pytest.raises(ValueError) as e:
+    from_config_dict(c)
+  assert str(e.value) == new
+
+
+def test_every_old_field_has_a_home():
+  from knitjax.config import RENAMED, SECTIONS
+
+  for old, new in RENAMED.items():
+    section, field = new.split(".")
+    assert field in {f.name for f in __import__("dataclasses").fields(SECTIONS[section])}, old

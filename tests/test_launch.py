@@ -441,7 +441,7 @@ def test_ray_head_starts_the_head_on_worker_0_only_and_joins_the_others(tmp_path
     *["ray", "start", "--address=$HEAD_IP:6379", "--num-cpus=0", "--disable-usage-stats"],
   ]
   assert "--head" not in _remote(join)
-  assert echo[0] == "echo" and "--config.runtime.ray_address=$HEAD_IP:6379" in echo[1]
+  assert echo[0] == "echo" and "--config.topology.ray_address=$HEAD_IP:6379" in echo[1]
   # With a token already there, the same lines less the one that makes it.
   result = _launch(tmp_path, "ray-head", *UP[:2], env=_ray_env(tmp_path))
   assert result.stdout.splitlines() == [lines[0], *lines[2:]]
@@ -510,7 +510,7 @@ def test_the_ray_token_is_never_on_a_command_line(tmp_path):
     return result.stdout + result.stderr
 
   out = launch("ray-head", "kj-train", "europe-west4-b")
-  assert f"ray_address: {HEAD} " in out and f"--config.runtime.ray_address={HEAD}" in out
+  assert f"ray_address: {HEAD} " in out and f"--config.topology.ray_address={HEAD}" in out
   token = token_file.read_text()
   assert len(token) == 64 and int(token, 16) >= 0  # 256 random bits, hex
   assert token_file.stat().st_mode & 0o777 == 0o600
@@ -590,9 +590,9 @@ def test_the_ray_commands_install_the_token_and_start_ray_with_it(tmp_path):
 
 def test_run_passes_the_ray_flags_and_the_token_mode_to_the_trainer(tmp_path):
   flags = [
-    "--config.runtime.mode=disaggregated",
-    f"--config.runtime.ray_address={HEAD}",
-    "--config.runtime.rollout_workers=4",
+    "--config.topology.mode=disaggregated",
+    f"--config.topology.ray_address={HEAD}",
+    "--config.topology.rollout_workers=4",
   ]
   (run,) = _commands(tmp_path, "run", *UP[:2], *UP[3:], *flags)
   assert _worker(run) == "--worker=all"

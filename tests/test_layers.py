@@ -45,7 +45,13 @@ LAYERS = (
   ("knitjax.train.*",),
   ("knitjax.transfer.*",),
   ("knitjax.rollout.*",),
-  ("knitjax.config", "knitjax.config_sections", "knitjax.config_checkpoint"),
+  (
+    "knitjax.config",
+    "knitjax.config_sections",
+    "knitjax.config_train",
+    "knitjax.config_run",
+    "knitjax.config_checkpoint",
+  ),
   ("knitjax.runtime.*", "knitjax.sim.*"),
   (
     "knitjax.main",

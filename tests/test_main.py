@@ -18,15 +18,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize(
   "field, value, expected",
   [
-    ("train.aggregation", "mean", "config.train.aggregation='mean' is not accepted"),
+    ("loss.aggregation", "mean", "config.loss.aggregation='mean' is not accepted"),
     ("task.reward", "nope", "config.task.reward='nope' is not accepted; choose one of"),
     ("admission.minibatches", 3, "not divisible by config.admission.minibatches=3"),
     ("admission.policy", "fifo", "choose one of: train_batch, minibatch, greedy"),
-    ("runtime.mode", "async", "choose one of: colocated, disaggregated"),
+    ("topology.mode", "async", "choose one of: colocated, disaggregated"),
     ("rollout.top_p", 0.0, "config.rollout.top_p=0.0"),
-    ("train.lr", "fast", "config.train.lr='fast' has the wrong type; expected float"),
-    ("train.lr", float("nan"), "config.train.lr=nan is not accepted; it must be a finite number"),
-    ("train.lr", float("inf"), "config.train.lr=inf is not accepted; it must be a finite number"),
+    ("optimizer.lr", "fast", "config.optimizer.lr='fast' has the wrong type; expected float"),
+    (
+      "optimizer.lr",
+      float("nan"),
+      "config.optimizer.lr=nan is not accepted; it must be a finite number",
+    ),
+    (
+      "optimizer.lr",
+      float("inf"),
+      "config.optimizer.lr=inf is not accepted; it must be a finite number",
+    ),
     (
       "admission.quotas",
       {"arith": "32"},
@@ -35,7 +43,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # colocated (arith_tiny) checks the per-class budgets exactly as disaggregated does
     ("rollout.class_max_new_tokens", {"arith": 99}, "class_max_new_tokens['arith']=99"),
     ("rollout.class_max_new_tokens", {"nope": 2}, "names ['nope'], which are not quota classes"),
-    ("train.micro_batches", 3, "config.train.micro_batches=3 does not divide a mini-batch of 256"),
+    (
+      "layout.micro_batches",
+      3,
+      "config.layout.micro_batches=3 does not divide a mini-batch of 256",
+    ),
   ],
 )
 def test_bad_config_names_the_field(field, value, expected):
@@ -48,9 +60,9 @@ def test_bad_config_names_the_field(field, value, expected):
 
 def test_unknown_field_is_named():
   c = arith_tiny.get_config().to_dict()
-  c["train"]["lrr"] = 1.0
+  c["optimizer"]["lrr"] = 1.0
   with pytest.raises(
-    ValueError, match=r"config.train.lrr is not a known field; known fields: .*lr"
+    ValueError, match=r"config.optimizer.lrr is not a known field; known fields: .*lr"
   ):
     from_config_dict(c)
 
@@ -107,11 +119,13 @@ def test_no_libtpu_line_when_jax_starts_on_a_cpu_machine():
 @pytest.mark.parametrize(
   "args, expected",
   [
-    (["--config.train.lrr=1"], 'unknown config field lrr. Did you mean "lr" instead of "lrr"?'),
+    (["--config.optimizer.lrr=1"], 'unknown config field lrr. Did you mean "lr" instead of "lrr"?'),
+    (["--config.train.lr=1e-4"], "config.train.lr is now config.optimizer.lr."),
+    (["--config.runtime.steps=3"], "config.runtime.steps is now config.loop.steps."),
     (["--config.admission.minibatches=3"], "not divisible"),
     (["--config=configs/missing.py"], "No such file or directory"),
-    (["--config.train.lr=abc"], "could not convert string to float"),
-    (["--config.train.lr=nan"], "config.train.lr=nan is not accepted"),
+    (["--config.optimizer.lr=abc"], "could not convert string to float"),
+    (["--config.optimizer.lr=nan"], "config.optimizer.lr=nan is not accepted"),
     (["--config=tests/data/bad_configs/name_error.py"], "name_error.py:8: NameError: name"),
     (["--config=tests/data/bad_configs/syntax_error.py"], "syntax_error.py:6: SyntaxError"),
   ],
@@ -136,7 +150,7 @@ def test_main_exits_with_one_line(tmp_path, args, expected):
 
 @pytest.mark.parametrize("name", ["arith_tiny", "arith_disagg", "count_vlm_tiny"])
 def test_every_config_field_can_be_set_on_the_shipped_configs(name):
-  """`--config.runtime.storage=ray`, `--config.rollout.engine=...`, `--config.init_from=...`: a
+  """`--config.topology.storage=ray`, `--config.rollout.engine=...`, `--config.init_from=...`: a
   flag override needs the field in the ConfigDict, so every shipped config carries them all."""
   import dataclasses
   import importlib
@@ -151,9 +165,9 @@ def test_every_config_field_can_be_set_on_the_shipped_configs(name):
     if f.name not in c[section]
   ]
   assert missing == [] and "init_from" in c
-  c.runtime.storage, c.runtime.rollout_workers, c.rollout.engine = "ray", 2, "batched"
+  c.topology.storage, c.topology.rollout_workers, c.rollout.engine = "ray", 2, "batched"
   cfg = from_config_dict(c)
-  assert (cfg.runtime.storage, cfg.runtime.rollout_workers, cfg.rollout.engine) == (
+  assert (cfg.topology.storage, cfg.topology.rollout_workers, cfg.rollout.engine) == (
     "ray",
     2,
     "batched",
@@ -184,16 +198,16 @@ def test_steps_below_the_checkpoint_is_refused(tmp_path):
   (tmp_path / "checkpoints" / "5").mkdir(parents=True)
   (tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp-1").mkdir()  # an unfinished save
   config = from_config_dict(arith_tiny.get_config("quick"))  # steps=2
-  with pytest.raises(ValueError, match="holds a checkpoint at step 5, past config.runtime.steps=2"):
+  with pytest.raises(ValueError, match="holds a checkpoint at step 5, past config.loop.steps=2"):
     check_workdir(config, str(tmp_path))
   proc = _main(tmp_path)
-  assert proc.returncode != 0 and "past config.runtime.steps=2" in proc.stderr.splitlines()[-1]
+  assert proc.returncode != 0 and "past config.loop.steps=2" in proc.stderr.splitlines()[-1]
 
 
 @pytest.mark.parametrize(
   "corrupt, expected",
   [
-    (lambda d: d.__setitem__("train", None), "config.train=None is not accepted; it must be a"),
+    (lambda d: d.__setitem__("loss", None), "config.loss=None is not accepted; it must be a"),
     (lambda d: d["model"].pop("vocab_size"), "config.model.vocab_size is missing"),
     (lambda d: d["admission"].update(quotas={"arith": 0}), "quotas['arith']=0 is not accepted"),
     (
@@ -207,8 +221,8 @@ def test_steps_below_the_checkpoint_is_refused(tmp_path):
     (lambda d: d["mesh"].update(shape=(-1, -1, 1)), "config.mesh.shape=(-1, -1, 1) is not"),
     (lambda d: d["mesh"].update(shape=(0, 1, 1)), "config.mesh.shape=(0, 1, 1) is not"),
     (lambda d: d.__setitem__("seed", True), "config.seed=True has the wrong type"),
-    (lambda d: d["train"].update(b2=-1.0), "config.train.b2=-1.0 is not accepted"),
-    (lambda d: d["train"].update(eps_low=-1.0), "config.train.eps_low=-1.0 is not accepted"),
+    (lambda d: d["optimizer"].update(b2=-1.0), "config.optimizer.b2=-1.0 is not accepted"),
+    (lambda d: d["loss"].update(eps_low=-1.0), "config.loss.eps_low=-1.0 is not accepted"),
     (lambda d: d["task"].update(name="gsm8k"), "config.task.path is empty; task 'gsm8k'"),
     # the field itself is named, not the per-class budgets checked against it
     (lambda d: d["rollout"].update(max_new_tokens=0), "config.rollout.max_new_tokens=0 is not"),
@@ -244,7 +258,7 @@ def test_ctrl_c_in_main_stops_in_one_line_and_names_the_checkpoint(tmp_path):
   import time
 
   cmd = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_tiny.py:quick"]
-  cmd += ["--workdir", str(tmp_path), "--config.runtime.steps=100"]
+  cmd += ["--workdir", str(tmp_path), "--config.loop.steps=100"]
   proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 120
   while not (tmp_path / "checkpoints" / "1").is_dir():

@@ -163,3 +163,24 @@ def gradient(before, after):
 def assert_trees_close(actual, desired, *, rtol, atol):
   for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired), strict=True):
     np.testing.assert_allclose(a, d, rtol=rtol, atol=atol)
+
+
+def set_fields(c, **fields) -> None:
+  """Sets each field in the one run or training section that has it (``loop``, ``topology``,
+  ``sync``, ``pipeline``, ``optimizer``, ``loss``, ``critic``, ``layout``, ``vlm``), so a test
+  can name the fields it changes without their sections: ``set_fields(c, steps=2, packing="pack")``.
+  """
+  import dataclasses
+
+  from knitjax.config_run import RUN_SECTIONS
+  from knitjax.config_train import TRAIN_SECTIONS
+
+  home = {
+    f.name: name
+    for name, cls in {**RUN_SECTIONS, **TRAIN_SECTIONS}.items()
+    for f in dataclasses.fields(cls)
+  }
+  for key, value in fields.items():
+    if key not in home:
+      raise KeyError(f"{key} is a field of none of the run and training sections.")
+    c[home[key]][key] = value

@@ -5,7 +5,7 @@ Usage: python -m lab.bench --config configs/bench/logprob_memory.py --workdir DI
 
 Shape: Qwen2.5-0.5B's output layer (vocab 151936, d_model 896, tied), one row of T = 2048 and
 4096 positions, bfloat16 hidden states and a float32 table; chunks of 128 positions (the
-default, config.train.logprob_chunk), a larger 512 and a smaller 32. Traced only (nothing is
+default, config.layout.logprob_chunk), a larger 512 and a smaller 32. Traced only (nothing is
 allocated). ``:quick`` is a vocab-512 d_model-32 shape, for tests.
 """
 

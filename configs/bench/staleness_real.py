@@ -28,7 +28,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   # One core per side on a 2-core machine: 2 fake devices, 1 rollout + 1 train (8 fake devices
   # on 2 cores only add overhead; colocated runs use both devices for each phase).
   c.train.mesh.cpu_devices = 2
-  c.train.runtime.rollout_devices = 1
+  c.train.topology.rollout_devices = 1
   c.adoption = (
     "mid_generation"  # partial rollout: what the simulator models for a fixed-slot engine
   )
@@ -49,7 +49,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   c.tolerance = 0.2
   c.in_process = False
   # > 0: disaggregated runs generate in that many rollout host processes (`--role=rollout`,
-  # config.runtime.rollout_hosts) instead of a thread of the trainer's process.
+  # config.topology.rollout_hosts) instead of a thread of the trainer's process.
   c.rollout_hosts = 0
   # > 0: every run in an emulated cluster (lab/cluster, needs root and iproute2): the trainer
   # and the rollout host each on a host of its own core, a colocated run on a host of both cores,

@@ -31,15 +31,15 @@ def get_config(arg=None):
   run.model = common.tiny_decoder(vocab_size=256, d_model=128, head_dim=32, ffn_dim=256)
   run.task.prompt_len = 8
   run.rollout = dict(group_size=4, max_new_tokens=32, temperature=1.0)
-  run.train.kl_coef = 0.04
+  run.loss.kl_coef = 0.04
   run.admission = dict(policy="minibatch", quotas={"arith": 4}, minibatches=1)
-  run.runtime.steps = 45
-  run.runtime.log_every = 10
+  run.loop.steps = 45
+  run.loop.log_every = 10
   run.checkpoint.every_steps = 1000  # only the final save, after the timed steps
   run.mesh = dict(shape=(-1, 1, 1), cpu_devices=2)
   c.run = run
   if arg == "quick":
-    c.run.runtime.steps = 4
+    c.run.loop.steps = 4
     c.warmup_steps = 2
   elif arg not in (None, ""):
     raise ValueError(f"unknown variant {arg!r} of configs/bench/step_time.py; choose: quick.")

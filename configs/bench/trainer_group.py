@@ -26,9 +26,9 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   t.admission.min_per_minibatch = {"arith": 1, "think": 1}
   t.rollout.slots = 32
   t.rollout.refill_groups = 2
-  t.runtime.rollout_workers = 2
-  t.runtime.adoption = "mid_generation"
-  t.train.lr = 1e-7
+  t.topology.rollout_workers = 2
+  t.sync.adoption = "mid_generation"
+  t.optimizer.lr = 1e-7
   c.depth = 0.25
   c.steps = 16
   c.warmup_steps = 4
@@ -37,7 +37,7 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
     return c
   if arg == "quick":
     c.train = arith_disagg.get_config("quick")
-    c.train.runtime.rollout_workers = 2
+    c.train.topology.rollout_workers = 2
     c.depth, c.steps, c.warmup_steps, c.repeats = 0.5, 3, 1, 1
     return c
   raise ValueError(f"trainer_group config arg={arg!r} is not accepted; use '' or 'quick'.")

@@ -7,7 +7,7 @@ Usage:
 Workload: 4 trainer hosts (consumers), one storage unit each; 8 mini-batches of 32 groups x
 G = 16 samples, 512-token prompts, responses of 512-2048 tokens (uniform), written to the unit of
 a random host (the host whose rollout worker generated the group). Part 2 runs
-configs/arith_disagg.py:quick for `real.steps` steps with runtime.prefetch 0 and 1.
+configs/arith_disagg.py:quick for `real.steps` steps with pipeline.prefetch 0 and 1.
 """
 
 import ml_collections

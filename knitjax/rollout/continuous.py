@@ -88,7 +88,7 @@ class ContinuousEngine:
         benchmark's baseline) runs one pass over every slot per version with live rows.
 
     The settings without defaults are the config's (`knitjax.config_sections.RolloutConfig`,
-    `runtime.adoption`, `runtime.param_slots`): the run's builder passes them, so the config
+    `sync.adoption`, `sync.held_versions`): the run's builder passes them, so the config
     holds the one set of defaults.
     """
     shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)

@@ -185,7 +185,7 @@ class RayRollout:
       earlier = self._stats.actor_restarts - 1
       raise RuntimeError(
         f"Ray rollout actor {i} died ({type(error).__name__}) after {earlier} earlier actor "
-        f"deaths; config.runtime.actor_restarts={self._max_restarts} are survived."
+        f"deaths; config.topology.actor_restarts={self._max_restarts} are survived."
       ) from error
     ray.kill(self._actors[i], no_restart=True)
     actor = self._spawn(i)

@@ -1,6 +1,6 @@
 """The rollout contract over rollout host processes, driven call for call over sockets.
 
-A disaggregated trainer with ``runtime.rollout_hosts`` does not generate in process: separate
+A disaggregated trainer with ``topology.rollout_hosts`` does not generate in process: separate
 rollout host processes (``python -m knitjax.main --role=rollout``, each with its own
 accelerators and its own JAX runtime, not part of the trainer's ``jax.distributed`` cluster)
 connect to it. :class:`RemoteRollout` is the trainer's view of them, one rollout behind the
@@ -269,7 +269,7 @@ class RemoteRollout:
     except (OSError, OverflowError) as e:  # in use, not this machine's, unresolvable, > 65535
       raise ValueError(
         f"the rollout endpoint cannot listen on {address!r} ({getattr(e, 'strerror', None) or e}); "
-        "give config.runtime.rollout_listen an address of this machine and a free port (0: any)."
+        "give config.topology.rollout_listen an address of this machine and a free port (0: any)."
       ) from None
     self._authkey = authkey
     bound = self._listener.address
@@ -365,7 +365,7 @@ class RemoteRollout:
       raise TimeoutError(
         f"{len(self._hosts)} of {hosts} rollout hosts attached to {self.address} within "
         f"{timeout_s:.0f} s{_listing(events)}; start them with `python -m knitjax.main "
-        "--role=rollout` and the same --config and --workdir (config.runtime.rollout_hosts)."
+        "--role=rollout` and the same --config and --workdir (config.topology.rollout_hosts)."
       ) from None
     finally:
       stop.set()

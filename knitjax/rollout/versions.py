@@ -6,11 +6,11 @@ rejected, are fewer than ``B * (completed_steps + 1) + depth``, where ``complete
 trainer's version divided by ``M`` and ``depth = max_lag_steps * B`` (whole mini-batches). This is
 the simulator's rule (`knitjax.sim.engine`, like AReaL's ``max_head_offpolicyness``), so the
 simulated and the measured pipelines bound staleness the same way. With
-``runtime.lag_unit="minibatch"`` capacity comes back per consumed mini-batch instead
+``pipeline.lag_unit="minibatch"`` capacity comes back per consumed mini-batch instead
 (`start_limit`).
 
 The runtime's rollout thread waits on `VersionClock`; the simulator applies `start_limit` to its
-own clock, and config validates ``runtime.lag_unit`` against `LAG_UNITS`. The module sits in the
+own clock, and config validates ``pipeline.lag_unit`` against `LAG_UNITS`. The module sits in the
 rollout layer so that all three import it (docs/architecture.md).
 """
 
@@ -44,7 +44,7 @@ def lag_groups(max_lag_steps: float, *, groups_per_step: int, minibatches: int) 
   units = max_lag_steps * minibatches
   if max_lag_steps < 0 or abs(units - round(units)) > 1e-6:
     raise ValueError(
-      f"config.runtime.max_lag_steps={max_lag_steps!r} is not accepted; it must be a multiple of "
+      f"config.pipeline.max_lag_steps={max_lag_steps!r} is not accepted; it must be a multiple of "
       f"1/M = 1/{minibatches} and >= 0."
     )
   return round(units) * (groups_per_step // minibatches)
@@ -75,7 +75,7 @@ class VersionClock:
     self._stopped = False
     if lag_unit not in LAG_UNITS:
       raise ValueError(
-        f"config.runtime.lag_unit={lag_unit!r} is not accepted; choose one of {LAG_UNITS}."
+        f"config.pipeline.lag_unit={lag_unit!r} is not accepted; choose one of {LAG_UNITS}."
       )
     self._b, self._m, self.lag_unit = groups_per_step, minibatches, lag_unit
     self.lag_groups = lag_groups(

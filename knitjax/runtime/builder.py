@@ -262,43 +262,42 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
   params); with LoRA it is the frozen base, always (the train state holds only the adapters, and
   the reference policy is the base with the adapters off: no copy).
   """
-  t = config.train
-  optimizer = make_optimizer(t)
+  optimizer = make_optimizer(config.optimizer)
   frozen = None
   if config.model.lora_rank:
     params, frozen = lora.split(params)
   state, shardings = init_train_state(params, optimizer, mesh)
   hparams = StepHParams(
     loss=losses.LossConfig(
-      eps_low=t.eps_low,
-      eps_high=t.eps_high,
-      aggregation=t.aggregation,
-      objective=t.objective,
-      ratio_level=t.ratio_level,
-      tis_cap=t.tis_cap or None,
-      eps_c=t.eps_c or None,
-      kl_coef=t.kl_coef,
-      kl_estimator=t.kl_estimator,
-      kl_clamp=t.kl_clamp or None,
-      kl_penalty=t.kl_penalty,
-      entropy_coef=t.entropy_coef,
+      eps_low=config.loss.eps_low,
+      eps_high=config.loss.eps_high,
+      aggregation=config.loss.aggregation,
+      objective=config.loss.objective,
+      ratio_level=config.loss.ratio_level,
+      tis_cap=config.loss.tis_cap or None,
+      eps_c=config.loss.eps_c or None,
+      kl_coef=config.loss.kl_coef,
+      kl_estimator=config.loss.kl_estimator,
+      kl_clamp=config.loss.kl_clamp or None,
+      kl_penalty=config.loss.kl_penalty,
+      entropy_coef=config.loss.entropy_coef,
     ),
     advantage=AdvantageConfig(
-      estimator=t.advantage,
-      gamma=t.gamma,
-      gae_lambda=t.gae_lambda,
-      whiten=t.whiten_advantages,
-      value_coef=t.value_coef,
-      value_clip=t.value_clip or None,
+      estimator=config.loss.advantage,
+      gamma=config.critic.gamma,
+      gae_lambda=config.critic.gae_lambda,
+      whiten=config.loss.whiten_advantages,
+      value_coef=config.critic.value_coef,
+      value_clip=config.critic.value_clip or None,
     ),
     temperature=config.rollout.temperature,
     max_new_tokens=config.rollout.max_new_tokens,
-    logprob_chunk=t.logprob_chunk,
+    logprob_chunk=config.layout.logprob_chunk,
     shared_slots=shared_slots(config, prompt_len),
   )
-  with_ref = t.kl_coef > 0 and frozen is None
-  shared = t.prompt_sharing == "group"
-  packed = dict(packed=t.packing == "pack" or shared, shared=shared)
+  with_ref = config.loss.kl_coef > 0 and frozen is None
+  shared = config.layout.prompt_sharing == "group"
+  packed = dict(packed=config.layout.packing == "pack" or shared, shared=shared)
   compile_kwargs = dict(
     graphdef=graphdef,
     optimizer=optimizer,
@@ -309,8 +308,8 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
   )
   if config.vision is not None:
     step = mm_step.compile_mm_train_step(
-      encoder_dedup=t.encoder_dedup,
-      remat_encoder=t.remat_encoder,
+      encoder_dedup=config.vlm.encoder_dedup,
+      remat_encoder=config.vlm.remat_encoder,
       shared=shared,
       **compile_kwargs,
     )
@@ -321,7 +320,7 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
     return state, shardings, step, frozen
   else:
     step = compile_train_step(**packed, **compile_kwargs)
-  ref = reference_params(params, t.reference_dtype) if with_ref else None
+  ref = reference_params(params, config.loss.reference_dtype) if with_ref else None
   return state, shardings, step, ref
 
 
@@ -341,8 +340,7 @@ def reference_params(params: nnx.State, dtype: str) -> nnx.State:
 def shared_slots(config: Config, prompt_len: int) -> tuple[int, int] | None:
   """``(P, N)`` of the fixed-slot shared-prompt rows the step takes, or None (padded or packed
   rows, or an unknown prompt width)."""
-  t = config.train
-  if t.prompt_sharing != "group" or t.packing != "off" or not prompt_len:
+  if config.layout.prompt_sharing != "group" or config.layout.packing != "off" or not prompt_len:
     return None
   return (prompt_len, config.rollout.max_new_tokens)
 
@@ -369,7 +367,7 @@ def build_learner(
     frozen=lora_base,
     checkpointer=Checkpointer(workdir, keep=config.checkpoint.keep),
     every_steps=config.checkpoint.every_steps,
-    mode=config.runtime.mode,
+    mode=config.topology.mode,
   )
   return graphdef, learner
 
@@ -397,33 +395,34 @@ def build_feed(config: Config, take, prepare, *, count: int):
   """
   if config.transfer.mode == "centralized":
     return CentralizedFeed(take, prepare, count=count, minibatches=config.admission.minibatches)
-  return OnDemandFeed(take, prepare, count=count, prefetch=config.runtime.prefetch)
+  return OnDemandFeed(take, prepare, count=count, prefetch=config.pipeline.prefetch)
 
 
 def pack_spec(
   config: Config, mesh, prompt_len: int
 ) -> packing.PackSpec | prompt_sharing.ShareSpec | None:
-  """How the trainer lays out mini-batches: packed (``config.train.packing``), with shared
-  prompts (``config.train.prompt_sharing``, packed or not), or None: padded rows.
+  """How the trainer lays out mini-batches: packed (``config.layout.packing``), with shared
+  prompts (``config.layout.prompt_sharing``, packed or not), or None: padded rows.
 
   ``pack_len`` 0 takes the padded row length (``prompt_len + max_new_tokens``), which every row
   fits, or with shared prompts a whole group's (``prompt_len + group_size * max_new_tokens``);
   the sequence count is rounded to the micro-batches times the mesh's batch shards.
   """
-  t = config.train
-  multiple = t.micro_batches * mm_step.batch_shards(mesh)
+  multiple = config.layout.micro_batches * mm_step.batch_shards(mesh)
   n = config.rollout.max_new_tokens
-  if t.prompt_sharing == "group":
+  if config.layout.prompt_sharing == "group":
     return prompt_sharing.ShareSpec(
       prompt_len=prompt_len,
-      seq_len=t.pack_len or prompt_len + config.rollout.group_size * n,
+      seq_len=config.layout.pack_len or prompt_len + config.rollout.group_size * n,
       multiple=multiple,
-      pack=t.packing == "pack",
+      pack=config.layout.packing == "pack",
     )
-  if t.packing == "off":
+  if config.layout.packing == "off":
     return None
   return packing.PackSpec(
-    pack_len=t.pack_len or prompt_len + n, multiple=multiple, buckets=t.pack_buckets
+    pack_len=config.layout.pack_len or prompt_len + n,
+    multiple=multiple,
+    buckets=config.layout.pack_buckets,
   )
 
 
@@ -433,7 +432,7 @@ def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan
   gathered by one driver). ``plan_for``: the announced consumer plan of a mini-batch (a trainer
   of several processes, `knitjax.runtime.trainer_group`); None: planned alike by every consumer."""
   layout = BatchLayout(
-    estimator=config.train.advantage,
+    estimator=config.loss.advantage,
     prompt_len=prompts.prompt_len,
     max_new_tokens=config.rollout.max_new_tokens,
     pad_id=prompts.tokenizer.pad_id,
@@ -441,14 +440,14 @@ def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan
   pack = pack_spec(config, mesh, prompts.prompt_len)
   if config.transfer.mode == "centralized":
     return CentralizedPreparer(
-      storage, layout=layout, mesh=mesh, micro_batches=config.train.micro_batches, pack=pack
+      storage, layout=layout, mesh=mesh, micro_batches=config.layout.micro_batches, pack=pack
     )
   return MiniBatchPreparer(
     storage,
     layout=layout,
     mesh=mesh,
-    micro_batches=config.train.micro_batches,
+    micro_batches=config.layout.micro_batches,
     pack=pack,
-    locality_slack=config.runtime.locality_slack,
+    locality_slack=config.pipeline.locality_slack,
     plan_for=plan_for,
   )

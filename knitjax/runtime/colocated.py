@@ -34,7 +34,7 @@ def run(
   on_step: Callable[[int, dict], None] | None = None,
   config_name: str | None = None,
 ) -> dict:
-  """Trains for ``config.runtime.steps`` train steps, resuming from ``workdir`` if possible.
+  """Trains for ``config.loop.steps`` train steps, resuming from ``workdir`` if possible.
 
   Args:
     config: the validated run config.
@@ -60,12 +60,12 @@ def run(
     admission.load_state_dict(resumed.admission)
     if admission.pending():
       raise RuntimeError("a colocated checkpoint must not hold pending groups.")
-  start, total = learner.version // config.admission.minibatches, config.runtime.steps
+  start, total = learner.version // config.admission.minibatches, config.loop.steps
   writer = MetricsWriter(
     workdir,
     total_steps=total,
     start_step=start,
-    log_every=config.runtime.log_every,
+    log_every=config.loop.log_every,
     checkpoint_every=config.checkpoint.every_steps,
   )
   logging.info("training steps %d..%d on mesh %s", start + 1, total, dict(mesh.shape))

@@ -1,12 +1,12 @@
 """Disaggregated execution: rollout and trainer run at the same time on disjoint devices.
 
-The first ``config.runtime.rollout_devices`` devices (half by default) form the rollout mesh,
+The first ``config.topology.rollout_devices`` devices (half by default) form the rollout mesh,
 the rest the train mesh. A `RolloutThread` drives the run's rollout (the one rollout contract:
 continuous engine or batched sampler in process, or Ray actors) and feeds complete groups to the
 admission index; the trainer (this thread) takes the released mini-batches in (step, index)
 order through the on-demand feed, hands each to the Learner (one optimizer update), and
-publishes its weights after every mini-batch or every step (``runtime.weight_sync``) by
-resharding them onto the rollout mesh. ``runtime.max_lag_steps`` bounds how far rollout runs
+publishes its weights after every mini-batch or every step (``sync.every``) by
+resharding them onto the rollout mesh. ``pipeline.max_lag_steps`` bounds how far rollout runs
 ahead (`knitjax.rollout.versions`). docs/disaggregated.md describes the design.
 
 Checkpoints (every ``checkpoint.every_steps`` train steps) hold, besides the trainer state, a
@@ -35,12 +35,12 @@ from knitjax.transfer.storage import release_groups
 
 
 def split_devices(config: Config, devices=None) -> tuple[list, list]:
-  """``(rollout devices, train devices)``: the first ``runtime.rollout_devices`` go to rollout."""
+  """``(rollout devices, train devices)``: the first ``topology.rollout_devices`` go to rollout."""
   devices = list(jax.devices() if devices is None else devices)
-  r = config.runtime.rollout_devices or len(devices) // 2
+  r = config.topology.rollout_devices or len(devices) // 2
   if not 1 <= r < len(devices):
     raise ValueError(
-      f"config.runtime.rollout_devices={config.runtime.rollout_devices} leaves no devices for "
+      f"config.topology.rollout_devices={config.topology.rollout_devices} leaves no devices for "
       f"one side of {len(devices)}; choose 1..{len(devices) - 1} (0: half)."
     )
   return devices[:r], devices[r:]
@@ -48,11 +48,11 @@ def split_devices(config: Config, devices=None) -> tuple[list, list]:
 
 def _check_group(config: Config) -> None:
   """What a trainer spread over processes needs of the config (one sentence if not met)."""
-  r = config.runtime
+  r = config.topology
   if not r.rollout_workers or r.rollout_hosts:
     raise ValueError(
       f"a disaggregated trainer of {jax.process_count()} processes takes its rollout from Ray "
-      "workers: set config.runtime.rollout_workers > 0 (rollout hosts and in-process rollout "
+      "workers: set config.topology.rollout_workers > 0 (rollout hosts and in-process rollout "
       "serve a one-process trainer)."
     )
   if config.transfer.mode != "on_demand":
@@ -70,10 +70,10 @@ def run(
   on_batch: Callable | None = None,
   config_name: str | None = None,
 ) -> dict:
-  """Trains for ``config.runtime.steps`` train steps, resuming from ``workdir`` if possible.
+  """Trains for ``config.loop.steps`` train steps, resuming from ``workdir`` if possible.
 
   Args:
-    config: the validated run config (``runtime.mode == "disaggregated"``).
+    config: the validated run config (``topology.mode == "disaggregated"``).
     workdir: checkpoints, ``metrics.jsonl``, ``consumed.jsonl``, ``timings.json``, TensorBoard.
     on_step: called after each train step with ``(step, metrics)``.
     on_batch: a trainer of several processes calls it in each process with ``(mini-batch,
@@ -90,7 +90,7 @@ def run(
   if group:
     _check_group(config)
     watch = coordination.GroupWatch()  # a trainer process lost ends the others (one sentence)
-  hosts = config.runtime.rollout_hosts
+  hosts = config.topology.rollout_hosts
   if hosts or group:  # the rollout runs in other processes: every device here trains
     rollout_devices, train_devices = [], list(jax.devices())
   else:
@@ -118,7 +118,7 @@ def run(
     admission.load_state_dict(resumed.admission)
     if resumed.payloads is not None:
       restore_groups(rollout.storage, resumed.payloads)
-  m, total = config.admission.minibatches, config.runtime.steps
+  m, total = config.admission.minibatches, config.loop.steps
   start = learner.version // m
   if group:
     pipe, storage = trainer_group.join(
@@ -139,14 +139,14 @@ def run(
     workdir,
     total_steps=total,
     start_step=start,
-    log_every=config.runtime.log_every,
+    log_every=config.loop.log_every,
     checkpoint_every=config.checkpoint.every_steps,
   )
   logging.info(
     "disaggregated: rollout on %s, training steps %d..%d on %d devices",
     f"{hosts} rollout hosts"
     if hosts
-    else f"{config.runtime.rollout_workers} Ray workers"
+    else f"{config.topology.rollout_workers} Ray workers"
     if group
     else f"{len(rollout_devices)} devices",
     start + 1,

@@ -119,8 +119,8 @@ class Learner:
     mode = meta.get("mode")
     if mode and mode != self._mode:
       raise ValueError(
-        f"the workdir's checkpoints come from a {mode} run, but config.runtime.mode="
-        f"{self._mode!r}; resume with runtime.mode={mode!r} or start in a new workdir "
+        f"the workdir's checkpoints come from a {mode} run, but config.topology.mode="
+        f"{self._mode!r}; resume with topology.mode={mode!r} or start in a new workdir "
         "(switching would drop its queued groups)."
       )
     if missing := [k for k in _needed_fields(self._mode) if k not in meta]:

@@ -1,7 +1,7 @@
 """Starting or joining Ray for a run, with as little of it reachable by others as Ray allows.
 
-A run that needs Ray (``runtime.storage="ray"``, ``runtime.rollout_workers > 0``) joins
-``runtime.ray_address`` when given (a cluster someone manages), otherwise starts a local Ray.
+A run that needs Ray (``topology.storage="ray"``, ``topology.rollout_workers > 0``) joins
+``topology.ray_address`` when given (a cluster someone manages), otherwise starts a local Ray.
 What Ray 2.60 exposes when started with ``ray.init`` and what is done about it:
 
 - Its gRPC servers (GCS, raylets, core workers) listen on every interface whatever node address
@@ -51,7 +51,7 @@ def ensure_ray(address: str = "", *, needed_by: str = "this run") -> None:
   if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
     raise ValueError(
       "RAY_AUTH_MODE=disabled would start a local Ray that accepts unauthenticated calls on every "
-      "interface; unset it, or start Ray yourself and pass config.runtime.ray_address."
+      "interface; unset it, or start Ray yourself and pass config.topology.ray_address."
     )
   private_ray_token()
   saved = os.environ.get(_MONITOR_PORT)

@@ -87,15 +87,15 @@ class Pipeline:
       learner.version,
       groups_per_step=config.admission.groups_per_step,
       minibatches=config.admission.minibatches,
-      max_lag_steps=config.runtime.max_lag_steps,
-      lag_unit=config.runtime.lag_unit,
+      max_lag_steps=config.pipeline.max_lag_steps,
+      lag_unit=config.pipeline.lag_unit,
     )
     # A multi-process trainer passes its own (`weight_shards.ShardPublisher`) and plan book.
     self.weights = weights or WeightSync(
       sharding.state_shardings(learner.state.params, mesh),
       base=self._rollout_base(mesh),
-      sync_dtype=resolve_sync_dtype(config.runtime.sync_dtype, config.model.dtype),
-      publish=config.runtime.sync_publish,
+      sync_dtype=resolve_sync_dtype(config.sync.dtype, config.model.dtype),
+      publish=config.sync.publish,
     )
     self.plans = plans
     # The first version is complete before the rollout starts, so it never idles waiting for it.
@@ -127,7 +127,7 @@ class Pipeline:
     adapters. Ray rollout actors and rollout hosts hold their own base (built from the same
     config) and load the published adapters into it, so none is placed here for them."""
     frozen = self.learner.frozen
-    r = self.config.runtime
+    r = self.config.topology
     if frozen is None or r.rollout_workers or r.rollout_hosts:
       return None
     return jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
@@ -186,7 +186,7 @@ class Pipeline:
     self.log.write(_consumed_row(mb, version - 1))
     self.consumed += len(mb.groups)
     release_groups(self.rollout.storage, mb.groups)
-    if self.config.runtime.weight_sync == "minibatch" or j == self.config.admission.minibatches - 1:
+    if self.config.sync.every == "minibatch" or j == self.config.admission.minibatches - 1:
       self.weights.publish(self.learner.state.params, version)
     self.clock.advance(version)
     self.mb_seconds.append((time.time(), time.perf_counter() - t_got))

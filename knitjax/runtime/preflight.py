@@ -29,16 +29,16 @@ def check_workdir(config: Config, workdir: str) -> None:
 
   Checks that it is (or can become) a writable folder (a local one or a cloud URL such as
   ``gs://bucket/run``, by writing and deleting a small file) and that its newest checkpoint is
-  not past ``config.runtime.steps``.
+  not past ``config.loop.steps``.
   """
   if not workdir:
     raise ValueError("--workdir is empty; give a folder for checkpoints and metrics.")
   check_writable(wd.path(workdir), f"--workdir {workdir}", create=True)
   steps = checkpoint_steps(workdir)
-  if steps and steps[-1] > config.runtime.steps:
+  if steps and steps[-1] > config.loop.steps:
     raise ValueError(
       f"--workdir {workdir} holds a checkpoint at step {steps[-1]}, past "
-      f"config.runtime.steps={config.runtime.steps}; raise steps to continue, or use a new workdir."
+      f"config.loop.steps={config.loop.steps}; raise steps to continue, or use a new workdir."
     )
 
 

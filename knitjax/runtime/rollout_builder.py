@@ -98,7 +98,7 @@ def build_periodic_eval(
     build_evaluator(config, graphdef, mesh, prompts),
     EvalLog(workdir, start_step=start_step, primary=jax.process_index() == 0),
     every_steps=config.eval.every_steps,
-    total_steps=config.runtime.steps,
+    total_steps=config.loop.steps,
   )
 
 
@@ -136,7 +136,7 @@ def build_evaluator(config: Config, graphdef, mesh, prompts: ClassStreams) -> Ev
 
 def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> ContinuousEngine:
   """The continuous-batching engine (``rollout.engine="continuous"``)."""
-  r, rt = config.rollout, config.runtime
+  r, sync = config.rollout, config.sync
   return ContinuousEngine(
     graphdef,
     mesh=mesh,
@@ -148,15 +148,15 @@ def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> Conti
     refill_groups=r.refill_groups,
     prefill_chunk=r.prefill_chunk,
     decode_steps=r.decode_steps,
-    adoption=rt.adoption,
-    param_slots=rt.param_slots,
+    adoption=sync.adoption,
+    param_slots=sync.held_versions,
   )
 
 
 def _groups_per_call(config: Config) -> int | None:
   """Groups one batched call generates: a colocated step starts all; disaggregated waves fill
   the slots."""
-  if config.runtime.mode == "colocated":
+  if config.topology.mode == "colocated":
     return None
   return max(1, config.rollout.slots // config.rollout.group_size)
 
@@ -207,7 +207,7 @@ def build_multiturn(
     max_new_tokens=r.max_new_tokens,
     max_turns=r.max_turns,
     max_groups=_groups_per_call(config),
-    adoption=config.runtime.adoption,
+    adoption=config.sync.adoption,
   )
 
 
@@ -227,12 +227,12 @@ def hosted_rollout(config: Config, storage: StorageUnit):
 
 
 def build_rollout(config: Config, graphdef, mesh, prompts: ClassStreams) -> Rollout:
-  """The run's rollout: in process on ``mesh``, or ``runtime.rollout_workers`` Ray actors.
+  """The run's rollout: in process on ``mesh``, or ``topology.rollout_workers`` Ray actors.
 
   Either way it writes payloads into its storage units (``.storage``: unit id -> unit) and
   returns ``GroupMeta``s (`knitjax.rollout.contract`).
   """
-  n = config.runtime.rollout_workers
+  n = config.topology.rollout_workers
   if not n:
     return _local_rollout(config, graphdef, mesh, prompts, build_storage(config, prompts))
   _ensure_ray(config)
@@ -243,21 +243,21 @@ def build_rollout(config: Config, graphdef, mesh, prompts: ClassStreams) -> Roll
     build_storage_limits(config, prompts),
     n,
     groups_per_call=_groups_per_call(config),
-    max_restarts=config.runtime.actor_restarts,
+    max_restarts=config.topology.actor_restarts,
   )
 
 
 def build_storage(config: Config, prompts: ClassStreams, *, unit_id: int = 0) -> StorageUnit:
   """A storage unit sized for a few train steps of payload (float32 log-probs + int32 tokens).
 
-  ``runtime.storage="ray"`` puts it in a Ray actor (starting or joining Ray if needed).
+  ``topology.storage="ray"`` puts it in a Ray actor (starting or joining Ray if needed).
   """
   limits = build_storage_limits(config, prompts)
-  if config.runtime.storage == "ray":
+  if config.topology.storage == "ray":
     _ensure_ray(config)
     from knitjax.transfer.ray_storage import RayStorageUnit
 
-    return RayStorageUnit(limits, unit_id=unit_id, max_restarts=config.runtime.actor_restarts)
+    return RayStorageUnit(limits, unit_id=unit_id, max_restarts=config.topology.actor_restarts)
   return InProcessStorageUnit(limits, unit_id=unit_id)
 
 
@@ -273,9 +273,9 @@ def build_storage_limits(config: Config, prompts: ClassStreams) -> StorageLimits
 
 
 def _ensure_ray(config: Config) -> None:
-  """Joins ``runtime.ray_address``, or starts a local Ray that only accepts authenticated calls
+  """Joins ``topology.ray_address``, or starts a local Ray that only accepts authenticated calls
   (`knitjax.runtime.local_ray`)."""
   ensure_ray(
-    config.runtime.ray_address,
-    needed_by="config.runtime.storage='ray' / rollout_workers > 0",
+    config.topology.ray_address,
+    needed_by="config.topology.storage='ray' / rollout_workers > 0",
   )

@@ -1,7 +1,7 @@
 """Rollout hosts: a disaggregated run whose rollout runs in other processes than its trainer.
 
-With ``config.runtime.rollout_hosts = N`` the trainer (``python -m knitjax.main``, one process,
-training on all of its devices) listens on ``runtime.rollout_listen``, writes the bound address
+With ``config.topology.rollout_hosts = N`` the trainer (``python -m knitjax.main``, one process,
+training on all of its devices) listens on ``topology.rollout_listen``, writes the bound address
 to ``WORKDIR/rollout_endpoint.json`` and waits for N rollout hosts: processes started with
 ``python -m knitjax.main --role=rollout`` and the same ``--config`` and ``--workdir``, each on
 its own machine or devices. Each host builds the configured rollout on its local devices and a
@@ -138,10 +138,10 @@ class _Channel:
 
 
 def remote_rollout(config: Config, train_mesh, params, workdir: str) -> remote.RemoteRollout:
-  """The trainer's side: waits for ``runtime.rollout_hosts`` hosts and returns them as one
+  """The trainer's side: waits for ``topology.rollout_hosts`` hosts and returns them as one
   rollout. ``params``: the published params (the policy, or the LoRA adapters)."""
-  r = config.runtime
-  sync = resolve_sync_dtype(r.sync_dtype, config.model.dtype)
+  r = config.topology
+  sync = resolve_sync_dtype(config.sync.dtype, config.model.dtype)
   wire = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, wire_dtype(x.dtype, sync)), nnx.to_pure_dict(params)
   )
@@ -229,7 +229,7 @@ def _endpoint(workdir: str, wait_s: float) -> str:
     if time.monotonic() > deadline:
       raise TimeoutError(
         f"no trainer wrote {path} within {wait_s:.0f} s; start the trainer with "
-        "config.runtime.rollout_hosts > 0 and the same --workdir."
+        "config.topology.rollout_hosts > 0 and the same --workdir."
       )
     time.sleep(0.5)
   return json.loads(path.read_text())["address"]
@@ -238,10 +238,10 @@ def _endpoint(workdir: str, wait_s: float) -> str:
 def serve(config: Config, workdir: str) -> dict:
   """``python -m knitjax.main --role=rollout``: serves as one of the trainer's rollout hosts
   until the trainer is done; returns this host's counters."""
-  r = config.runtime
+  r = config.topology
   if not r.rollout_hosts:
     raise ValueError(
-      "--role=rollout needs config.runtime.rollout_hosts > 0 (the trainer waits for that many "
+      "--role=rollout needs config.topology.rollout_hosts > 0 (the trainer waits for that many "
       "hosts); set it for the trainer and the hosts alike."
     )
   address = _endpoint(workdir, r.rollout_host_wait_s)

@@ -15,7 +15,7 @@ def train(
   on_batch: Callable | None = None,
   config_name: str | None = None,
 ) -> dict:
-  """Runs (or resumes) training as ``config.runtime.mode`` says; returns the last step's metrics.
+  """Runs (or resumes) training as ``config.topology.mode`` says; returns the last step's metrics.
 
   ``config_name`` (the config's file and variant, ``configs/arith_tiny.py:quick``) titles the
   reward plot. ``on_step(step, metrics)`` runs after each train step; ``on_batch(mini-batch,
@@ -33,7 +33,7 @@ def train(
 
   check_workdir(config, workdir)
   with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
-    if config.runtime.mode == "colocated":
+    if config.topology.mode == "colocated":
       from knitjax.runtime import colocated
 
       return colocated.run(config, workdir, on_step=on_step, config_name=config_name)

@@ -192,7 +192,7 @@ class FollowerPipe:
       raise RuntimeError(f"announced mini-batch {(mb.step, mb.index)} came before {(step, j)}.")
     row = self.learner.consume(p)
     self.plans.record(p)
-    if self.config.runtime.weight_sync == "minibatch" or j == self.config.admission.minibatches - 1:
+    if self.config.sync.every == "minibatch" or j == self.config.admission.minibatches - 1:
       self.weights.publish(self.learner.state.params, self.learner.version)
     self.mb_seconds.append((time.time(), time.perf_counter() - t_got))
     return {**row, **p.info, **exposed_transfer(p, t_wait, t_got)}
@@ -235,12 +235,12 @@ def join(
     workdir,
     minibatches=config.admission.minibatches,
     start_step=start,
-    locality_slack=config.runtime.locality_slack,
+    locality_slack=config.pipeline.locality_slack,
     on_batch=on_batch,
   )
   sync = {
-    "sync_dtype": resolve_sync_dtype(config.runtime.sync_dtype, config.model.dtype),
-    "publish": config.runtime.sync_publish,
+    "sync_dtype": resolve_sync_dtype(config.sync.dtype, config.model.dtype),
+    "publish": config.sync.publish,
   }
   if plans.leader:
     import ray
@@ -249,7 +249,7 @@ def join(
     board = create_board(run, plans.processes)
     units = {str(i): name for i, name in rollout.unit_names.items()}
     address = ray.get_runtime_context().gcs_address
-    local = not config.runtime.ray_address  # the Ray process 0 started, token-authenticated
+    local = not config.topology.ray_address  # the Ray process 0 started, token-authenticated
     announce("ray", {"address": address, "local": local, "run": run, "units": units})
     weights = ShardPublisher(board, **sync)
     pipe = Pipeline(

@@ -3,7 +3,7 @@
 A publish is a few dispatches from the trainer's thread, none of which waits:
 
 1. ``stage``, one jitted function on the train mesh, casts the params to the wire dtype
-   (``runtime.sync_dtype``: bfloat16 halves the bytes) into fresh buffers, so the next train
+   (``sync.dtype``: bfloat16 halves the bytes) into fresh buffers, so the next train
    step may donate the trainer's state (XLA orders that step after ``stage`` has read it).
 2. ``jax.device_put`` across, which JAX does buffer by buffer, device to device, only where
    every destination shard exists whole on some source device; otherwise (an FSDP- or

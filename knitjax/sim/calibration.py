@@ -359,14 +359,13 @@ def colocated_costs(run: dict, cfg: Config, *, warmup_steps: int) -> dict:
 
 
 def pipeline_of(cfg: Config, *, colocated: bool = False) -> Pipeline:
-  rt = cfg.runtime
   return Pipeline(
     policy=cfg.admission.policy,
     mode="colocated" if colocated else "disaggregated",
-    max_lag_steps=0.0 if colocated else rt.max_lag_steps,
-    lag_unit=rt.lag_unit,
-    weight_sync=rt.weight_sync,
-    adoption=rt.adoption,
+    max_lag_steps=0.0 if colocated else cfg.pipeline.max_lag_steps,
+    lag_unit=cfg.pipeline.lag_unit,
+    weight_sync=cfg.sync.every,
+    adoption=cfg.sync.adoption,
     scheduling="plain",
   )
 

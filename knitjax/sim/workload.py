@@ -8,7 +8,8 @@ sweeps). Every cost-model assumption is spelled out in docs/simulator.md.
 import dataclasses
 import math
 
-from knitjax.config import MODES, WEIGHT_SYNC
+from knitjax.config_run import MODES
+from knitjax.config_run import SYNC_EVERY as WEIGHT_SYNC
 from knitjax.rollout.contract import ADOPTION
 from knitjax.rollout.versions import LAG_UNITS
 from knitjax.sim.scheduling import SCHEDULING

@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# Default positions per chunk (config.train.logprob_chunk). A chunk's float32 logits are
+# Default positions per chunk (config.layout.logprob_chunk). A chunk's float32 logits are
 # rows x 128 x V x 4 bytes (74 MiB a row at V = 152k). Below a few hundred positions the memory
 # is mostly the table-sized part (its float32 gradient accumulator and its compute-dtype copy,
 # ~800 MiB at Qwen2.5-0.5B), so smaller chunks save little and only add scan iterations

@@ -21,7 +21,7 @@ Both report the encoder counts of :data:`knitjax.train.dedup.COUNT_KEYS` per min
 ran: every encoder application, the reference model's included, goes through
 :func:`~knitjax.train.dedup.apply_encoder`.
 
-Shared prompts (:mod:`knitjax.train.prompt_sharing`, ``train.prompt_sharing="group"``): a
+Shared prompts (:mod:`knitjax.train.prompt_sharing`, ``layout.prompt_sharing="group"``): a
 sequence per group (its prompt once, then its responses, under the tree mask), ``image_index``
 per sequence, so an image is encoded once per mini-batch (dedup) and its tokens pass the backbone
 once per group instead of once per response.

@@ -6,7 +6,7 @@ import optax
 
 
 class OptimizerHParams(Protocol):
-  """What the optimizer reads; `knitjax.config.TrainConfig` is one (train/ sits below config)."""
+  """What the optimizer reads; `config_train.OptimizerConfig` is one (train/ sits below config)."""
 
   lr: float
   warmup_steps: int  # optimizer updates; 0: no warmup

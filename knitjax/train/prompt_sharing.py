@@ -119,7 +119,7 @@ def plan_sequences(lengths: Sequence[int], *, seq_len: int, pack: bool) -> list[
     i = int(np.argmax(over))
     raise ValueError(
       f"a shared-prompt unit (a group's prompt and its responses) has {lengths[i]} tokens, more "
-      f"than a sequence's {seq_len}; raise config.train.pack_len to at least {int(lengths.max())}."
+      f"than a sequence's {seq_len}; raise config.layout.pack_len to at least {int(lengths.max())}."
     )
   if not pack:
     return [[u] for u in range(len(lengths))]

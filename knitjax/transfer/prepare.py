@@ -72,7 +72,7 @@ class MiniBatchPreparer:
     if pack is not None and self._consumers > 1:
       if pack.multiple % self._consumers:
         raise ValueError(
-          f"config.train.packing='pack' is not accepted with {self._consumers} consumers and "
+          f"config.layout.packing='pack' is not accepted with {self._consumers} consumers and "
           f"{pack.multiple} micro-batch row shards (micro_batches x batch shards): each "
           "consumer needs an equal share; use packing 'off' or a batch axis that spans hosts."
         )

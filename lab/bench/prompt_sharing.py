@@ -2,7 +2,7 @@
 
 A GRPO group is G responses to one prompt. Padded rows (`knitjax.train.batch.make_batch`) run
 that prompt G times through every forward and backward of the step; the shared layout
-(`knitjax.train.prompt_sharing`, ``train.prompt_sharing="group"``) lays a group out as one
+(`knitjax.train.prompt_sharing`, ``layout.prompt_sharing="group"``) lays a group out as one
 sequence, its prompt once followed by its G responses, under a tree mask. With prompts of exactly
 P tokens and responses of exactly R tokens, the tokens a step processes drop by the **token
 ratio** ``G (P + R) / (P + G R)``; this benchmark measures how much of it the step time follows.

@@ -3,7 +3,7 @@
 A run is ``python -m knitjax.main --config DIR/configs/<name>.py --workdir DIR/runs/<name>``
 in a fresh process (its own fake CPU devices, compile caches and memory), the exact command
 anyone can re-run; the generated config file holds the run's whole ConfigDict. A config with
-``runtime.rollout_hosts = N`` also starts N rollout hosts (the same command with
+``topology.rollout_hosts = N`` also starts N rollout hosts (the same command with
 ``--role=rollout``) beside the trainer. ``in_process``
 runs call `knitjax.runtime.train.train` directly instead (tests, where the devices exist
 already and compiled functions are shared between runs).
@@ -64,9 +64,9 @@ def launch(
   command = [sys.executable, "-m", "knitjax.main", "--config", path, "--workdir", workdir]
   if write_only:
     return {"workdir": workdir, "command": " ".join(command)}
-  if in_process and config.runtime.get("rollout_hosts", 0):
+  if in_process and config.topology.get("rollout_hosts", 0):
     raise ValueError(
-      f"run {name!r} has config.runtime.rollout_hosts > 0, which needs its runs as processes: "
+      f"run {name!r} has config.topology.rollout_hosts > 0, which needs its runs as processes: "
       "set in_process=False."
     )
   if in_process:
@@ -77,7 +77,7 @@ def launch(
   else:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("XLA_FLAGS", None)  # knitjax.main sets the run's own device count
-    # runtime.rollout_hosts: the rollout runs in that many more processes beside the trainer
+    # topology.rollout_hosts: the rollout runs in that many more processes beside the trainer
     spawn = spawn or (lambda role, argv, **popen: subprocess.Popen(argv, **popen))
     hosts = [
       spawn(
@@ -89,7 +89,7 @@ def launch(
         stderr=subprocess.PIPE,
         text=True,
       )
-      for _ in range(config.runtime.get("rollout_hosts", 0))
+      for _ in range(config.topology.get("rollout_hosts", 0))
     ]
     trainer = spawn(
       "train", command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

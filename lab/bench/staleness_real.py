@@ -46,20 +46,20 @@ def _variant(
   config: mc.ConfigDict, *, mode, policy, depth, steps, lr, listen: str = ""
 ) -> mc.ConfigDict:
   c = copy.deepcopy(config.train)
-  c.runtime.mode = mode
-  c.runtime.steps = steps
-  c.runtime.max_lag_steps = depth
-  c.runtime.adoption = config.adoption
-  c.runtime.log_every = max(1, steps // 4)
+  c.topology.mode = mode
+  c.loop.steps = steps
+  c.pipeline.max_lag_steps = depth
+  c.sync.adoption = config.adoption
+  c.loop.log_every = max(1, steps // 4)
   c.admission.policy = policy
-  c.train.lr = lr
+  c.optimizer.lr = lr
   c.checkpoint.every_steps = steps  # one checkpoint, at the end: no saves inside the window
   if mode == "disaggregated" and config.get("rollout_hosts", 0):
     # The rollout in its own process(es): each side keeps the device count it had in one process.
-    c.runtime.rollout_hosts = config.rollout_hosts
-    c.mesh.cpu_devices = c.runtime.rollout_devices or max(1, c.mesh.cpu_devices // 2)
+    c.topology.rollout_hosts = config.rollout_hosts
+    c.mesh.cpu_devices = c.topology.rollout_devices or max(1, c.mesh.cpu_devices // 2)
     if listen:
-      c.runtime.rollout_listen = f"{listen}:0"
+      c.topology.rollout_listen = f"{listen}:0"
   return c
 
 
@@ -117,7 +117,7 @@ def _runs(config: mc.ConfigDict, workdir: str, cluster=None) -> dict:
         config.frontier_lr,
       )
   if config.learning_steps:
-    lr = config.train.train.lr
+    lr = config.train.optimizer.lr
     steps = math.ceil(config.learning_factor * config.learning_steps)
     for seed in config.learning_seeds:
       go(f"learning_colocated_s{seed}", "colocated", 0.0, config.learning_steps, lr, seed)

@@ -36,14 +36,14 @@ from lab.bench.report import format_table, write_json
 def _time_knitjax(config, run_config, run_dir: str) -> dict:
   shutil.rmtree(run_dir, ignore_errors=True)  # always a fresh run: no resume
   colocated.run(run_config, run_dir)
-  return step_times(read_metrics(run_dir), config.warmup_steps, run_config.runtime.steps)
+  return step_times(read_metrics(run_dir), config.warmup_steps, run_config.loop.steps)
 
 
 def step_times(all_rows: list[dict], warmup_steps: int, steps: int) -> dict:
   """Medians over the steps after warm-up, end to end (``wall_s`` differences) and body."""
   rows = all_rows[warmup_steps:]
   if not rows:
-    raise ValueError(f"runtime.steps={steps} leaves no step after warmup_steps={warmup_steps}.")
+    raise ValueError(f"loop.steps={steps} leaves no step after warmup_steps={warmup_steps}.")
   # wall_s counts from the start of this process's first step, so step k ends at wall_s[k] and
   # the time from the end of step k-1 to the end of step k is their difference.
   ends = np.array([0.0] + [r["wall_s"] for r in all_rows])
@@ -116,7 +116,7 @@ def run(config, workdir: str) -> dict:
       "num_kv_heads": m.num_kv_heads,
       "vocab_size": m.vocab_size,
     },
-    "kl_coef": run_config.train.kl_coef,
+    "kl_coef": run_config.loss.kl_coef,
   }
   result["timed_steps"] = int(result["timed_steps"])
   if baseline:

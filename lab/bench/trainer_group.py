@@ -26,14 +26,14 @@ VARIANTS = ("one", "two")
 
 def _variant(config: mc.ConfigDict, variant: str) -> mc.ConfigDict:
   c = copy.deepcopy(config.train)
-  c.runtime.steps = config.steps
-  c.runtime.max_lag_steps = config.depth
-  c.runtime.log_every = max(1, config.steps // 4)
+  c.loop.steps = config.steps
+  c.pipeline.max_lag_steps = config.depth
+  c.loop.log_every = max(1, config.steps // 4)
   c.admission.policy = "minibatch"
   c.checkpoint.every_steps = config.steps  # one save, at the end
   c.mesh.shape = (1, -1, 1)  # FSDP over the train devices (across both processes in ``two``)
   if variant == "one":
-    c.mesh.cpu_devices, c.runtime.rollout_devices = 8, 4  # 4 train + 4 staging devices
+    c.mesh.cpu_devices, c.topology.rollout_devices = 8, 4  # 4 train + 4 staging devices
   else:
     c.mesh.cpu_devices = 2  # per process: one global train mesh of 4
   return c

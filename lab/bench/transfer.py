@@ -19,7 +19,7 @@ time when links are equal), requests, and the host CPU seconds of the code path 
 here, so no network time: the byte counts are the portable result).
 
 Part 2 (measured in real disaggregated runs, ``real.enabled``): the exposed fetch latency (the
-part of fetching the trainer waited for) with ``runtime.prefetch`` 0 and 1.
+part of fetching the trainer waited for) with ``pipeline.prefetch`` 0 and 1.
 """
 
 from __future__ import annotations
@@ -226,10 +226,10 @@ def _real_runs(config, workdir: str) -> dict:
   runs = []
   for prefetch in (0, 1):
     c = arith_disagg.get_config("quick")
-    c.runtime.steps = config.real.steps
-    c.runtime.log_every = config.real.steps
+    c.loop.steps = config.real.steps
+    c.loop.log_every = config.real.steps
     c.checkpoint.every_steps = 1000
-    c.runtime.prefetch = prefetch
+    c.pipeline.prefetch = prefetch
     run_dir = os.path.join(workdir, f"prefetch{prefetch}")
     shutil.rmtree(run_dir, ignore_errors=True)
     disaggregated.run(from_config_dict(c), run_dir)

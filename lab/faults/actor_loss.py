@@ -14,7 +14,7 @@ import time
 
 from lab.faults.kill_resume import _config, actor_pids, check_disaggregated
 
-RUN = ("configs/arith_disagg.py", "quick", {"runtime.steps": 4, "checkpoint.every_steps": 1})
+RUN = ("configs/arith_disagg.py", "quick", {"loop.steps": 4, "checkpoint.every_steps": 1})
 
 
 def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
@@ -25,7 +25,7 @@ def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
   from knitjax.runtime.train import train
 
   c = _config(RUN)
-  c.runtime.rollout_workers = 2
+  c.topology.rollout_workers = 2
   config = from_config_dict(c)
   killed: dict[str, int] = {}
 
@@ -49,7 +49,7 @@ def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
       ray.shutdown()
   problems = [] if error is None else [error]
   if error is None:
-    problems += check_disaggregated(workdir, config.runtime.steps)
+    problems += check_disaggregated(workdir, config.loop.steps)
   kinds = {"storage_unit": "_StorageActor" in killed, "rollout_actor": "_RolloutActor" in killed}
   for kind, was_killed in kinds.items():
     if not was_killed:

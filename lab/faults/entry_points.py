@@ -245,8 +245,8 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
         main(
           "--workdir",
           s("w", f"listen_{what}"),
-          "--config.runtime.rollout_hosts=1",
-          f"--config.runtime.rollout_listen={listen}",
+          "--config.topology.rollout_hosts=1",
+          f"--config.topology.rollout_listen={listen}",
           config="configs/arith_disagg.py:quick",
         ),
         ("rollout_listen", listen),
@@ -309,7 +309,7 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
     "--role=rollout",
     "--workdir",
     w,
-    "--config.runtime.rollout_hosts=1",
+    "--config.topology.rollout_hosts=1",
     config="configs/arith_disagg.py:quick",
   )
   for what, token, mode in (
@@ -344,7 +344,7 @@ def run(workdir: str, repo: str) -> dict:
   os.makedirs(workdir)
   trained = os.path.join(workdir, "trained")
   rc, err, _ = run_command(
-    _python("knitjax.main", "--config", _CONFIG, "--workdir", trained, "--config.runtime.steps=1"),
+    _python("knitjax.main", "--config", _CONFIG, "--workdir", trained, "--config.loop.steps=1"),
     _env({}),
     600,
     repo,

@@ -35,8 +35,8 @@ RUNS = {
     "configs/arith_tiny.py",
     "",
     {
-      "runtime.steps": 4,
-      "runtime.log_every": 1,
+      "loop.steps": 4,
+      "loop.log_every": 1,
       "checkpoint.every_steps": 1,
       "admission.quotas.arith": 8,
       "admission.minibatches": 2,
@@ -46,27 +46,27 @@ RUNS = {
   "disaggregated": (
     "configs/arith_disagg.py",
     "quick",
-    {"runtime.steps": 4, "checkpoint.every_steps": 1},
+    {"loop.steps": 4, "checkpoint.every_steps": 1},
   ),
   "rollout_hosts": (
     "configs/arith_disagg.py",
     "quick",
     {
-      "runtime.steps": 4,
+      "loop.steps": 4,
       "checkpoint.every_steps": 1,
-      "runtime.rollout_hosts": 1,
+      "topology.rollout_hosts": 1,
       "mesh.cpu_devices": 2,
-      "runtime.rollout_host_wait_s": 120,
+      "topology.rollout_host_wait_s": 120,
     },
   ),
   "trainer_group": (
     "configs/arith_disagg.py",
     "quick",
     {
-      "runtime.steps": 4,
+      "loop.steps": 4,
       "checkpoint.every_steps": 1,
       "mesh.cpu_devices": 2,
-      "runtime.rollout_workers": 2,
+      "topology.rollout_workers": 2,
     },
   ),
 }
@@ -207,7 +207,7 @@ def _kill_rollout_actor_after_first_step(workdir: str, killed: list) -> None:
 
 def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
   """Kill-resume trials of a trainer spread over processes (see the module docstring)."""
-  args, steps = _argv(RUNS[mode]), RUNS[mode][2]["runtime.steps"]
+  args, steps = _argv(RUNS[mode]), RUNS[mode][2]["loop.steps"]
   n = PROCESSES[mode]
   ref = os.path.join(workdir, mode, "reference")
   files = [os.path.join(workdir, mode, f"counts.p{k}.json") for k in range(n)]
@@ -354,8 +354,8 @@ def run(
     if mode in PROCESSES:
       out[mode] = run_group(workdir, mode, kills=kills, rng=rng, log=log)
       continue
-    args, steps = _argv(RUNS[mode]), RUNS[mode][2]["runtime.steps"]
-    hosts = RUNS[mode][2].get("runtime.rollout_hosts", 0)
+    args, steps = _argv(RUNS[mode]), RUNS[mode][2]["loop.steps"]
+    hosts = RUNS[mode][2].get("topology.rollout_hosts", 0)
     ref = os.path.join(workdir, mode, "reference")
     counts_file = os.path.join(workdir, mode, "counts.json")
     host_counts_file = os.path.join(workdir, mode, "host_counts.json")

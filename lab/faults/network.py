@@ -42,8 +42,8 @@ JITTER_MS = 50.0
 
 def _argv(listen: str) -> list[str]:
   config, variant, overrides = kill_resume.RUNS["rollout_hosts"]
-  overrides = {**overrides, "runtime.steps": STEPS, "mesh.cpu_devices": 1}
-  overrides["runtime.rollout_listen"] = f"{listen}:0"
+  overrides = {**overrides, "loop.steps": STEPS, "mesh.cpu_devices": 1}
+  overrides["topology.rollout_listen"] = f"{listen}:0"
   return kill_resume._argv((config, variant, overrides))
 
 

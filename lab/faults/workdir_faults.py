@@ -32,7 +32,7 @@ from collections.abc import Callable
 from lab.faults import entry_points, kill_resume
 
 RUN = kill_resume.RUNS["colocated"]
-STEPS = RUN[2]["runtime.steps"]
+STEPS = RUN[2]["loop.steps"]
 TIMEOUT_S = 600.0
 PROBLEMS = ("traceback", "silent_accept", "hang", "data_loss", "unclear")
 

@@ -63,9 +63,9 @@ def test_colocated_quick_run(tmp_path):
 
 def test_disaggregated_quick_run(tmp_path):
   c = calc_tool_tiny.get_config("disagg_quick")
-  c.runtime.rollout_devices = 4  # the test session has 8 devices: 4 sample, 4 train
+  c.topology.rollout_devices = 4  # the test session has 8 devices: 4 sample, 4 train
   cfg = from_config_dict(c)
-  assert cfg.runtime.mode == "disaggregated" and cfg.admission.minibatches == 2
+  assert cfg.topology.mode == "disaggregated" and cfg.admission.minibatches == 2
   train(cfg, str(tmp_path))
   rows = _rows(tmp_path)
   assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [2, 4]
@@ -90,7 +90,7 @@ def local_ray():
 def test_colocated_quick_run_with_a_ray_rollout_worker(local_ray, tmp_path):
   """The multi-turn rollout inside a Ray actor (HostedRollout drives it turn by turn)."""
   c = calc_tool_tiny.get_config("quick")
-  c.runtime.rollout_workers = 1
+  c.topology.rollout_workers = 1
   train(from_config_dict(c), str(tmp_path))
   rows = _rows(tmp_path)
   assert [r["version"] for r in rows] == [1, 2]

@@ -83,7 +83,7 @@ def test_an_old_colocated_run_state_resumes_colocated_but_not_disaggregated(tmp_
 def test_the_other_modes_checkpoint_is_still_refused(tmp_path):
   _save_meta(str(tmp_path), _run_state("disaggregated"))
   learner = _learner(str(tmp_path), "colocated")
-  with pytest.raises(ValueError, match="come from a disaggregated run, but config.runtime.mode"):
+  with pytest.raises(ValueError, match="come from a disaggregated run, but config.topology.mode"):
     learner.restore()
   learner.close()
 
@@ -148,8 +148,8 @@ def _config(steps):
   c = arith_tiny.get_config()
   c.admission.quotas = {"arith": 8}
   c.rollout.group_size = 4
-  c.runtime.steps = steps
-  c.runtime.log_every = 1
+  c.loop.steps = steps
+  c.loop.log_every = 1
   c.checkpoint.every_steps = 1
   return from_config_dict(c)
 

@@ -154,8 +154,8 @@ def _tiny_config(steps):
   c.admission.quotas = {"arith": 8}
   c.admission.minibatches = 2
   c.rollout.group_size = 4
-  c.runtime.steps = steps
-  c.runtime.log_every = 1
+  c.loop.steps = steps
+  c.loop.log_every = 1
   c.checkpoint.every_steps = 1
   return c
 

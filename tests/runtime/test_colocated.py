@@ -22,8 +22,8 @@ def tiny_config(steps=2, every=1, minibatches=2):
   c.admission.quotas = {"arith": 8}
   c.admission.minibatches = minibatches
   c.rollout.group_size = 4
-  c.runtime.steps = steps
-  c.runtime.log_every = 1
+  c.loop.steps = steps
+  c.loop.log_every = 1
   c.checkpoint.every_steps = every
   return c
 
@@ -76,7 +76,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
       from knitjax.runtime.train import train
       c = arith_tiny.get_config()
       c.admission.quotas = {{"arith": 8}}; c.admission.minibatches = 2
-      c.rollout.group_size = 4; c.runtime.steps = 4; c.runtime.log_every = 1
+      c.rollout.group_size = 4; c.loop.steps = 4; c.loop.log_every = 1
       c.checkpoint.every_steps = 2
       def on_step(step, metrics):
         if step == 3:

@@ -12,11 +12,12 @@ from knitjax.rollout import versions
 from knitjax.runtime.disaggregated import split_devices
 from knitjax.runtime.train import train
 from lab.bench import group_times, rollout_summary
+from tests import tiny
 
 
 def quick_config(**runtime):
   c = arith_disagg.get_config("quick")
-  c.runtime.update(runtime)
+  tiny.set_fields(c, **runtime)
   return c
 
 
@@ -33,13 +34,13 @@ def check_run(workdir, config):
   rows = read_jsonl(workdir, "metrics.jsonl")
   consumed = read_jsonl(workdir, "consumed.jsonl")
   offered = read_jsonl(workdir, "offered.jsonl")
-  assert [r["step"] for r in rows] == list(range(1, cfg.runtime.steps + 1))
+  assert [r["step"] for r in rows] == list(range(1, cfg.loop.steps + 1))
   # Versions advance: M updates per step; the rollout follows the published versions.
-  assert [r["version"] for r in rows] == [m * s for s in range(1, cfg.runtime.steps + 1)]
+  assert [r["version"] for r in rows] == [m * s for s in range(1, cfg.loop.steps + 1)]
   assert rows[-1]["rollout_version"] >= 1
   # Mini-batches in (step, index) order, consumed at consecutive versions.
   assert [(c["step"], c["index"]) for c in consumed] == [
-    (s, j) for s in range(cfg.runtime.steps) for j in range(m)
+    (s, j) for s in range(cfg.loop.steps) for j in range(m)
   ]
   assert [c["consume_version"] for c in consumed] == list(range(len(consumed)))
   per_step = collections.defaultdict(collections.Counter)
@@ -155,7 +156,7 @@ def test_vlm_runs_disaggregated_through_the_batched_rollout(tmp_path, transfer):
   from configs import count_vlm_tiny
 
   c = count_vlm_tiny.get_config("quick")
-  c.runtime.update(mode="disaggregated", steps=2, max_lag_steps=0.5)
+  tiny.set_fields(c, mode="disaggregated", steps=2, max_lag_steps=0.5)
   c.admission.update(quotas={"count": 8}, minibatches=2)
   c.rollout.slots = 4 * c.rollout.group_size  # waves of 4 groups
   c.transfer = {"mode": transfer}
@@ -182,9 +183,9 @@ def test_the_other_mode_cannot_resume_a_workdir(tmp_path):
   from configs import arith_tiny
 
   c = arith_tiny.get_config("quick")
-  c.runtime.steps = 1
+  c.loop.steps = 1
   train(from_config_dict(c), str(tmp_path))
-  c.runtime.update(mode="disaggregated", steps=2)
+  tiny.set_fields(c, mode="disaggregated", steps=2)
   with pytest.raises(ValueError, match="come from a colocated run"):
     train(from_config_dict(c), str(tmp_path))
 
@@ -193,7 +194,7 @@ def test_vlm_with_the_continuous_engine_is_one_clear_error():
   from configs import count_vlm_tiny
 
   c = count_vlm_tiny.get_config("quick")
-  c.runtime.mode = "disaggregated"
+  c.topology.mode = "disaggregated"
   c.rollout.engine = "continuous"
   with pytest.raises(ValueError, match="needs config.rollout.engine='batched'"):
     from_config_dict(c)

@@ -39,7 +39,7 @@ def test_policy_starts_from_the_checkpoint_and_trains(checkpoint, tmp_path):
   for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(params), strict=True):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
   out = colocated.run(config, str(tmp_path / "run"))
-  assert out["step"] == config.runtime.steps
+  assert out["step"] == config.loop.steps
 
 
 def test_init_from_replaces_the_shape_a_shipped_config_sets(checkpoint):

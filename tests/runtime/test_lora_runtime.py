@@ -17,16 +17,17 @@ from knitjax.runtime import builder
 from knitjax.runtime.train import train
 from knitjax.runtime.weight_sync import WeightSync
 from knitjax.train.checkpoint import Checkpointer
+from tests import tiny
 
 
 def lora_config(steps=2, **train_fields):
   c = arith_tiny.get_config("lora")
   c.admission.quotas = {"arith": 8}
   c.rollout.group_size = 4
-  c.runtime.steps = steps
-  c.runtime.log_every = 1
+  c.loop.steps = steps
+  c.loop.log_every = 1
   c.checkpoint.every_steps = 1
-  c.train.update(train_fields)
+  tiny.set_fields(c, **train_fields)
   return c
 
 
@@ -107,7 +108,7 @@ def test_lora_run_checkpoints_adapters_and_resumes(tmp_path):
   assert b and all(np.abs(np.asarray(x)).max() > 0 for x in b)
   mu = jax.tree.leaves(restored.opt_state)
   assert any(np.abs(np.asarray(x)).max() > 0 for x in mu if np.ndim(x))
-  config.runtime.steps = 3
+  config.loop.steps = 3
   train(from_config_dict(config), workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     assert [json.loads(line)["step"] for line in f] == [1, 2, 3]

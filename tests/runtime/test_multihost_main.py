@@ -107,9 +107,9 @@ def test_two_process_main_agrees_on_step_version_and_params(tmp_path):
 def test_two_process_packed_gae_with_kl_reward(tmp_path):
   """Two consumers pack their own rows into the same number of sequences (from the consumer plan
   and the groups' metadata); PPO with a critic and the KL as a reward runs per segment."""
-  extra = ["--config.train.packing=pack", "--config.train.pack_len=64"]
-  extra += ["--config.train.advantage=gae", "--config.train.kl_coef=0.05"]
-  extra += ["--config.train.kl_penalty=reward"]
+  extra = ["--config.layout.packing=pack", "--config.layout.pack_len=64"]
+  extra += ["--config.loss.advantage=gae", "--config.loss.kl_coef=0.05"]
+  extra += ["--config.loss.kl_penalty=reward"]
   workdir, out = _launch(tmp_path, extra)
   ends = [_summary(out[pid], pid) for pid in (0, 1)]
   assert ends[0] == ends[1] and ends[0]["step"] == 2 and np.isfinite(ends[0]["loss"])

@@ -1,4 +1,4 @@
-"""Runs with packed train batches (config.train.packing='pack'): colocated (on-demand access)
+"""Runs with packed train batches (config.layout.packing='pack'): colocated (on-demand access)
 and disaggregated (centralized transfer), and the packing config's errors."""
 
 import json
@@ -15,6 +15,7 @@ from knitjax.runtime.train import train
 from knitjax.train.packing import PackSpec
 from knitjax.transfer.access import BatchLayout
 from knitjax.transfer.prepare import MiniBatchPreparer
+from tests import tiny
 
 
 def _rows(workdir):
@@ -27,10 +28,10 @@ def test_colocated_two_steps_with_packing(tmp_path):
   c.admission.quotas = {"arith": 8}
   c.admission.minibatches = 2
   c.rollout.group_size = 4
-  c.runtime.steps = 2
-  c.runtime.log_every = 1
-  c.train.micro_batches = 2
-  c.train.packing = "pack"
+  c.loop.steps = 2
+  c.loop.log_every = 1
+  c.layout.micro_batches = 2
+  c.layout.packing = "pack"
   train(from_config_dict(c), str(tmp_path))
   rows = _rows(str(tmp_path))
   assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [2, 4]
@@ -46,11 +47,11 @@ def test_colocated_packed_gae_with_kl_reward_and_packing_metrics(tmp_path):
   c.admission.quotas = {"arith": 4}
   c.admission.minibatches = 1
   c.rollout.group_size = 4
-  c.runtime.steps = 2
-  c.train.micro_batches = 2
-  c.train.update(packing="pack", advantage="gae", kl_coef=0.05, kl_penalty="reward")
+  c.loop.steps = 2
+  c.layout.micro_batches = 2
+  tiny.set_fields(c, packing="pack", advantage="gae", kl_coef=0.05, kl_penalty="reward")
   row_len = build_prompts(from_config_dict(c)).prompt_len + c.rollout.max_new_tokens
-  c.train.pack_len = 2 * row_len  # every padded row fits twice
+  c.layout.pack_len = 2 * row_len  # every padded row fits twice
   train(from_config_dict(c), str(tmp_path))
   rows = _rows(str(tmp_path))
   assert [r["step"] for r in rows] == [1, 2]
@@ -63,17 +64,17 @@ def test_colocated_packed_gae_with_kl_reward_and_packing_metrics(tmp_path):
     assert 0 < r["pack_fill"] <= 1 and 0 < r["pack_padded_fill"] <= 1
     # Two rows per sequence; the count is rounded up to micro-batches x batch shards with
     # empty sequences (on this mesh more than the 8 the rows need: the fill shows it).
-    assert r["pack_segments_max"] >= 2 and r["pack_rows"] % c.train.micro_batches == 0
+    assert r["pack_segments_max"] >= 2 and r["pack_rows"] % c.layout.micro_batches == 0
 
 
 def test_disaggregated_centralized_run_with_packing(tmp_path):
   c = arith_disagg.get_config("quick")
   c.transfer.mode = "centralized"
-  c.train.packing = "pack"
-  c.train.pack_buckets = 2
+  c.layout.packing = "pack"
+  c.layout.pack_buckets = 2
   train(from_config_dict(c), str(tmp_path))
   rows = _rows(str(tmp_path))
-  assert [r["step"] for r in rows] == list(range(1, c.runtime.steps + 1))
+  assert [r["step"] for r in rows] == list(range(1, c.loop.steps + 1))
   assert all(r["grad_norm"] > 0 for r in rows)
   assert all(0 < r["pack_fill"] <= 1 and r["pack_segments_max"] >= 1 for r in rows)
 
@@ -83,15 +84,15 @@ def test_disaggregated_centralized_run_with_packing(tmp_path):
   [
     (
       dict(packing="fold"),
-      r"config.train.packing='fold' is not accepted; choose one of: off, pack",
+      r"config.layout.packing='fold' is not accepted; choose one of: off, pack",
     ),
-    (dict(pack_len=-1), r"config.train.pack_len"),
-    (dict(pack_buckets=0), r"config.train.pack_buckets"),
+    (dict(pack_len=-1), r"config.layout.pack_len"),
+    (dict(pack_buckets=0), r"config.layout.pack_buckets"),
   ],
 )
 def test_packing_config_errors(train_fields, match):
   c = arith_tiny.get_config()
-  c.train.update(train_fields)
+  tiny.set_fields(c, **train_fields)
   with pytest.raises(ValueError, match=match):
     from_config_dict(c)
 
@@ -100,11 +101,12 @@ def test_packing_accepts_in_step_advantages():
   """GAE and the KL as a reward run per segment (tests/train/test_step_advantages.py)."""
   for fields in (dict(advantage="gae"), dict(kl_coef=0.05, kl_penalty="reward")):
     c = arith_tiny.get_config()
-    c.train.update(packing="pack", **fields)
-    train = from_config_dict(c).train
-    assert train.packing == "pack" and (train.advantage, train.kl_penalty) == (
-      fields.get("advantage", c.train.advantage),
-      fields.get("kl_penalty", c.train.kl_penalty),
+    tiny.set_fields(c, packing="pack", **fields)
+    cfg = from_config_dict(c)
+    layout, loss = cfg.layout, cfg.loss
+    assert layout.packing == "pack" and (loss.advantage, loss.kl_penalty) == (
+      fields.get("advantage", c.loss.advantage),
+      fields.get("kl_penalty", c.loss.kl_penalty),
     )
 
 

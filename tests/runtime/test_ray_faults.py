@@ -174,8 +174,8 @@ def test_storage_unit_survives_its_actor_being_killed(local_ray):
 
 def test_rollout_replaces_a_killed_actor_and_regenerates_its_groups(local_ray):
   c = arith_tiny.get_config("quick")
-  c.runtime.rollout_workers = 2
-  c.runtime.actor_restarts = 1
+  c.topology.rollout_workers = 2
+  c.topology.actor_restarts = 1
   config = from_config_dict(c)
   prompts = builder.build_prompts(config)
   mesh = builder.build_mesh(config)
@@ -204,11 +204,11 @@ def test_rollout_replaces_a_killed_actor_and_regenerates_its_groups(local_ray):
     (p,) = units[m.storage_unit].get([m.group_id])
     assert p.num_samples == config.rollout.group_size
 
-  # One death more than config.runtime.actor_restarts ends the run with one sentence.
+  # One death more than config.topology.actor_restarts ends the run with one sentence.
   for pid in pool.pids()["rollout"]:  # idle now: the death shows at the next call
     _kill(pid)
   pool.start(prompts.next({"arith": 1})[0], 200)
-  with pytest.raises(RuntimeError, match=r"config.runtime.actor_restarts=1 are survived"):
+  with pytest.raises(RuntimeError, match=r"config.topology.actor_restarts=1 are survived"):
     for i in range(10_000):
       pool.step(jax.random.fold_in(rng, i))
   pool.close()

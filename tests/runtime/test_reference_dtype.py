@@ -1,4 +1,4 @@
-"""The KL reference policy stored in bfloat16 (config.train.reference_dtype)."""
+"""The KL reference policy stored in bfloat16 (config.loss.reference_dtype)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from knitjax import config as config_lib
+from knitjax import config_train as config_lib
 from knitjax.runtime.builder import reference_params
 from knitjax.train import losses
 from knitjax.train.batch import split_micro_batches
@@ -59,5 +59,5 @@ def test_a_bfloat16_reference_gives_nearly_the_float32_kl():
 
 
 def test_an_unknown_reference_dtype_is_refused():
-  with pytest.raises(ValueError, match="config.train.reference_dtype"):
-    config_lib.TrainConfig(reference_dtype="float16")
+  with pytest.raises(ValueError, match="config.loss.reference_dtype"):
+    config_lib.LossConfig(reference_dtype="float16")

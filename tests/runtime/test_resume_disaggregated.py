@@ -39,7 +39,7 @@ def test_sigkill_resume_loses_nothing_and_consumes_nothing_twice(tmp_path):
       from knitjax.config import from_config_dict
       from knitjax.runtime.train import train
       c = arith_disagg.get_config("quick")
-      c.runtime.steps = {STEPS}
+      c.loop.steps = {STEPS}
       def on_step(step, metrics):
         if step == {KILL_AFTER}:
           # wait for the async checkpoint to commit (its final folder appears on the rename);
@@ -61,7 +61,7 @@ def test_sigkill_resume_loses_nothing_and_consumes_nothing_twice(tmp_path):
   shutil.copytree(workdir, str(tmp_path / "at_kill"))
 
   config = arith_disagg.get_config("quick")
-  config.runtime.steps = STEPS
+  config.loop.steps = STEPS
   train(from_config_dict(config), workdir)
 
   rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))

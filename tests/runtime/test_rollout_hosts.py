@@ -20,6 +20,7 @@ import pytest
 
 from knitjax.config import from_config_dict
 from knitjax.runtime import rollout_hosts
+from tests import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = "configs/arith_disagg.py:quick"
@@ -39,14 +40,14 @@ def _config(**runtime):
 
   c = arith_disagg.get_config("quick")
   for k, v in runtime.items():
-    c.runtime[k] = v
+    tiny.set_fields(c, **{k: v})
   return from_config_dict(c)
 
 
 @pytest.mark.parametrize(
   ("runtime", "match"),
   [
-    (dict(mode="colocated"), "needs config.runtime.mode='disaggregated'"),
+    (dict(mode="colocated"), "needs config.topology.mode='disaggregated'"),
     (dict(rollout_workers=2), "not accepted with rollout_workers or storage='ray'"),
     (dict(rollout_listen="localhost"), "is not accepted; give host:port"),
     (
@@ -134,8 +135,8 @@ def test_trainer_and_one_rollout_host_run_three_steps(tmp_path):
   env.pop("XLA_FLAGS", None)  # config.mesh.cpu_devices=2 asks for two devices per process
   env.pop("KNITJAX_ROLLOUT_TOKEN", None)
   base = [sys.executable, "-m", "knitjax.main", "--config", CONFIG, "--workdir", str(workdir)]
-  base += ["--config.runtime.rollout_hosts=1", "--config.mesh.cpu_devices=2"]
-  base += ["--config.runtime.rollout_host_wait_s=200"]
+  base += ["--config.topology.rollout_hosts=1", "--config.mesh.cpu_devices=2"]
+  base += ["--config.topology.rollout_host_wait_s=200"]
   logs = {role: tmp_path / f"{role}.log" for role in ("rollout", "train")}
   procs = {}
   for role in ("rollout", "train"):  # the host first: it waits for the trainer's endpoint

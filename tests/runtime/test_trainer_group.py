@@ -26,6 +26,7 @@ from knitjax.runtime import builder
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import batch_shardings
 from lab import local_group
+from tests import tiny
 from tests.runtime.test_disaggregated import check_run, read_jsonl
 from tests.runtime.test_multihost_main import _gloo_available
 
@@ -34,17 +35,17 @@ pytestmark = pytest.mark.skipif(not _gloo_available(), reason="jaxlib without gl
 
 STEPS = 3
 OVERRIDES = {
-  "runtime.steps": STEPS,
-  "runtime.log_every": 1,
+  "loop.steps": STEPS,
+  "loop.log_every": 1,
   "mesh.cpu_devices": 2,
   "mesh.shape": "(1,-1,1)",  # FSDP across both processes: each holds half of most leaves
-  "runtime.rollout_workers": 2,
+  "topology.rollout_workers": 2,
 }
 
 
 def _config():
   c = arith_disagg.get_config("quick")
-  c.runtime.update(steps=STEPS, log_every=1, rollout_workers=2)
+  tiny.set_fields(c, steps=STEPS, log_every=1, rollout_workers=2)
   c.mesh.update(cpu_devices=2, shape=(1, -1, 1))
   return c
 

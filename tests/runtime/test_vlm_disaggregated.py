@@ -26,6 +26,7 @@ from knitjax.tasks.prompts import Prompt
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.transfer.snapshot import restore_groups
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits, image_hash
+from tests import tiny
 from tests.runtime.test_disaggregated import check_run, read_jsonl
 from tests.waiting import wait_until
 
@@ -37,7 +38,7 @@ GROUPS_PER_MINIBATCH = 4
 def vlm_config(*, steps: int, max_lag_steps: float = 0.5, **runtime):
   """count_vlm_tiny:quick, disaggregated: 8 groups (G=8) per step in 2 mini-batches of 4."""
   c = count_vlm_tiny.get_config("quick")
-  c.runtime.update(mode="disaggregated", steps=steps, max_lag_steps=max_lag_steps, **runtime)
+  tiny.set_fields(c, mode="disaggregated", steps=steps, max_lag_steps=max_lag_steps, **runtime)
   c.admission.update(quotas={"count": 2 * GROUPS_PER_MINIBATCH}, minibatches=2)
   c.rollout.slots = GROUPS_PER_MINIBATCH * c.rollout.group_size  # waves of 4 groups
   return c

@@ -163,6 +163,6 @@ def test_sync_dtype_rule_and_config_validation():
   assert resolve_sync_dtype("auto", "float32") == "float32"
   assert resolve_sync_dtype("bfloat16", "float32") == "bfloat16"
   c = arith_tiny.get_config("quick")
-  c.runtime.sync_dtype = "fp8"
-  with pytest.raises(ValueError, match="config.runtime.sync_dtype='fp8'"):
+  c.sync.dtype = "fp8"
+  with pytest.raises(ValueError, match="config.sync.dtype='fp8'"):
     from_config_dict(c)

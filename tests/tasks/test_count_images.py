@@ -104,7 +104,7 @@ def test_count_vlm_tiny_trains_through_the_runtime(tmp_path, dedup):
   c = count_vlm_tiny.get_config("quick")
   c.admission.quotas = {"count": 8}
   c.rollout.group_size = 4
-  c.train.encoder_dedup = dedup
+  c.vlm.encoder_dedup = dedup
   train(from_config_dict(c), str(tmp_path))
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [1, 2]

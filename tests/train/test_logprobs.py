@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from knitjax import sharding
-from knitjax.config import TrainConfig
+from knitjax.config_train import LayoutConfig
 from knitjax.train import losses
 from knitjax.train.logprobs import token_logprobs_and_entropy
 from knitjax.train.step import StepHParams
@@ -176,9 +176,9 @@ def test_sharded_chunked_step_matches_whole_logits():
 
 
 def test_config_refuses_a_negative_chunk():
-  with pytest.raises(ValueError, match=r"config\.train\.logprob_chunk=-1 is not accepted"):
-    TrainConfig(logprob_chunk=-1)
-  assert TrainConfig().logprob_chunk > 0  # on by default
+  with pytest.raises(ValueError, match=r"config\.layout\.logprob_chunk=-1 is not accepted"):
+    LayoutConfig(logprob_chunk=-1)
+  assert LayoutConfig().logprob_chunk > 0  # on by default
 
 
 def test_a_frozen_table_gets_no_gradient_work():

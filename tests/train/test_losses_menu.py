@@ -331,10 +331,10 @@ def test_config_errors(kw, match):
     LossConfig(**kw)
 
 
-def test_train_config_fields():
-  from knitjax.config import TrainConfig
+def test_loss_config_fields():
+  from knitjax.config_train import LossConfig as LossSection
 
-  t = TrainConfig()
+  t = LossSection()
   assert (t.objective, t.ratio_level, t.kl_estimator, t.eps_c, t.kl_clamp) == (
     "ppo",
     "token",
@@ -343,16 +343,16 @@ def test_train_config_fields():
     0.0,
   )
   for kw, match in [
-    (dict(eps_c=0.5), r"config.train.eps_c=0.5 is not accepted; it must be 0 \(off\) or > 1."),
-    (dict(kl_clamp=-1.0), "config.train.kl_clamp=-1.0 is not accepted"),
-    (dict(kl_estimator="k0"), "config.train.kl_estimator='k0' is not accepted"),
-    (dict(ratio_level="tok"), "config.train.ratio_level='tok' is not accepted"),
-    (dict(objective="x"), "config.train.objective='x' is not accepted"),
-    (dict(tis_cap=1.1), "config.train.tis_cap=1.1 is not accepted"),
-    (dict(objective="cispo", eps_c=2.0), "config.train.eps_c=2.0 is not accepted with"),
+    (dict(eps_c=0.5), r"config.loss.eps_c=0.5 is not accepted; it must be 0 \(off\) or > 1."),
+    (dict(kl_clamp=-1.0), "config.loss.kl_clamp=-1.0 is not accepted"),
+    (dict(kl_estimator="k0"), "config.loss.kl_estimator='k0' is not accepted"),
+    (dict(ratio_level="tok"), "config.loss.ratio_level='tok' is not accepted"),
+    (dict(objective="x"), "config.loss.objective='x' is not accepted"),
+    (dict(tis_cap=1.1), "config.loss.tis_cap=1.1 is not accepted"),
+    (dict(objective="cispo", eps_c=2.0), "config.loss.eps_c=2.0 is not accepted with"),
   ]:
     with pytest.raises(ValueError, match=match):
-      TrainConfig(**kw)
+      LossSection(**kw)
 
 
 # --- DAPO overlong penalty ----------------------------------------------------------------------

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from knitjax.config import TrainConfig
+from knitjax.config_train import OptimizerConfig
 from knitjax.train.optimizer import make_optimizer
 
 
@@ -54,5 +54,5 @@ def test_clipping_scales_the_gradient_before_adam():
 
 
 def test_train_config_is_accepted():
-  tx = make_optimizer(TrainConfig(lr=1e-3, warmup_steps=0))
+  tx = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0))
   assert isinstance(tx, optax.GradientTransformation)

@@ -248,7 +248,7 @@ def test_plan_parts_agrees_with_the_layout():
 
 def test_errors_name_the_problem():
   batch = _groups_batch(seed=7)
-  with pytest.raises(ValueError, match="raise config.train.pack_len"):
+  with pytest.raises(ValueError, match="raise config.layout.pack_len"):
     _share(batch, seq_len=P + N)
   with pytest.raises(ValueError, match="count=2"):
     prompt_sharing.share_batch(batch, prompt_len=P, seq_len=P + G * N, multiple=2, count=2)

@@ -129,7 +129,7 @@ def test_colocated_run_with_ray_storage_units(ray_local, tmp_path):
   from knitjax.runtime import colocated
 
   c = arith_tiny.get_config("quick")
-  c.runtime.storage = "ray"
+  c.topology.storage = "ray"
   tmp = tempfile.gettempdir()
 
   def spilled():
@@ -137,7 +137,7 @@ def test_colocated_run_with_ray_storage_units(ray_local, tmp_path):
 
   before = spilled()
   out = colocated.run(from_config_dict(c), str(tmp_path))
-  assert out["step"] == c.runtime.steps and out["version"] == 2 * c.admission.minibatches
+  assert out["step"] == c.loop.steps and out["version"] == 2 * c.admission.minibatches
   assert spilled() <= before  # the run's spill folder is gone with its unit
 
 
@@ -149,10 +149,10 @@ def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
   from knitjax.runtime import builder, colocated, rollout_builder
 
   c = arith_tiny.get_config("quick")
-  c.runtime.rollout_workers = 1
+  c.topology.rollout_workers = 1
   config = from_config_dict(c)
   out = colocated.run(config, str(tmp_path))
-  assert out["step"] == c.runtime.steps and out["version"] == 2 * c.admission.minibatches
+  assert out["step"] == c.loop.steps and out["version"] == 2 * c.admission.minibatches
   assert 0 <= out["reward_mean"] <= 1
 
   # The pool directly: metadata comes back, payloads stay in the worker's unit until released.

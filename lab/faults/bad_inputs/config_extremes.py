@@ -2,7 +2,7 @@
 
 Every scalar field of every section (``model`` and ``vision`` included) meets each extreme of its
 type: integers 0, -1 and 10**12; floats 0, -1, 1e12, NaN and +-inf; strings "" and a megabyte of
-text. An extreme must be refused in one sentence naming the field, unless `ACCEPTED` lists the
+text. An extreme must be refused in one sentence naming the field, unless `accepted()` lists the
 (field, value) with the reason the value is a legitimate setting; every other acceptance counts as
 silent. The sweep is exhaustive: one case per (field, extreme), each run once.
 """
@@ -23,7 +23,6 @@ INT_EXTREMES = (0, -1, 10**12)
 FLOAT_EXTREMES = (0.0, -1.0, 1e12, math.nan, math.inf, -math.inf)
 TEXT_EXTREMES = ("", HUGE_TEXT)
 
-_OFF = "0 turns it off"
 _NO_BOUND = "a bound this large never binds: the same as no bound"
 _WEIGHT = (
   "a loss weight: that term dominates the loss, finite in float32, the step bounded by the clip"
@@ -31,67 +30,65 @@ _WEIGHT = (
 _HUGE = 10**12
 _BIG = 1e12
 
-# (section, field) -> {extreme: why accepting it is right}. Anything not here must be refused.
-ACCEPTED: dict[tuple[str, str], dict[object, str]] = {
-  ("task", "path"): {"": "no file: generated tasks read none, file tasks refuse it"},
-  ("task", "prompt_len"): {0: "the task's own longest prompt"},
-  ("task", "system_prompt"): {"": "no system message"},
+# (section, field) -> {extreme: why accepting it is right}, besides each field's declared off value
+# (`knitjax.config_fields.setting`, read by `declared_off`). Anything else must be refused.
+LEGAL_EXTREMES: dict[tuple[str, str], dict[object, str]] = {
   ("task", "instruction"): {"": "the question alone, no instruction after it"},
   ("rollout", "temperature"): {_BIG: "near-uniform sampling: a valid policy, log-probs finite"},
-  ("rollout", "top_k"): {0: "off: the whole vocabulary"},
-  ("rollout", "prefill_chunk"): {0: "the whole prompt in one prefill"},
-  ("rollout", "overlong_buffer"): {0: _OFF},
-  ("rollout", "turn_tokens"): {0: "each turn may use rollout.max_new_tokens"},
-  ("train", "warmup_steps"): {0: "no warmup"},
-  ("train", "weight_decay"): {0.0: "no decay"},
-  ("train", "b1"): {0.0: "Adam without momentum (RMSProp's update)"},
-  ("train", "b2"): {0.0: "Adam with the current gradient's second moment only (sign-like steps)"},
-  ("train", "grad_clip"): {0.0: _OFF, _BIG: _NO_BOUND},
-  ("train", "eps_low"): {0.0: "PPO's clip at ratio 1 below: the strictest legal clip"},
-  ("train", "eps_high"): {
+  ("optimizer", "b1"): {0.0: "Adam without momentum (RMSProp's update)"},
+  ("optimizer", "b2"): {0.0: "Adam with the current gradient's second moment only (sign-like)"},
+  ("optimizer", "grad_clip"): {_BIG: _NO_BOUND},
+  ("loss", "eps_low"): {0.0: "PPO's clip at ratio 1 below: the strictest legal clip"},
+  ("loss", "eps_high"): {
     0.0: "PPO's clip at ratio 1 above: the strictest legal clip",
     _BIG: _NO_BOUND,
   },
-  ("train", "tis_cap"): {0.0: _OFF, _BIG: _NO_BOUND},
-  ("train", "eps_c"): {0.0: _OFF, _BIG: _NO_BOUND},
-  ("train", "kl_coef"): {0.0: "no KL term", _BIG: _WEIGHT},
-  ("train", "kl_clamp"): {0.0: _OFF, _BIG: _NO_BOUND},
-  ("train", "entropy_coef"): {
-    0.0: "no entropy term",
+  ("loss", "tis_cap"): {_BIG: _NO_BOUND},
+  ("loss", "eps_c"): {_BIG: _NO_BOUND},
+  ("loss", "kl_coef"): {_BIG: _WEIGHT},
+  ("loss", "kl_clamp"): {_BIG: _NO_BOUND},
+  ("loss", "entropy_coef"): {
     -1.0: "a negative weight rewards low entropy (sharpening), as some recipes do",
     _BIG: _WEIGHT,
   },
-  ("train", "gamma"): {0.0: "one-step returns: rewards are not carried back"},
-  ("train", "gae_lambda"): {0.0: "TD(0) advantages"},
-  ("train", "value_coef"): {0.0: "the critic is not trained (a frozen baseline)", _BIG: _WEIGHT},
-  ("train", "value_clip"): {0.0: "the value loss unclipped", _BIG: _NO_BOUND},
-  ("train", "pack_len"): {0: "the padded row length"},
-  ("train", "logprob_chunk"): {0: "whole logits, no chunks", _HUGE: "one chunk: the whole row"},
-  ("runtime", "max_lag_steps"): {0.0: "on-policy: no lag", _BIG: _NO_BOUND},
-  ("runtime", "rollout_devices"): {0: "half of the devices"},
-  ("runtime", "prefetch"): {0: "no prefetch: each mini-batch fetched when its update starts"},
-  ("runtime", "locality_slack"): {0.0: "token balance first", _BIG: "locality first"},
-  ("runtime", "ray_address"): {"": "a local Ray, started by the run"},
-  ("runtime", "rollout_workers"): {0: "no Ray rollout workers"},
-  ("runtime", "actor_restarts"): {
-    0: "the first actor death stops the run",
+  ("critic", "gamma"): {0.0: "one-step returns: rewards are not carried back"},
+  ("critic", "gae_lambda"): {0.0: "TD(0) advantages"},
+  ("critic", "value_coef"): {_BIG: _WEIGHT},
+  ("critic", "value_clip"): {_BIG: _NO_BOUND},
+  ("layout", "logprob_chunk"): {_HUGE: "one chunk: the whole row"},
+  ("pipeline", "max_lag_steps"): {_BIG: _NO_BOUND},
+  ("pipeline", "locality_slack"): {_BIG: "locality first"},
+  ("topology", "actor_restarts"): {
     _HUGE: "actors restarted without limit",
   },
-  ("runtime", "rollout_hosts"): {0: "no rollout hosts"},
-  ("runtime", "rollout_listen"): {"": "read only with runtime.rollout_hosts > 0, checked there"},
-  ("runtime", "rollout_host_wait_s"): {_BIG: "wait for the hosts without a time limit"},
-  ("mesh", "cpu_devices"): {0: "JAX's own device count"},
-  ("eval", "every_steps"): {0: "no evaluation while training"},
-  ("eval", "samples"): {0: "greedy evaluation only"},
-  ("eval", "reward"): {"": "the task's reward"},
-  ("eval", "path"): {"": "the task's prompts"},
-  ("eval", "max_new_tokens"): {0: "rollout.max_new_tokens"},
+  ("topology", "rollout_listen"): {"": "read only with topology.rollout_hosts > 0, checked there"},
+  ("topology", "rollout_host_wait_s"): {_BIG: "wait for the hosts without a time limit"},
   ("model", "rope_theta"): {_BIG: "a RoPE base: any positive finite value is a valid one"},
   ("model", "norm_eps"): {_BIG: "a finite epsilon: the norm nearly scales by 1/sqrt(eps)"},
   ("model", "lora_rank"): {0: "no LoRA: full fine-tuning"},
   ("model", "lora_alpha"): {_BIG: "a finite adapter scale (B starts at 0)"},
   ("vision", "norm_eps"): {_BIG: "a finite epsilon: the norm nearly scales by 1/sqrt(eps)"},
 }
+
+
+def declared_off() -> dict[tuple[str, str], dict[object, str]]:
+  """(section, field) -> {off value: its meaning}, as each section declares it beside the field."""
+  from knitjax.config_fields import off_of
+
+  out = {}
+  for section, cls in section_classes().items():
+    for f in dataclasses.fields(cls):
+      if off := off_of(cls, f.name):
+        out[(section, f.name)] = {off[0]: f"off: {off[1]}"}
+  return out
+
+
+def accepted() -> dict[tuple[str, str], dict[object, str]]:
+  """Every legal extreme: the declared off values and `LEGAL_EXTREMES`."""
+  out = {k: dict(v) for k, v in declared_off().items()}
+  for key, values in LEGAL_EXTREMES.items():
+    out.setdefault(key, {}).update(values)
+  return out
 
 
 def extremes(annotation) -> tuple:
@@ -140,7 +137,8 @@ def _case(section: str, field: str, value) -> Callable[[Draw, dict], BadInput]:
     name, d = _base_with(ctx, section)
     d.setdefault(section, {})[field] = value
     shown = f"{value[:20]!r}... ({len(value)} chars)" if isinstance(value, str) else repr(value)
-    why = next((w for v, w in ACCEPTED.get((section, field), {}).items() if _same(v, value)), None)
+    legal = accepted().get((section, field), {})
+    why = next((w for v, w in legal.items() if _same(v, value)), None)
     return BadInput(
       f"{name}: {section}.{field}={shown}",
       field_names(section, field),

@@ -74,9 +74,10 @@ def wrong_type(annotation) -> st.SearchStrategy:
 
 
 def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
-  from knitjax import config, config_sections
+  from knitjax import config, config_run, config_sections
   from knitjax.models import dtypes, vision
   from knitjax.rollout.contract import ADOPTION
+  from knitjax.rollout.versions import LAG_UNITS
   from knitjax.tasks.registry import TASKS
   from knitjax.tasks.rewards import REWARDS
   from knitjax.train.kl import KL_ESTIMATORS
@@ -84,26 +85,29 @@ def field_choices() -> dict[tuple[str, str], tuple[str, ...]]:
   from knitjax.train.packing import PACKING_MODES
   from knitjax.train.prompt_sharing import PROMPT_SHARING_MODES
   from knitjax.train.ratios import RATIO_LEVELS
+  from knitjax.train.step_advantages import ADVANTAGES
   from knitjax.transfer.admission import POLICIES
 
   return {
     ("task", "name"): TASKS,
     ("task", "reward"): tuple(REWARDS),
     ("rollout", "engine"): config_sections.ENGINES,
-    ("train", "advantage"): config_sections.ADVANTAGES,
-    ("train", "aggregation"): AGGREGATIONS,
-    ("train", "objective"): OBJECTIVES,
-    ("train", "ratio_level"): RATIO_LEVELS,
-    ("train", "kl_estimator"): KL_ESTIMATORS,
-    ("train", "kl_penalty"): KL_PENALTIES,
-    ("train", "packing"): PACKING_MODES,
-    ("train", "prompt_sharing"): PROMPT_SHARING_MODES,
+    ("loss", "advantage"): ADVANTAGES,
+    ("loss", "aggregation"): AGGREGATIONS,
+    ("loss", "objective"): OBJECTIVES,
+    ("loss", "ratio_level"): RATIO_LEVELS,
+    ("loss", "kl_estimator"): KL_ESTIMATORS,
+    ("loss", "kl_penalty"): KL_PENALTIES,
+    ("layout", "packing"): PACKING_MODES,
+    ("layout", "prompt_sharing"): PROMPT_SHARING_MODES,
     ("admission", "policy"): POLICIES,
-    ("runtime", "mode"): config.MODES,
-    ("runtime", "weight_sync"): config.WEIGHT_SYNC,
-    ("runtime", "adoption"): ADOPTION,
-    ("runtime", "lag_unit"): config.LAG_UNITS,
-    ("runtime", "storage"): config.STORAGE,
+    ("topology", "mode"): config_run.MODES,
+    ("sync", "every"): config_run.SYNC_EVERY,
+    ("sync", "dtype"): config_run.SYNC_DTYPES,
+    ("sync", "publish"): config_run.SYNC_PUBLISH,
+    ("sync", "adoption"): ADOPTION,
+    ("pipeline", "lag_unit"): LAG_UNITS,
+    ("topology", "storage"): config_run.STORAGE,
     ("transfer", "mode"): config.TRANSFER,
     ("model", "dtype"): tuple(dtypes.DTYPES),
     ("vision", "dtype"): tuple(dtypes.DTYPES),
@@ -127,29 +131,28 @@ OUT_OF_RANGE = {
     NONPOS_FLOAT, st.floats(min_value=1.0, exclude_min=True, allow_infinity=False)
   ),
   ("task", "prompt_len"): NEG_INT,
-  ("train", "lr"): NONPOS_FLOAT,
-  ("train", "warmup_steps"): NEG_INT,
-  ("train", "micro_batches"): NONPOS_INT,
-  ("train", "pack_len"): NEG_INT,
-  ("train", "pack_buckets"): NONPOS_INT,
-  **{("train", f): NEG_FLOAT for f in ("grad_clip", "tis_cap", "kl_coef", "kl_clamp")},
-  **{("train", f): NEG_FLOAT for f in ("value_coef", "value_clip")},
+  ("optimizer", "lr"): NONPOS_FLOAT,
+  ("optimizer", "warmup_steps"): NEG_INT,
+  ("layout", "micro_batches"): NONPOS_INT,
+  ("layout", "pack_len"): NEG_INT,
+  ("layout", "pack_buckets"): NONPOS_INT,
+  ("optimizer", "grad_clip"): NEG_FLOAT,
+  **{("loss", f): NEG_FLOAT for f in ("tis_cap", "kl_coef", "kl_clamp")},
+  **{("critic", f): NEG_FLOAT for f in ("value_coef", "value_clip")},
   **{
-    ("train", f): st.one_of(NEG_FLOAT, st.floats(min_value=1.0, exclude_min=True, max_value=1e6))
+    ("critic", f): st.one_of(NEG_FLOAT, st.floats(min_value=1.0, exclude_min=True, max_value=1e6))
     for f in ("gamma", "gae_lambda")
   },
   # 0 is off; a dual-clip constant must exceed 1.
-  ("train", "eps_c"): st.one_of(
+  ("loss", "eps_c"): st.one_of(
     NEG_FLOAT, st.floats(min_value=0.0, max_value=1.0, exclude_min=True, allow_infinity=False)
   ),
   ("admission", "minibatches"): NONPOS_INT,
-  **{("runtime", f): NONPOS_INT for f in ("steps", "log_every")},
-  **{
-    ("runtime", f): NEG_INT
-    for f in ("rollout_workers", "actor_restarts", "rollout_devices", "prefetch")
-  },
-  **{("runtime", f): NEG_FLOAT for f in ("max_lag_steps", "locality_slack")},
-  ("runtime", "param_slots"): st.integers(max_value=1),  # every shipped config: new_groups
+  **{("loop", f): NONPOS_INT for f in ("steps", "log_every")},
+  **{("topology", f): NEG_INT for f in ("rollout_workers", "actor_restarts", "rollout_devices")},
+  ("pipeline", "prefetch"): NEG_INT,
+  **{("pipeline", f): NEG_FLOAT for f in ("max_lag_steps", "locality_slack")},
+  ("sync", "held_versions"): st.integers(max_value=1),  # every shipped config: new_groups
   ("mesh", "cpu_devices"): NEG_INT,
   **{("checkpoint", f): NONPOS_INT for f in ("every_steps", "keep")},
   **{
@@ -169,9 +172,9 @@ OUT_OF_RANGE = {
 # Ranges no validation checks yet, though a value outside them is meaningless (Adam's betas in
 # [0, 1), PPO's clip range and weight decay >= 0).
 UNCHECKED_RANGE = {
-  ("train", "b1"): st.one_of(NEG_FLOAT, st.floats(min_value=1.0, allow_infinity=False)),
-  ("train", "b2"): st.one_of(NEG_FLOAT, st.floats(min_value=1.0, allow_infinity=False)),
-  ("train", "eps_low"): NEG_FLOAT,
-  ("train", "eps_high"): NEG_FLOAT,
-  ("train", "weight_decay"): NEG_FLOAT,
+  ("optimizer", "b1"): st.one_of(NEG_FLOAT, st.floats(min_value=1.0, allow_infinity=False)),
+  ("optimizer", "b2"): st.one_of(NEG_FLOAT, st.floats(min_value=1.0, allow_infinity=False)),
+  ("loss", "eps_low"): NEG_FLOAT,
+  ("loss", "eps_high"): NEG_FLOAT,
+  ("optimizer", "weight_decay"): NEG_FLOAT,
 }

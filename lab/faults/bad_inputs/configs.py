@@ -229,9 +229,9 @@ def _cfg_cross_field(draw: Draw, ctx: dict) -> BadInput:
     a = d["admission"]
     rows = sum(a["quotas"].values()) // a["minibatches"] * d["rollout"]["group_size"]
     m = draw(st.integers(2, 4 * rows).filter(lambda m: rows % m))
-    d["train"]["micro_batches"] = m
+    d["layout"]["micro_batches"] = m
     return _config_bad(
-      name, d, f"config.train.micro_batches={m} ({rows} rows)", "config.train.micro_batches"
+      name, d, f"config.layout.micro_batches={m} ({rows} rows)", "config.layout.micro_batches"
     )
   if how == "kv_heads_indivisible":
     heads = d["model"]["num_heads"]

@@ -127,7 +127,7 @@ def test_a_recorded_run_is_reused_only_for_the_same_config_and_all_its_steps(tmp
   assert got["workdir"] == str(run_dir) and got["command"].endswith(f"--workdir {run_dir}")
   assert real_runs.reused(config, str(tmp_path), name, 4) is None  # not finished
   assert real_runs.reused(config, str(tmp_path), "other", 3) is None
-  config.train.lr = config.train.lr * 2
+  config.optimizer.lr = config.optimizer.lr * 2
   assert real_runs.reused(config, str(tmp_path), name, 3) is None  # another config
 
 

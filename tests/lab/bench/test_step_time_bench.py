@@ -35,7 +35,7 @@ def test_quick_side_by_side_rounds_report_ratios(tmp_path):
     assert row["ratio"] == pytest.approx(0.5 / row["wall_median_s"])
     assert row["ratio_step_s"] == pytest.approx(0.5 / row["median_s"])
     assert row["wall_median_s"] >= row["median_s"]
-    assert row["timed_steps"] == config.run.runtime.steps - config.warmup_steps
+    assert row["timed_steps"] == config.run.loop.steps - config.warmup_steps
   assert result["sequences_per_step"] == 16
 
 

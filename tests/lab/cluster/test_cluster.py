@@ -130,10 +130,10 @@ def test_trainer_and_rollout_host_run_two_steps_across_two_shaped_hosts(tmp_path
   ) as cluster:
     trainer = cluster.hosts[0]
     base = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_disagg.py:quick"]
-    base += ["--workdir", str(workdir), "--config.runtime.rollout_hosts=1"]
-    base += ["--config.mesh.cpu_devices=1", "--config.runtime.steps=2"]
-    base += ["--config.runtime.rollout_host_wait_s=200"]
-    base += [f"--config.runtime.rollout_listen={trainer.address}:0"]
+    base += ["--workdir", str(workdir), "--config.topology.rollout_hosts=1"]
+    base += ["--config.mesh.cpu_devices=1", "--config.loop.steps=2"]
+    base += ["--config.topology.rollout_host_wait_s=200"]
+    base += [f"--config.topology.rollout_listen={trainer.address}:0"]
     logs, procs = {}, {}
     for i, role in ((1, "rollout"), (0, "train")):
       logs[role] = tmp_path / f"{role}.log"
