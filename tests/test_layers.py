@@ -21,8 +21,8 @@ PACKAGES = ("knitjax", "lab")
 # name or a package prefix ending in ".*" (the package's __init__ and everything below it).
 #   0  the package itself, the mesh / logical-axis rules everything else shards by, and the
 #      codec of host records (checkpoints and Ray), fault points, how a config section is built
-#      and checked (config_fields), where a run's files go (workdir: local or gs://):
-#      foundations that import no other layer.
+#      and checked (config_fields), where a run's files go (workdir: local or gs://), the
+#      private JAX knitjax needs (jax_compat): foundations that import no other layer.
 #   1  the parts that know nothing of RL: models, and tasks (prompts, rewards).
 #   2  RL training: losses, advantages, train step, optimizer, checkpoints.
 #   3  trajectory transfer: storage, admission, consumer plans, on-demand access.
@@ -40,6 +40,7 @@ LAYERS = (
     "knitjax.faultpoints",
     "knitjax.config_fields",
     "knitjax.workdir",
+    "knitjax.jax_compat",
   ),
   ("knitjax.models.*", "knitjax.tasks.*"),
   ("knitjax.train.*",),

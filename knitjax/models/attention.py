@@ -46,6 +46,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from knitjax import jax_compat
+
 IMPLS = ("auto", "xla", "dense", "cudnn", "splash")
 
 # Block sizes of the xla path: a query block's scores against a key block are the largest
@@ -534,10 +536,9 @@ def _splash_kernel(length: int, g: int, *, interpret: bool, save_residuals: bool
 # union are the sums of each part's kernel backward run with the union's o and l instead of its
 # own (the identity ring attention uses). The kernel's public call is not differentiable when it
 # returns its log-sum-exp, so `_splash_tree` is a `jax.custom_vjp` calling the kernel's backward
-# (`_splash_attention_bwd`, private, written against jax 0.10: its residuals are (q, k, v,
-# segment_ids, sinks, out, lse, dq_mask_info, dkv_mask_info)). A part a query sees nothing of
-# has l = mask value (about -2.4e38, finite) and weight exp(l_X - l) = 0; every query sees itself
-# in part A, so l is finite.
+# (private: `jax_compat.splash_backward`). A part a query sees nothing of has l = mask value
+# (about -2.4e38, finite) and weight exp(l_X - l) = 0; every query sees itself in part A, so l is
+# finite.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -562,27 +563,11 @@ def _splash_tree_fwd(q, k, v, own, prefix, interpret):
 
 
 def _splash_tree_bwd(interpret, res, d_out):
-  splash, _ = _splash_modules()
   q, k, v, own, prefix, out, lse = res
   kernel = _splash_kernel(q.shape[1], q.shape[0], interpret=interpret)
-  kw = kernel.kwargs
-
-  def collapse(info):  # as `_splash_attention` does before its custom_vjp
-    blocks = info.partial_mask_blocks
-    if blocks is None:
-      return info
-    return info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
-
-  grads = []
-  for ids in (own, prefix):
-    res_part = (q, k, v, ids, None, out, lse, collapse(kernel.dq_mask_info),
-                collapse(kernel.dkv_mask_info))  # fmt: skip
-    cotangents = splash._splash_attention_bwd(
-      False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None, kw["mask_function"],
-      kw["attn_logits_soft_cap"], kw["interpret"], res_part, d_out,
-    )  # fmt: skip
-    grads.append(cotangents[3:6])
-  (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = grads
+  (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = (
+    jax_compat.splash_backward(kernel, q, k, v, ids, out, lse, d_out) for ids in (own, prefix)
+  )
   f32 = jnp.float32
   dq = (dq_a.astype(f32) + dq_b.astype(f32)).astype(q.dtype)
   dk = (dk_a.astype(f32) + dk_b.astype(f32)).astype(k.dtype)

@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from knitjax import jax_compat
+
 # Compute dtypes a model may run in, by the name configs use (`TransformerConfig.dtype`).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # "auto" in a config's dtype: the backend's default compute dtype (`resolve_dtype`).
@@ -28,9 +30,7 @@ def _accelerator() -> bool:
   import importlib.util
   import os
 
-  from jax._src import xla_bridge
-
-  if xla_bridge.backends_are_initialized():
+  if jax_compat.backends_started():
     return jax.default_backend() in ("tpu", "gpu")
   platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
   if platforms:

@@ -75,6 +75,20 @@ def _quietly(send: Callable, conn: mpc.Connection, *args) -> None:
     raise _Dropped(f"the connection to an attaching host broke ({e!r})") from None
 
 
+def _listen(host: str, port: int) -> socket.socket:
+  """A TCP socket listening on ``(host, port)``, as `multiprocessing.connection.Listener` opens
+  one (address reuse, a backlog of 64)."""
+  sock = socket.socket(socket.AF_INET)
+  try:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted trainer rebinds
+    sock.bind((host, port))
+    sock.listen(64)
+  except BaseException:
+    sock.close()
+    raise
+  return sock
+
+
 def _listing(events: list[str]) -> str:
   """``"; refused or lost: a, b"`` for the final wait message (the first 5), or ``""``."""
   if not events:
@@ -263,16 +277,17 @@ class RemoteRollout:
     self._make_weights, self._weights = weights, None
     self._layout: tuple | None = None
     host, port = split_address(address)
-    # The listener only binds; `_handshake` authenticates (with a bounded handshake).
+    # A plain listening socket, set up as `multiprocessing.connection.Listener` sets up its own,
+    # so `_accept_loop` can accept with a timeout; `_handshake` authenticates each connection.
     try:
-      self._listener = mpc.Listener((host, port), family="AF_INET", backlog=64)
+      self._listener = _listen(host, port)
     except (OSError, OverflowError) as e:  # in use, not this machine's, unresolvable, > 65535
       raise ValueError(
         f"the rollout endpoint cannot listen on {address!r} ({getattr(e, 'strerror', None) or e}); "
         "give config.topology.rollout_listen an address of this machine and a free port (0: any)."
       ) from None
     self._authkey = authkey
-    bound = self._listener.address
+    bound = self._listener.getsockname()
     self.address = f"{bound[0]}:{bound[1]}"
     self._hosts: list[_Host] = []
     self._version: int | None = None
@@ -292,11 +307,10 @@ class RemoteRollout:
   def _accept_loop(self, inbox: queue.Queue, stop: threading.Event) -> None:
     """Accepts connections until ``stop``; each one's handshake runs in its own thread, so a
     silent or slow peer holds only its own (bounded by `_HANDSHAKE_S`)."""
-    sock = self._listener._listener._socket  # the listening socket: accept with a timeout
-    sock.settimeout(0.1)
+    self._listener.settimeout(0.1)  # to see `stop`
     while not stop.is_set():
       try:
-        raw, peer = sock.accept()
+        raw, peer = self._listener.accept()
       except TimeoutError:
         continue
       except OSError:  # the listener was closed

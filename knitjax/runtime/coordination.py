@@ -14,45 +14,43 @@ import time
 
 import jax
 
+from knitjax import jax_compat
+
 PULSE_S = 1.0  # each process counts up its pulse in the key-value store this often
 SILENCE_S = 30.0  # a process whose pulse stops this long is taken for dead
 _PREFIX = "knitjax/"
 
 
-def _client():
-  from jax._src import distributed
-
-  client = distributed.global_state.client
-  if client is None:
+def _store() -> jax_compat.KeyValueStore:
+  store = jax_compat.key_value_store()
+  if store is None:
     raise RuntimeError(
       "a multi-process trainer needs JAX's distributed runtime: run with --distributed."
     )
-  return client
+  return store
 
 
 def announce(key: str, value) -> None:
   """Sets ``key`` to ``value`` (JSON) in the coordination service's key-value store."""
-  _client().key_value_set(_PREFIX + key, json.dumps(value))
+  _store().set(_PREFIX + key, json.dumps(value))
 
 
 def hear(key: str, timeout_s: float):
   """The JSON value of ``key``, waiting up to ``timeout_s``; None if it did not come in time."""
   try:
-    raw = _client().blocking_key_value_get(_PREFIX + key, max(1, int(timeout_s * 1000)))
-  except Exception as e:  # the runtime raises its own error types for a deadline and a lost peer
-    if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
-      return None
+    raw = _store().get(_PREFIX + key, timeout_s)
+  except Exception as e:  # not a timeout: the runtime's error for a lost service
     raise RuntimeError(
       f"trainer process {jax.process_index()} lost the coordination service (process 0) while "
       f"waiting for {key!r}: {str(e).splitlines()[0]}"
     ) from e
-  return json.loads(raw)
+  return None if raw is None else json.loads(raw)
 
 
 def forget(key: str) -> None:
   # a key already gone, or the service going down at the end
   with contextlib.suppress(Exception):
-    _client().key_value_delete(_PREFIX + key)
+    _store().delete(_PREFIX + key)
 
 
 class GroupWatch:
@@ -77,16 +75,16 @@ class GroupWatch:
     self._thread.start()
 
   def _loop(self) -> None:
-    client = _client()
+    store = _store()
     seen = {k: (None, time.monotonic()) for k in range(self.processes) if k != self.process}
     while not self._stop.wait(PULSE_S):
       try:
-        client.key_value_increment(f"{_PREFIX}pulse/{self.process}", 1)
+        store.increment(f"{_PREFIX}pulse/{self.process}", 1)
         for k, (last, since) in list(seen.items()):
-          if _try_get(client, f"{_PREFIX}done/{k}") is not None:
+          if store.try_get(f"{_PREFIX}done/{k}") is not None:
             del seen[k]
             continue
-          pulse = _try_get(client, f"{_PREFIX}pulse/{k}")
+          pulse = store.try_get(f"{_PREFIX}pulse/{k}")
           now = time.monotonic()
           if pulse != last:
             seen[k] = (pulse, now)
@@ -110,16 +108,7 @@ class GroupWatch:
     self._stop.set()
     self._thread.join(timeout=10)
     with contextlib.suppress(Exception):
-      _client().key_value_set(f"{_PREFIX}done/{self.process}", "1", allow_overwrite=True)
-
-
-def _try_get(client, key: str) -> str | None:
-  try:
-    return client.key_value_try_get(key)
-  except Exception as e:
-    if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
-      return None
-    raise
+      _store().set(f"{_PREFIX}done/{self.process}", "1", overwrite=True)
 
 
 def _die(sentence: str) -> None:

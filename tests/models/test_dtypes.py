@@ -46,10 +46,10 @@ def test_an_unknown_dtype_is_refused():
 def test_auto_does_not_start_a_backend():
   # Configs are read before jax.distributed.initialize, which must precede any backend start.
   code = (
-    "from jax._src import xla_bridge\n"
+    "from knitjax import jax_compat\n"
     "from knitjax.models import dtypes\n"
     "assert dtypes.resolve_dtype('auto') == 'float32'\n"
-    "assert not xla_bridge.backends_are_initialized()\n"
+    "assert not jax_compat.backends_started()\n"
   )
   import subprocess
   import sys
