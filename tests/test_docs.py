@@ -108,3 +108,11 @@ def test_the_readme_commands_name_real_modules_configs_and_fields():
         for key in w[len("--config.") : w.index("=")].split("."):
           assert key in node, f"{' '.join(words)}: {w} names no field"
           node = node[key]
+
+
+def test_the_config_reference_is_current():
+  from lab import config_doc
+
+  with open(os.path.join(REPO, "docs", "config.md")) as f:
+    page = f.read()
+  assert page == config_doc.render(), "docs/config.md is stale: python -m lab.config_doc > it"
