@@ -13,7 +13,7 @@ another's shards; the whole parameter set exists on a host only inside the rollo
 Counters per process: versions published, seconds from dispatch to visible (process 0) or posted
 (the others), seconds the trainer's thread was held, and the bytes this process put on the wire:
 over the processes they add up to one copy of the params (a leaf replicated across processes is
-sent by the process holding its replica 0), which tests/runtime/test_trainer_group.py checks.
+sent by the process holding its replica 0), which tests/runtime/test_trainer_processes.py checks.
 """
 
 from __future__ import annotations
