@@ -54,7 +54,7 @@ MESSAGES: dict[str, tuple] = {
   "weights": (str,),  # the trainer's weight transfer address
   "go": (),  # both connections are up: the host starts serving
   "report": (list[GroupMeta], int, RolloutStats, int),  # metas, capacity, stats, starts seen
-  "adopt": (int, int),  # offer id, version
+  "adopt": (int, int),  # pull id, version
   "start": (Prompt, int),  # prompt, group id
   "seed": (np.ndarray,),  # the host's base key data
   "room": (bool,),  # whether the trainer wants room
