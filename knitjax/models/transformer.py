@@ -76,7 +76,7 @@ class TransformerConfig:
   lora_base_dtype: str = "float32"
   # Memory and compile time of the full-sequence (training) forward; neither changes the math.
   # remat: one of REMAT_POLICIES. scan_layers: run the decoder blocks as one `lax.scan` (one block
-  # compiled instead of num_layers); params keep their per-layer layout (checkpoints, weight sync
+  # compiled instead of num_layers); params keep their per-layer structure (checkpoints, weight sync
   # and LoRA unchanged) and are stacked in the compute dtype inside the jitted step.
   remat: str = "none"
   scan_layers: bool = False
@@ -267,7 +267,7 @@ class Transformer(nnx.Module):
     return self.embedder(tokens_bt)
 
   def unembedding(self) -> tuple[jax.Array, str]:
-    """The output projection as stored (float32, or a LoRA base's dtype) and its layout: the tied
+    """The output projection as stored (float32, or a LoRA base's dtype) and its axes: the tied
     embedding table ``([V, D], "vd")`` or the lm_head ``([D, V], "dv")``. The logits are
     ``hidden_states(...) @ W^T`` with ``W`` cast to the compute dtype (`knitjax.train.logprobs`
     casts it inside, so its gradient stays in the param's dtype)."""

@@ -145,7 +145,7 @@ class VLM(nnx.Module):
     )  # fmt: skip
 
   def unembedding(self) -> tuple[jax.Array, str]:
-    """The decoder's output projection and its layout (`Transformer.unembedding`)."""
+    """The decoder's output projection and its axes (`Transformer.unembedding`)."""
     return self.lm.unembedding()
 
   # The sampler's interface (text path of the decoder; images enter through `embeddings_btd`).

@@ -8,7 +8,7 @@ its own machine or devices. Each host builds the configured rollout on its local
 storage unit in its memory, and is then driven by the trainer's rollout thread through
 `knitjax.rollout.remote` (metadata to the trainer's one admission index, payloads fetched on
 demand from the host's unit). Weights go device to device: the trainer stages each version in
-the wire dtype and layout with a `WeightServer`; each host pulls it with a
+the wire dtype and sharding with a `WeightServer`; each host pulls it with a
 `WeightClient` straight into its rollout's shardings (`knitjax.runtime.weight_transfer`).
 
 The run's token authenticates both connections: ``KNITJAX_ROLLOUT_TOKEN`` when set (use that

@@ -8,7 +8,7 @@ with its own shardings. The bytes go device buffer to socket to device buffer; n
 materialises the params as NumPy.
 
 The trainer stages each version exactly as `WeightSync` does (cast to the wire dtype, jitted,
-fresh buffers the next train step cannot donate away) into the *wire layout*: the rollout's
+fresh buffers the next train step cannot donate away) into the *wire sharding*: the rollout's
 partition spec on the train mesh, with the dimensions replicated whose mesh axis has another
 size there. Shard ``i`` of the pull then gets the slice the rollout's device ``i`` needs; with
 a data-parallel rollout mesh every leaf is replicated on the wire (measured to work with 4 train

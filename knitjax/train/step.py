@@ -149,13 +149,13 @@ def forward(
   else:
     hidden, values_bt = model.hidden_states(*inputs, **masks), None
   hidden, values_bt = scored_states(hidden, values_bt, mb.get("score_index"))
-  table, layout = model.unembedding()
+  table, table_axes = model.unembedding()
   if slots is not None and chunk:
     # A row holds G responses: G times the positions per chunk keep the padded rows' logits
     # memory per chunk (rows x chunk x V) with G times fewer table-sized gradient updates.
     chunk *= max(1, (mb["tokens"].shape[-1] - slots[0]) // slots[1])
   logp, ent = logprobs_lib.token_logprobs_and_entropy(
-    hidden, table, mb["targets"], layout=layout, temperature=temperature, chunk=chunk,
+    hidden, table, mb["targets"], table_axes=table_axes, temperature=temperature, chunk=chunk,
     entropy=entropy,
   )  # fmt: skip
   return logp, ent, values_bt

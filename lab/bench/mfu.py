@@ -32,7 +32,7 @@ from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.train import losses
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import make_batch, pad_rows, split_micro_batches
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.step import (
   StepHParams,
@@ -52,7 +52,7 @@ def _rows(rng, rows: int, seq_len: int, prompt_len: int, vocab: int):
   logps = [np.full(new, -np.log(vocab), np.float32) for _ in range(rows)]
   advantages = rng.normal(size=rows).astype(np.float32)
   batch = make_batch(
-    pack_rows(prompts, responses, logps),
+    pad_rows(prompts, responses, logps),
     advantages,
     prompt_len=prompt_len,
     max_new_tokens=new,

@@ -45,7 +45,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import advantages, losses
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import make_batch, pad_rows, split_micro_batches
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.prompt_sharing import ShareSpec, sharing_metrics
 from knitjax.train.step import (
@@ -83,7 +83,7 @@ def workload(
   rewards = rng.integers(0, 2, rows).astype(np.float32)
   adv = advantages.compute_advantages(rewards.reshape(groups, group_size), "grpo").reshape(-1)
   return make_batch(
-    pack_rows(prompts, responses, logps), np.asarray(adv, np.float32), prompt_len=prompt_len,
+    pad_rows(prompts, responses, logps), np.asarray(adv, np.float32), prompt_len=prompt_len,
     max_new_tokens=response_len, pad_id=0, rewards=rewards,
     group_ids=np.repeat(np.arange(groups), group_size),
   )  # fmt: skip

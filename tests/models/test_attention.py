@@ -260,7 +260,7 @@ def test_prefill_and_decode_match_the_full_forward(models):
 
 
 def test_per_row_cache_index_under_vmap(models):
-  """The continuous engine's layout: a cache row per slot, each at its own index (vmap)."""
+  """The continuous engine's cache: a row per slot, each at its own index (vmap)."""
   dense, model = models
   tokens, positions, valid = _batch(np.random.default_rng(8), [0, 0, 0], 9)
   lens = jnp.asarray([3, 6, 8])  # each row has decoded up to a different slot

@@ -21,7 +21,7 @@ from flax import nnx
 
 from configs import arith_disagg
 from knitjax.config import from_config_dict
-from knitjax.rollout.weight_parts import layout_of
+from knitjax.rollout.weight_parts import wire_format_of
 from knitjax.runtime import builder
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import batch_shardings
@@ -106,8 +106,8 @@ def test_two_trainer_processes_share_one_admission_index(tmp_path):
   _, learner = builder.build_learner(cfg, mesh, str(tmp_path / "reference"))
   # Weights leave as each process's own shards only: together every value once, and neither
   # process sends the whole parameter set (no host gather).
-  layout, _ = layout_of(nnx.to_pure_dict(learner.state.params))
-  wire = layout.nbytes
+  wire_format, _ = wire_format_of(nnx.to_pure_dict(learner.state.params))
+  wire = wire_format.nbytes
   assert s0["weight_publish_bytes"] + s1["weight_publish_bytes"] == wire
   assert 0 < s1["weight_publish_bytes"] < wire and 0 < s0["weight_publish_bytes"] < wire
   shardings = batch_shardings(mesh, packed=False)

@@ -15,7 +15,7 @@ from knitjax import sharding
 from knitjax.models import lora
 from knitjax.models.transformer import Transformer
 from knitjax.train import advantages, losses, prompt_sharing
-from knitjax.train.batch import make_batch, pack_rows
+from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.step import (
   StepHParams,
   forward,
@@ -45,7 +45,7 @@ def _groups_batch(seed=0, groups=3, g=G, *, fallback=True):
   rewards = rng.integers(0, 2, rows).astype(np.float32)
   adv = advantages.compute_advantages(rewards.reshape(-1, g), "grpo").reshape(-1)
   batch = make_batch(
-    pack_rows(prompts, responses, logps), adv, prompt_len=P, max_new_tokens=N, pad_id=0,
+    pad_rows(prompts, responses, logps), adv, prompt_len=P, max_new_tokens=N, pad_id=0,
     rewards=rewards, group_ids=np.repeat(np.arange(groups) * 7 + 3, g),
   )  # fmt: skip
   # A tool-output token (no loss, still attended to) inside one response.
@@ -65,7 +65,7 @@ def test_hand_example_layout():
   prompts = [np.array([5, 6, 7])] * 2
   responses = [np.array([8, 9]), np.array([10])]
   batch = make_batch(
-    pack_rows(prompts, responses, [np.array([-1.0, -2.0]), np.array([-3.0])]),
+    pad_rows(prompts, responses, [np.array([-1.0, -2.0]), np.array([-3.0])]),
     np.array([0.5, -0.5]), prompt_len=4, max_new_tokens=2, pad_id=0, group_ids=np.array([1, 1]),
   )  # fmt: skip
   # Fixed slots (pack=False): the prompt left-padded in [0, 4), the responses at 4 and 6.
@@ -100,7 +100,7 @@ def test_units_share_only_identical_prompts_with_responses():
 
 def test_tokens_cut_by_the_token_ratio():
   """Equal lengths: ``G (P + R) / (P + G R)`` exactly, the issue's ratio."""
-  rows = pack_rows([np.arange(3, 3 + P)] * 8, [np.arange(3, 3 + N)] * 8, [np.zeros(N)] * 8)
+  rows = pad_rows([np.arange(3, 3 + P)] * 8, [np.arange(3, 3 + N)] * 8, [np.zeros(N)] * 8)
   batch = make_batch(
     rows, np.zeros(8), prompt_len=P, max_new_tokens=N, pad_id=0, group_ids=np.zeros(8, int)
   )
@@ -274,7 +274,7 @@ def _vlm_batch(seed=0):
       groups.append(group)
   rows = len(prompts)
   batch = make_batch(
-    pack_rows(prompts, responses, logps), rng.normal(size=rows).astype(np.float32),
+    pad_rows(prompts, responses, logps), rng.normal(size=rows).astype(np.float32),
     prompt_len=VC.num_patches + 3, max_new_tokens=N, pad_id=0, group_ids=np.array(groups),
   )  # fmt: skip
   batch["image_index"] = np.asarray(index, np.int32)
