@@ -133,15 +133,15 @@ class VLM(nnx.Module):
     image_rows_bpd: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
-    slots: tuple[int, int] | None = None,
+    spans: tuple[int, int] | None = None,
   ) -> jax.Array:
     """The decoder's final-normed hidden states [B, T, D] (`__call__` without the logits);
-    segment and prefix ids and slots as in `Transformer.__call__` (packed rows, shared-prompt
+    segment and prefix ids and spans as in `Transformer.__call__` (packed rows, shared-prompt
     tree mask)."""
     x = self.embed(tokens_bt, image_rows_bpd)
     return self.lm.hidden_states(
       tokens_bt, positions_bt, valid_bt, embeddings_btd=x, segment_ids_bt=segment_ids_bt,
-      prefix_ids_bt=prefix_ids_bt, slots=slots,
+      prefix_ids_bt=prefix_ids_bt, spans=spans,
     )  # fmt: skip
 
   def unembedding(self) -> tuple[jax.Array, str]:

@@ -76,7 +76,7 @@ def _logprobs(model, mb, image_rows_bpd, hparams: StepHParams, entropy: str):
   hidden = model.hidden_states(
     mb["tokens"], mb["positions"], mb["valid"], image_rows_bpd=image_rows_bpd,
     segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"),
-    slots=hparams.shared_slots,
+    spans=hparams.shared_spans,
   )  # fmt: skip
   hidden, _ = scored_states(hidden, None, mb.get("score_index"))
   table, table_axes = model.unembedding()

@@ -103,8 +103,8 @@ class _Layout:
     hparams = StepHParams(
       loss=losses.LossConfig(kl_coef=config.kl_coef),
       max_new_tokens=response_len,
-      # Fixed slots attend slot by slot, as the runtime's step does (builder.shared_slots).
-      shared_slots=(prompt_len, response_len) if shared else None,
+      # Fixed spans attend span by span, as the runtime's step does (builder.shared_spans).
+      shared_spans=(prompt_len, response_len) if shared else None,
     )
     step = compile_train_step(
       graphdef=graphdef, optimizer=optimizer, hparams=hparams, state_shardings=shardings,
@@ -178,8 +178,8 @@ def measure_point(
     "token_ratio": ratio,
     "tokens_off": int(np.count_nonzero(padded["valid"])),
     "tokens_group": int(np.count_nonzero(shared["valid"])),
-    "slots_off": int(padded["valid"].size),
-    "slots_group": int(shared["valid"].size),
+    "positions_off": int(padded["valid"].size),
+    "positions_group": int(shared["valid"].size),
     "shape_off": list(padded["valid"].shape),
     "shape_group": list(shared["valid"].shape),
     "step_s_off": float(np.median(times[:, 0])),
