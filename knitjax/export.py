@@ -2,7 +2,7 @@
 ``python -m knitjax.export --config configs/<x>.py --workdir DIR --out FOLDER [--overwrite]``.
 
 Restores the newest intact checkpoint of ``DIR`` and writes its policy with
-`knitjax.models.hf.save_hf_params`: ``config.json`` and safetensors in Hugging Face layout. LoRA
+`knitjax.models.hf.save_hf_params`: ``config.json`` and safetensors in Hugging Face format. LoRA
 adapters are merged into the base weights (``W + (alpha / r)·A·B``), so the folder holds the
 plain model; it loads as ``config.init_from`` (knitjax writes no tokenizer.json: a task with its
 own tokenizer trains on it).

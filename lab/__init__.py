@@ -1,6 +1,7 @@
 """The lab beside the knitjax library: benchmarks (``python -m lab.bench``), the fault suite
 (``python -m lab.faults``), the emulated cluster (``lab.cluster``), local multi-process launchers
-(``lab.local_group``) and one-off measurement scripts (``lab.scripts``).
+(``lab.local_processes``), the one FLOPs count (``lab.flops``) and one-off measurement scripts
+(``lab.scripts``).
 
 It runs from a source checkout (the repository root on ``sys.path``), may import dev and peer
 packages (hypothesis, Ray, Tunix), and is never imported by ``knitjax``; the installed wheel

@@ -72,6 +72,33 @@ def test_the_glossary_defines_the_words_the_readme_names():
     assert f"| {word}" in glossary, word
 
 
+# The nouns a reader meets in docs/architecture.md (STYLE.md: every one in the glossary).
+ARCHITECTURE_NOUNS = (
+  "trajectory", "sample", "prompt stream", "rollout contract", "rollout host", "sampler",
+  "continuous engine", "slot", "lane", "payload", "metadata", "storage unit", "storage limits",
+  "admission index", "offer", "release", "consumer plan", "on-demand access", "feed", "preparer",
+  "centralized baseline", "training layout", "padded row", "packed row", "shared-prompt unit",
+  "fixed spans", "packed units", "tree mask", "encoder dedup", "Learner", "run state",
+  "weight sync", "adopt", "stage", "pull id", "wire format", "weight shards", "response mask",
+  "colocated execution", "disaggregated execution", "rollout thread", "depth bound",
+  "version clock", "trainer processes", "leader", "follower", "announcement",
+  "coordination service", "pulse", "layer", "simulator", "VLM", "evaluation", "record codec",
+  "fault point", "adapter", "frozen base",
+)  # fmt: skip
+
+
+def test_the_glossary_defines_the_nouns_of_the_architecture():
+  with open(os.path.join(REPO, "docs", "glossary.md"), encoding="utf-8") as f:
+    rows = [line for line in f if line.startswith("| ")]
+  defined = {row.split("|")[1].strip() for row in rows}
+  missing = [word for word in ARCHITECTURE_NOUNS if word not in defined]
+  assert not missing, f"docs/glossary.md lacks a row for {missing}"
+  # One table: a blank line inside it would turn the rows after it into plain text.
+  with open(os.path.join(REPO, "docs", "glossary.md"), encoding="utf-8") as f:
+    table = f.read().split("| word | meaning |", 1)[1]
+  assert "\n\n|" not in table
+
+
 def _readme_commands() -> list[list[str]]:
   """Every ``python -m knitjax...`` command in README.md, split into words."""
   import shlex

@@ -16,7 +16,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.models.vision import VisionConfig
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import make_batch, pad_rows, split_micro_batches
 from knitjax.train.step import batch_shardings, compile_train_step, host_metrics, init_train_state
 
 TINY = TransformerConfig(
@@ -55,7 +55,7 @@ def init(config=TINY, mesh=None):
 
 
 def random_rows(rng, rows=ROWS, *, p_len=P_LEN, n_new=N_NEW, min_prompt=2, min_response=1):
-  """``pack_rows`` of random prompts (``min_prompt..p_len`` tokens), responses
+  """``pad_rows`` of random prompts (``min_prompt..p_len`` tokens), responses
   (``min_response..n_new``) and behaviour log-probs off the policy, so that ratios differ from 1
   and clipping is active. Tokens are 3..31: ids of TINY's vocab that are not padding."""
   prompts = [
@@ -64,7 +64,7 @@ def random_rows(rng, rows=ROWS, *, p_len=P_LEN, n_new=N_NEW, min_prompt=2, min_r
   lens = rng.integers(min_response, n_new + 1, rows)
   responses = [rng.integers(3, 32, n).astype(np.int32) for n in lens]
   logps = [rng.normal(-3.0, 0.5, n).astype(np.float32) for n in lens]
-  return pack_rows(prompts, responses, logps)
+  return pad_rows(prompts, responses, logps)
 
 
 def random_minibatch(seed=0, rows=ROWS):

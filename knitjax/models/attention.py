@@ -152,62 +152,62 @@ def attend(
   return out.reshape(b, t, n, h)
 
 
-def attend_slots(
+def attend_spans(
   q_btnh: jax.Array,
   k_btkh: jax.Array,
   v_btkh: jax.Array,
   *,
   kv_valid_bs: jax.Array,
   prompt_len: int,
-  slot_len: int,
+  span_len: int,
   impl: str = "auto",
 ) -> jax.Array:
-  """The tree mask of a fixed-slot shared-prompt row, slot by slot: no wasted scores.
+  """The tree mask of a fixed-span shared-prompt row, span by span: no wasted scores.
 
-  A row is ``[prompt (P columns, left-padded) | slot 1 (N) | ... | slot G (N)]``, each slot one
+  A row is ``[prompt (P columns, left-padded) | span 1 (N) | ... | span G (N)]``, each span one
   response, right-padded (`knitjax.train.prompt_sharing`, ``pack=False``). Under the tree mask a
-  prompt query sees the earlier valid prompt keys, and a query of slot g the valid prompt keys
-  and the earlier valid keys of slot g: exactly a padded row ``[prompt | response g]``. So the
-  prompt runs as one causal attention over ``[B, P]``, and the slots as ``B G`` causal
-  attentions of their N queries (slots ``P .. P + N - 1``, a query offset of P) over their
-  ``P + N`` keys: the prompt's, broadcast to every slot, and their own. The scores are then
+  prompt query sees the earlier valid prompt keys, and a query of span g the valid prompt keys
+  and the earlier valid keys of span g: exactly a padded row ``[prompt | response g]``. So the
+  prompt runs as one causal attention over ``[B, P]``, and the spans as ``B G`` causal
+  attentions of their N queries (positions ``P .. P + N - 1``, a query offset of P) over their
+  ``P + N`` keys: the prompt's, broadcast to every span, and their own. The scores are then
   ``P^2 + G N (P + N)`` a row, never the ``(P + G N)^2`` of one causal pass over the whole row
-  (most of which the mask discards). The broadcast's transpose sums the G slots' gradients into
+  (most of which the mask discards). The broadcast's transpose sums the G spans' gradients into
   the prompt's keys and values: the exact gradient, as for the tree mask. Both parts run
-  `attend` (``impl``; kernels that take no query offset run "xla" for the slots, as with a
+  `attend` (``impl``; kernels that take no query offset run "xla" for the spans, as with a
   cache).
 
   Args:
     q_btnh, k_btkh, v_btkh: queries, keys and values of the row, ``T = P + G N`` positions.
     kv_valid_bs: bool ``[B, T]``, True on real tokens.
     prompt_len: P.
-    slot_len: N.
+    span_len: N.
     impl: one of `IMPLS`.
 
   Returns:
     The attention output ``[B, T, heads, H]``.
   """
   b, t, n, h = q_btnh.shape
-  p, m = prompt_len, slot_len
+  p, m = prompt_len, span_len
   g = (t - p) // m if m > 0 else 0
   if p < 1 or m < 1 or p + g * m != t:
     raise ValueError(
-      f"a fixed-slot row of {t} positions is not a prompt of {p} and slots of {m}; "
-      "attend_slots needs T = P + G N with P, N >= 1."
+      f"a fixed-span row of {t} positions is not a prompt of {p} and spans of {m}; "
+      "attend_spans needs T = P + G N with P, N >= 1."
     )
   valid_p = kv_valid_bs[:, :p]
   out_p = attend(q_btnh[:, :p], k_btkh[:, :p], v_btkh[:, :p], kv_valid_bs=valid_p, impl=impl)
 
-  def per_slot(x, prompt):  # [B, G N, ...] -> [B G, P + N, ...], the prompt before each slot
+  def per_span(x, prompt):  # [B, G N, ...] -> [B G, P + N, ...], the prompt before each span
     x = x.reshape(b, g, m, *x.shape[2:])
     prompt = jnp.broadcast_to(prompt[:, None], (b, g, *prompt.shape[1:]))
     return jnp.concatenate([prompt, x], axis=2).reshape(b * g, p + m, *x.shape[3:])
 
   out_r = attend(
     q_btnh[:, p:].reshape(b * g, m, n, h),
-    per_slot(k_btkh[:, p:], k_btkh[:, :p]),
-    per_slot(v_btkh[:, p:], v_btkh[:, :p]),
-    kv_valid_bs=per_slot(kv_valid_bs[:, p:], valid_p),
+    per_span(k_btkh[:, p:], k_btkh[:, :p]),
+    per_span(v_btkh[:, p:], v_btkh[:, :p]),
+    kv_valid_bs=per_span(kv_valid_bs[:, p:], valid_p),
     q_offset=p,
     impl=impl,
   )

@@ -10,7 +10,8 @@ rules; `save_hf_params` writes the inverse, for tests and for exporting a traine
 `config.json` <-> `TransformerConfig` lives in `knitjax.models.hf_config`; `config_from_hf`,
 `config_to_hf` and `CONFIG_FILE` are re-exported here, so `hf.config_from_hf(path)` works. The
 safetensors files themselves are read and written by `knitjax.models.safetensors_io` (NumPy and
-`ml_dtypes`, no extra dependency); this module maps the Hugging Face layout onto knitjax's.
+`ml_dtypes`, no extra dependency); this module maps Hugging Face's tensor names and axes onto
+knitjax's.
 """
 
 import dataclasses
@@ -306,7 +307,8 @@ def save_hf_params(
   dtype=np.float32,
   max_shard_bytes: int | None = None,
 ) -> None:
-  """Writes `config.json` and the weights in Hugging Face layout (inverse of `load_hf_params`).
+  """Writes `config.json` and the weights in Hugging Face's names and axes (inverse of
+  `load_hf_params`).
 
   Args:
     model_or_state: a `Transformer` or its (concrete) state.

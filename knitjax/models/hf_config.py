@@ -3,7 +3,7 @@
 `config_from_hf` reads a checkpoint's `config.json` (or its parsed dict), checks every field
 knitjax's decoder depends on and refuses, in one sentence naming the field, any option it does
 not implement (RoPE scaling other than linear / llama3 / yarn, sliding windows, biases the family
-lacks). RoPE settings come from either layout: transformers 4.x (`rope_theta` + a `rope_scaling`
+lacks). RoPE settings come from either format: transformers 4.x (`rope_theta` + a `rope_scaling`
 dict) or 5.x (a `rope_parameters` dict). `config_to_hf` writes the inverse, picking the family
 from the config (qk_norm -> qwen3, qkv_bias -> qwen2, else llama).
 The weights themselves are mapped by `knitjax.models.hf`, which re-exports these names.

@@ -1,7 +1,7 @@
 """Hugging Face SigLIP vision towers (`SiglipVisionModel`) <-> knitjax's `VisionEncoder`.
 
 `siglip_config_from_hf` turns a `siglip_vision_model` config into a `VisionConfig`;
-`vision_tensors` lists, per encoder param, the Hugging Face tensor it comes from and how its layout
+`vision_tensors` lists, per encoder param, the Hugging Face tensor it comes from and how its axes
 changes; `load_mapped` / `mapped_items` read and write such tables (one tensor at a time, placed
 with `knitjax.sharding`'s rules, as `knitjax.models.hf` does for the decoder). `load_siglip_params`
 and `save_siglip` are the standalone-tower entry points; `knitjax.models.hf_vision` reuses the
@@ -32,7 +32,7 @@ SIGLIP_TYPE = "siglip_vision_model"
 # Hugging Face hidden_act -> knitjax activation ("gelu_new" is the same tanh formula).
 HF_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 KNITJAX_ACTS = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
-SIGLIP_LAYOUTS = {"v5": "", "v4": "vision_model."}
+SIGLIP_NAMINGS = {"v5": "", "v4": "vision_model."}
 # SiglipVisionConfig's defaults, for fields a config.json leaves out.
 _DEFAULTS = dict(
   hidden_size=768,
@@ -330,7 +330,7 @@ def load_siglip_params(
   else:
     config, state = None, encoder_or_state
   entries = hf.checkpoint_entries(path)
-  prefix = detect_prefix(entries, tuple(SIGLIP_LAYOUTS.values()), path)
+  prefix = detect_prefix(entries, tuple(SIGLIP_NAMINGS.values()), path)
   if config is None:
     config = siglip_config_from_hf(path)
   table = vision_tensors(config, prefix)
@@ -345,21 +345,21 @@ def save_siglip(
   config: VisionConfig,
   path: str | os.PathLike,
   *,
-  layout: str = "v5",
+  naming: str = "v5",
   dtype=np.float32,
 ) -> None:
   """Writes a VisionEncoder as a `SiglipVisionModel` folder (config.json + model.safetensors).
 
-  `layout`: "v5" (transformers 5.x names, `embeddings.*`) or "v4" (`vision_model.embeddings.*`).
+  `naming`: "v5" (transformers 5.x names, `embeddings.*`) or "v4" (`vision_model.embeddings.*`).
   """
-  if layout not in SIGLIP_LAYOUTS:
+  if naming not in SIGLIP_NAMINGS:
     raise ValueError(
-      f"save_siglip layout={layout!r} is unknown; accepted: {sorted(SIGLIP_LAYOUTS)}."
+      f"save_siglip naming={naming!r} is unknown; accepted: {sorted(SIGLIP_NAMINGS)}."
     )
   dtype = hf._save_dtype(dtype)
   state = (
     nnx.state(encoder_or_state) if isinstance(encoder_or_state, nnx.Module) else encoder_or_state
   )
-  items = mapped_items(state, vision_tensors(config, SIGLIP_LAYOUTS[layout]), dtype)
+  items = mapped_items(state, vision_tensors(config, SIGLIP_NAMINGS[naming]), dtype)
   hf_config = siglip_config_to_hf(config) | {"torch_dtype": hf._TORCH_DTYPES[DTYPE_NAMES[dtype]]}
   hf.write_folder(path, items, hf_config, dtype=dtype)

@@ -7,14 +7,14 @@ is one `knitjax.models.hf` loads (Qwen2 / Qwen3 / Llama): `llava_config_from_hf`
 `image_token_index`) onto `VisionConfig` / `TransformerConfig`, `load_llava_params` reads the
 weights, `init_vlm_from_hf` builds a sharded VLM straight from a folder, and `save_llava` exports.
 
-Tensor layouts, by prefix (the names under them are SigLIP's, the decoder's, the projector's):
+Tensor namings, by prefix (the names under them are SigLIP's, the decoder's, the projector's):
 
 - "v5" (transformers 5.x in memory, `save_pretrained(save_original_format=False)`):
   `model.vision_tower.`, `model.multi_modal_projector.`, `model.language_model.`, `lm_head.weight`;
 - "v4" (transformers 4.x): `vision_tower.vision_model.`, `multi_modal_projector.`,
   `language_model.model.`, `language_model.lm_head.weight`.
 
-The loader finds the layout from the names present, and also reads what transformers 5.x's
+The loader finds the naming from the names present, and also reads what transformers 5.x's
 `save_pretrained` writes by default (the v4 names, but `vision_tower.` without `vision_model.`).
 """
 
@@ -48,7 +48,7 @@ from knitjax.models.vision import VisionConfig
 from knitjax.models.vlm import VLM
 
 __all__ = [
-  "LLAVA_LAYOUTS",
+  "LLAVA_NAMINGS",
   "init_vlm_from_hf",
   "is_llava",
   "llava_config_from_hf",
@@ -63,22 +63,22 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class _Naming:
   vision: str
   projector: str
   text: str  # replaces the decoder's "model." prefix
   head: str  # the name of lm_head.weight
 
   def text_name(self, name: str) -> str:
-    """A text-only checkpoint name (`model.*`, `lm_head.weight`) -> its name in this layout."""
+    """A text-only checkpoint name (`model.*`, `lm_head.weight`) -> its name in this naming."""
     return self.head if name == "lm_head.weight" else self.text + name.removeprefix("model.")
 
 
-LLAVA_LAYOUTS = {
-  "v5": _Layout(
+LLAVA_NAMINGS = {
+  "v5": _Naming(
     "model.vision_tower.", "model.multi_modal_projector.", "model.language_model.", "lm_head.weight"
   ),
-  "v4": _Layout(
+  "v4": _Naming(
     "vision_tower.vision_model.",
     "multi_modal_projector.",
     "language_model.model.",
@@ -200,24 +200,24 @@ def _projector_tensors(vision_config: VisionConfig, d_out: int, prefix: str) -> 
 
 
 def _partition(entries: Mapping[str, Entry], where: str):
-  """(vision prefix, layout of the rest, {part: entries}) of a LLaVA checkpoint's tensors."""
+  """(vision prefix, naming of the rest, {part: entries}) of a LLaVA checkpoint's tensors."""
   vision_prefix = detect_prefix(entries, _VISION_PREFIXES, where)
-  layout = LLAVA_LAYOUTS["v5" if vision_prefix.startswith("model.") else "v4"]
+  naming = LLAVA_NAMINGS["v5" if vision_prefix.startswith("model.") else "v4"]
   parts = {"vision": {}, "projector": {}, "lm": {}}
   text_names = {}
   for name, entry in entries.items():
     if name.startswith(vision_prefix):
       parts["vision"][name] = entry
-    elif name.startswith(layout.projector):
+    elif name.startswith(naming.projector):
       parts["projector"][name] = entry
-    elif name == layout.head:
+    elif name == naming.head:
       text_names["lm_head.weight"] = entry
-    elif name.startswith(layout.text):
-      text_names["model." + name.removeprefix(layout.text)] = entry
+    elif name.startswith(naming.text):
+      text_names["model." + name.removeprefix(naming.text)] = entry
     else:
-      raise ValueError(f"tensor {name!r} in {where} is not part of a LLaVA model's layout.")
+      raise ValueError(f"tensor {name!r} in {where} is not part of a LLaVA model's naming.")
   parts["lm"] = text_names
-  return vision_prefix, layout, parts
+  return vision_prefix, naming, parts
 
 
 def load_llava_params(
@@ -227,7 +227,7 @@ def load_llava_params(
   *,
   dtype=np.float32,
 ) -> nnx.State:
-  """Reads a LLaVA folder (any layout above) into a VLM's params.
+  """Reads a LLaVA folder (any naming above) into a VLM's params.
 
   Args:
     path: checkpoint folder.
@@ -239,10 +239,10 @@ def load_llava_params(
   path = os.fspath(path)
   lm_config, vision_config, _ = llava_config_from_hf(path)
   state = nnx.state(vlm_or_state) if isinstance(vlm_or_state, nnx.Module) else vlm_or_state
-  vision_prefix, layout, parts = _partition(hf.checkpoint_entries(path), path)
+  vision_prefix, naming, parts = _partition(hf.checkpoint_entries(path), path)
   kw = dict(where=path, mesh=mesh, dtype=dtype)
   vision_table = vision_tensors(vision_config, vision_prefix)
-  projector_table = _projector_tensors(vision_config, lm_config.d_model, layout.projector)
+  projector_table = _projector_tensors(vision_config, lm_config.d_model, naming.projector)
   parts_state = nnx.State(
     {
       "vision": load_mapped(parts["vision"], state["vision"], vision_table, **kw),
@@ -279,17 +279,17 @@ def save_llava(
   image_token_id: int,
   path: str | os.PathLike,
   *,
-  layout: str = "v5",
+  naming: str = "v5",
   dtype=np.float32,
   max_shard_bytes: int | None = None,
 ) -> None:
   """Writes a VLM as a `LlavaForConditionalGeneration` folder that transformers loads.
 
-  `layout`: "v5" or "v4" (table above). In a multi-process run every process must call this.
+  `naming`: "v5" or "v4" (table above). In a multi-process run every process must call this.
   """
-  if layout not in LLAVA_LAYOUTS:
-    raise ValueError(f"save_llava layout={layout!r} is unknown; accepted: {sorted(LLAVA_LAYOUTS)}.")
-  names = LLAVA_LAYOUTS[layout]
+  if naming not in LLAVA_NAMINGS:
+    raise ValueError(f"save_llava naming={naming!r} is unknown; accepted: {sorted(LLAVA_NAMINGS)}.")
+  names = LLAVA_NAMINGS[naming]
   dtype = hf._save_dtype(dtype)
   hf_config = llava_config_to_hf(lm_config, vision_config, image_token_id)
   state = nnx.state(vlm_or_state) if isinstance(vlm_or_state, nnx.Module) else vlm_or_state

@@ -312,25 +312,25 @@ class Attention(nnx.Module):
     cache_index: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
-    slots: tuple[int, int] | None = None,
+    spans: tuple[int, int] | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attends the T new positions to the earlier-or-equal valid keys (`attention_lib.attend`).
 
     Args:
       x_btd: normalised inputs of the new positions.
       sin_cos: RoPE tables of the new positions.
-      valid_bs: bool key validity: [B, T] for a full sequence, [B, S] over the cache's slots
+      valid_bs: bool key validity: [B, T] for a full sequence, [B, S] over the cache's positions
         (the new positions included) with `kv_cache`.
       kv_cache: (k, v) [B, S, K, H] of this layer; the new keys are written at `cache_index`.
-      cache_index: scalar slot of the first new position in the cache.
+      cache_index: scalar index of the first new position in the cache.
       segment_ids_bt: int32 [B, T] packed-sequence ids of a full sequence (0 on padding): a query
         sees a key only in its own segment. None: one sequence per row.
       prefix_ids_bt: int32 [B, T] tree mask (shared-prompt rows ``[prompt | r1 | ... | rG]``):
         for a response token the segment id of its prompt, whose keys it sees too; 0 elsewhere.
         Needs `segment_ids_bt`. None: no prefixes.
-      slots: ``(P, N)`` of a fixed-slot shared-prompt row ``[prompt (P) | N | ... | N]``
-        (`knitjax.train.prompt_sharing`): the same tree mask computed per slot
-        (`attention_lib.attend_slots`), so no query meets another response's keys; the
+      spans: ``(P, N)`` of a fixed-span shared-prompt row ``[prompt (P) | N | ... | N]``
+        (`knitjax.train.prompt_sharing`): the same tree mask computed per span
+        (`attention_lib.attend_spans`), so no query meets another response's keys; the
         segment and prefix ids are then not read. None: `attend` with the ids.
 
     Returns:
@@ -344,7 +344,7 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
     q_offset = 0
     if kv_cache is not None:
-      if segment_ids_bt is not None or prefix_ids_bt is not None or slots is not None:
+      if segment_ids_bt is not None or prefix_ids_bt is not None or spans is not None:
         raise ValueError(
           "segment_ids_bt and prefix_ids_bt apply to a full sequence, not to a KV cache."
         )
@@ -352,9 +352,9 @@ class Attention(nnx.Module):
       k = jax.lax.dynamic_update_slice(kv_cache[0], k.astype(kv_cache[0].dtype), start)
       v = jax.lax.dynamic_update_slice(kv_cache[1], v.astype(kv_cache[1].dtype), start)
       q_offset = cache_index
-    if slots is not None:
-      out = attention_lib.attend_slots(
-        q, k, v, kv_valid_bs=valid_bs, prompt_len=slots[0], slot_len=slots[1],
+    if spans is not None:
+      out = attention_lib.attend_spans(
+        q, k, v, kv_valid_bs=valid_bs, prompt_len=spans[0], span_len=spans[1],
         impl=self.attention,
       )  # fmt: skip
     else:

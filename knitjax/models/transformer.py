@@ -76,7 +76,7 @@ class TransformerConfig:
   lora_base_dtype: str = "float32"
   # Memory and compile time of the full-sequence (training) forward; neither changes the math.
   # remat: one of REMAT_POLICIES. scan_layers: run the decoder blocks as one `lax.scan` (one block
-  # compiled instead of num_layers); params keep their per-layer layout (checkpoints, weight sync
+  # compiled instead of num_layers); params keep their per-layer structure (checkpoints, weight sync
   # and LoRA unchanged) and are stacked in the compute dtype inside the jitted step.
   remat: str = "none"
   scan_layers: bool = False
@@ -222,11 +222,11 @@ class Block(nnx.Module):
     cache_index=None,
     segment_ids_bt=None,
     prefix_ids_bt=None,
-    slots=None,
+    spans=None,
   ):
     attn_out, kv = self.attn(
       self.attn_norm(x_btd), sin_cos, valid_bs, kv_cache, cache_index, segment_ids_bt,
-      prefix_ids_bt, slots,
+      prefix_ids_bt, spans,
     )  # fmt: skip
     x_btd = x_btd + attn_out
     return x_btd + self.mlp(self.mlp_norm(x_btd)), kv
@@ -267,7 +267,7 @@ class Transformer(nnx.Module):
     return self.embedder(tokens_bt)
 
   def unembedding(self) -> tuple[jax.Array, str]:
-    """The output projection as stored (float32, or a LoRA base's dtype) and its layout: the tied
+    """The output projection as stored (float32, or a LoRA base's dtype) and its axes: the tied
     embedding table ``([V, D], "vd")`` or the lm_head ``([D, V], "dv")``. The logits are
     ``hidden_states(...) @ W^T`` with ``W`` cast to the compute dtype (`knitjax.train.logprobs`
     casts it inside, so its gradient stays in the param's dtype)."""
@@ -296,7 +296,7 @@ class Transformer(nnx.Module):
     embeddings_btd: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
-    slots: tuple[int, int] | None = None,
+    spans: tuple[int, int] | None = None,
   ) -> jax.Array:
     """Full-sequence forward: float32 logits [B, T, V].
 
@@ -312,11 +312,11 @@ class Transformer(nnx.Module):
         response token the segment id of its prompt, whose keys it sees as well as its own
         segment's; 0 elsewhere. A response's states then equal those of its own row
         ``[prompt | response]``. Needs `segment_ids_bt`. None: no prefixes.
-      slots: ``(P, N)``: the rows are fixed-slot shared-prompt rows ``[prompt (P) | N | ... |
-        N]``, attended slot by slot (`knitjax.models.attention.attend_slots`); None: by the ids.
+      spans: ``(P, N)``: the rows are fixed-span shared-prompt rows ``[prompt (P) | N | ... |
+        N]``, attended span by span (`knitjax.models.attention.attend_spans`); None: by the ids.
     """
     x = self._hidden(
-      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt, slots
+      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt, spans
     )
     return self._logits(x)
 
@@ -328,7 +328,7 @@ class Transformer(nnx.Module):
     *,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
-    slots: tuple[int, int] | None = None,
+    spans: tuple[int, int] | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """Full-sequence forward of policy and critic: float32 logits [B, T, V] and values [B, T].
 
@@ -337,7 +337,7 @@ class Transformer(nnx.Module):
     """
     if self.value_head is None:
       raise ValueError("logits_and_values needs a value head; set TransformerConfig.value_head.")
-    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt, prefix_ids_bt, slots)
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt, prefix_ids_bt, spans)
     return self._logits(x), self.value_head(self.final_norm(x))
 
   def hidden_states(
@@ -349,7 +349,7 @@ class Transformer(nnx.Module):
     embeddings_btd: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
-    slots: tuple[int, int] | None = None,
+    spans: tuple[int, int] | None = None,
   ) -> jax.Array:
     """Full-sequence forward up to the final norm: hidden states [B, T, D] in the compute dtype.
 
@@ -357,7 +357,7 @@ class Transformer(nnx.Module):
     that the [B, T, V] logits need not exist at once); the arguments are `__call__`'s.
     """
     x = self._hidden(
-      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt, slots
+      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt, spans
     )
     return self.final_norm(x)
 
@@ -369,7 +369,7 @@ class Transformer(nnx.Module):
     *,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
-    slots: tuple[int, int] | None = None,
+    spans: tuple[int, int] | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """`hidden_states` and the critic's float32 values [B, T] from the same forward pass.
 
@@ -381,7 +381,7 @@ class Transformer(nnx.Module):
       )
     x = self.hidden_states(
       tokens_bt, positions_bt, valid_bt, segment_ids_bt=segment_ids_bt,
-      prefix_ids_bt=prefix_ids_bt, slots=slots,
+      prefix_ids_bt=prefix_ids_bt, spans=spans,
     )  # fmt: skip
     return x, self.value_head(x)
 
@@ -393,7 +393,7 @@ class Transformer(nnx.Module):
     embeddings_btd,
     segment_ids_bt=None,
     prefix_ids_bt=None,
-    slots=None,
+    spans=None,
   ) -> jax.Array:
     """The last block's output [B, T, D] (before the final norm)."""
     x = self._inputs(tokens_bt, embeddings_btd)
@@ -403,13 +403,13 @@ class Transformer(nnx.Module):
     if prefix_ids_bt is not None:
       prefix_ids_bt = prefix_ids_bt.astype(jnp.int32)
     sin_cos = self._rope(positions_bt)
-    return self._blocks(x, sin_cos, valid_bt, None, None, segment_ids_bt, prefix_ids_bt, slots)
+    return self._blocks(x, sin_cos, valid_bt, None, None, segment_ids_bt, prefix_ids_bt, spans)
 
   def _blocks(self, x_btd: jax.Array, *block_args) -> jax.Array:
     """Every decoder block over a full sequence, with the configured remat and layer scan.
 
     ``block_args`` follow ``x_btd`` in `Block.__call__`: (sin_cos, valid_bs, kv_cache,
-    cache_index, segment_ids_bt, prefix_ids_bt, slots).
+    cache_index, segment_ids_bt, prefix_ids_bt, spans).
     """
     c = self.config
     graphdef = nnx.graphdef(self.blocks[0])

@@ -349,14 +349,3 @@ class Projector(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.fc2(ACTIVATIONS[self.act](self.fc1(x)))
-
-
-def encoder_flops(config: VisionConfig, d_out: int) -> float:
-  """Forward FLOPs of encoder + projector for one image (2 per multiply-add; for cost notes)."""
-  p, d = config.num_patches, config.d_model
-  attn = config.num_heads * config.head_dim
-  per_block = 2 * p * d * attn * 4 + 2 * 2 * p * p * attn + 2 * 2 * p * d * config.mlp_dim
-  patch = 2 * p * config.patch_size**2 * config.channels * d
-  hidden = config.projector_dim
-  proj = 2 * config.num_image_tokens * (config.feature_dim * hidden + hidden * d_out)
-  return float(patch + config.num_layers * per_block + proj)

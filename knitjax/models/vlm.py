@@ -133,19 +133,19 @@ class VLM(nnx.Module):
     image_rows_bpd: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
     prefix_ids_bt: jax.Array | None = None,
-    slots: tuple[int, int] | None = None,
+    spans: tuple[int, int] | None = None,
   ) -> jax.Array:
     """The decoder's final-normed hidden states [B, T, D] (`__call__` without the logits);
-    segment and prefix ids and slots as in `Transformer.__call__` (packed rows, shared-prompt
+    segment and prefix ids and spans as in `Transformer.__call__` (packed rows, shared-prompt
     tree mask)."""
     x = self.embed(tokens_bt, image_rows_bpd)
     return self.lm.hidden_states(
       tokens_bt, positions_bt, valid_bt, embeddings_btd=x, segment_ids_bt=segment_ids_bt,
-      prefix_ids_bt=prefix_ids_bt, slots=slots,
+      prefix_ids_bt=prefix_ids_bt, spans=spans,
     )  # fmt: skip
 
   def unembedding(self) -> tuple[jax.Array, str]:
-    """The decoder's output projection and its layout (`Transformer.unembedding`)."""
+    """The decoder's output projection and its axes (`Transformer.unembedding`)."""
     return self.lm.unembedding()
 
   # The sampler's interface (text path of the decoder; images enter through `embeddings_btd`).

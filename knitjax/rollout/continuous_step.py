@@ -25,7 +25,7 @@ so a version transition that leaves a few rows on the old version costs a pass o
 not a second pass over every slot (``rows`` counts what the passes computed;
 `knitjax.rollout.version_split`). Prefill lanes run one pass per param slot with active lanes.
 
-Layout of a slot's cache row: positions ``[0, Pp)`` hold the left-padded prompt (``Pp``: the
+A slot's cache row: positions ``[0, Pp)`` hold the left-padded prompt (``Pp``: the
 prompt width rounded up to whole chunks), decoding appends from ``Pp``; RoPE positions count real
 tokens only, so the result equals one whole-prompt prefill of the same prompt.
 """

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from knitjax.rollout.contract import Rollout, RolloutStats
-from knitjax.rollout.weight_parts import ShardedWeights, WireLayout, assemble
+from knitjax.rollout.weight_parts import ShardedWeights, WireFormat, assemble
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.ray_storage import NodeAffinitySchedulingStrategy, RayStorageUnit, ray
@@ -76,9 +76,9 @@ class _RolloutActor:
     state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, h.params))
     h.rollout.adopt(state, version)
 
-  def adopt_parts(self, version: int, layout: WireLayout, refs: list) -> None:
+  def adopt_parts(self, version: int, wire_format: WireFormat, refs: list) -> None:
     """Adopts a version sent as every trainer process's own shards (`weight_parts`)."""
-    self.adopt(version, assemble(layout, ray.get(list(refs))))
+    self.adopt(version, assemble(wire_format, ray.get(list(refs))))
 
   def generate(self, items: Sequence[tuple[Prompt, int]], key_data: np.ndarray) -> list[GroupMeta]:
     """Generates the given ``(prompt, group id)``s to completion; payloads stay on this node."""
@@ -103,7 +103,7 @@ class _RolloutActor:
 
 def _send_version(actor, version: int, weights) -> None:
   if isinstance(weights, ShardedWeights):
-    actor.adopt_parts.remote(version, weights.layout, list(weights.refs))
+    actor.adopt_parts.remote(version, weights.wire_format, list(weights.refs))
   else:
     actor.adopt.remote(version, weights)
 

@@ -6,7 +6,7 @@ accelerators and its own JAX runtime, not part of the trainer's ``jax.distribute
 connect to it. :class:`RemoteRollout` is the trainer's view of them, one rollout behind the
 contract of `knitjax.rollout.contract`, so the trainer's rollout thread, admission index and
 depth bound drive it as they drive an in-process rollout: ``start`` goes to the host with the
-most room, ``adopt`` offers the version for the hosts to pull, ``step`` returns the groups the
+most room, ``adopt`` stages the version for the hosts to pull, ``step`` returns the groups the
 hosts reported. A host does not wait to be asked: while it holds groups it steps its own
 rollout (continuous engine, batched sampler or multi-turn) and reports after every step (the
 groups completed, its room, its counters), reading the trainer's messages (starts, adopts)
@@ -22,8 +22,8 @@ answered in order) and *storage* (unit calls). Nothing on them is pickled: messa
 the format of `knitjax.rollout.wire`, decoded by the types each kind expects. Connections are
 accepted while hosts attach, each authenticated in its own thread within `_HANDSHAKE_S`, so a
 silent, slow or refused peer delays no other. Weights do not use them: the trainer
-offers each version through a :class:`WeightChannel` (in a run, ``jax.experimental.transfer``
-from device to device, `knitjax.runtime.weight_transfer`) and tells each host which offer to
+stages each version in a :class:`WeightChannel` (in a run, ``jax.experimental.transfer``
+from device to device, `knitjax.runtime.weight_transfer`) and tells each host which pull id to
 pull. Hosts are not restarted: one that disconnects ends the run with one sentence (resume
 restores the held payloads into the new hosts' units).
 """
@@ -104,13 +104,13 @@ _RESUME = (
 
 
 class WeightChannel(Protocol):
-  """The trainer's side of weight transfer: offers a version for pulls by id."""
+  """The trainer's side of weight transfer: stages a version for pulls by id."""
 
   @property
   def address(self) -> str: ...
 
-  def offer(self, params, *offer_ids: int) -> None:
-    """Stages ``params`` once and offers them under each id, one pull per id."""
+  def stage(self, params, *pull_ids: int) -> None:
+    """Stages ``params`` once under each pull id, one pull per id."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -478,9 +478,9 @@ class RemoteRollout:
       return
     n = len(self._hosts)
     ids = [version * n + h.index for h in self._hosts]
-    self._weights.offer(params, *ids)
-    for h, offer_id in zip(self._hosts, ids, strict=True):
-      self._send(h, "adopt", offer_id, version)
+    self._weights.stage(params, *ids)
+    for h, pull_id in zip(self._hosts, ids, strict=True):
+      self._send(h, "adopt", pull_id, version)
     self._version = version
 
   def capacity(self) -> int:

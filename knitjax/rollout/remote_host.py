@@ -39,7 +39,7 @@ class Attached:
   storage: StorageUnit
   mesh: jax.sharding.Mesh
   specs: list  # one PartitionSpec per published leaf, in the trainer's order
-  # ``pull(weights_address)`` -> ``fetch(offer_id) -> params`` for ``rollout.adopt``
+  # ``pull(weights_address)`` -> ``fetch(pull_id) -> params`` for ``rollout.adopt``
   puller: Callable[[str], Callable[[int], object]]
 
 
@@ -135,11 +135,11 @@ def serve(
       rollout.start(*args)
       state["starts_seen"] += 1
     elif kind == "adopt":
-      offer_id, version = args
+      pull_id, version = args
       t0 = time.perf_counter()
       # The version crosses the link; waiting for its arrays here (the next step needs them
       # anyway) makes these seconds the pull's, not its dispatch's.
-      params = jax.block_until_ready(fetch(offer_id))
+      params = jax.block_until_ready(fetch(pull_id))
       counts["pull_s"] += time.perf_counter() - t0
       rollout.adopt(params, version)
       counts["versions"] += 1

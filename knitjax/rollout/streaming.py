@@ -3,7 +3,7 @@
 :class:`StreamingRollout` starts a group as ``G`` requests in free slots of the
 :class:`~knitjax.rollout.continuous.ContinuousEngine`, collects finished samples (out of order,
 as slots free up), and when the last sample of a group finishes scores the group
-(:func:`~knitjax.rollout.worker.assemble_group`) and writes its payload into the storage unit.
+(:func:`~knitjax.transfer.assembly.assemble_group`) and writes its payload into the storage unit.
 The gen version of a group is the oldest version any of its samples used (partial rollout
 records the newest too).
 

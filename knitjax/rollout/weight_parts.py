@@ -6,7 +6,7 @@ send every element of every leaf exactly once. A rollout actor reassembles the l
 processes' parts (:func:`assemble`), checking that the parts cover each leaf exactly.
 
 :class:`ShardedWeights` is what a multi-process trainer publishes to Ray rollout actors: the
-layout (leaf paths, shapes, wire dtypes) and one object-store reference per trainer process.
+wire format (leaf paths, shapes, wire dtypes) and one object-store reference per trainer process.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ Part = tuple[int, tuple[tuple[int, int], ...], np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
-class WireLayout:
+class WireFormat:
   """The leaves of a pure params dict: their key paths, shapes and (wire) dtypes."""
 
   paths: tuple[tuple[Any, ...], ...]
@@ -41,7 +41,7 @@ class ShardedWeights:
   """One version as every trainer process's parts in Ray's object store (``refs[k]``: process
   ``k``'s list of :data:`Part`)."""
 
-  layout: WireLayout
+  wire_format: WireFormat
   refs: tuple[Any, ...]
 
 
@@ -51,19 +51,19 @@ def _dtype(name: str):
   return np.dtype(getattr(ml_dtypes, name, None) or name)
 
 
-def layout_of(pure: dict) -> tuple[WireLayout, list]:
-  """The layout of a (nested) pure params dict and its leaves, in that order."""
+def wire_format_of(pure: dict) -> tuple[WireFormat, list]:
+  """The wire format of a (nested) pure params dict and its leaves, in that order."""
   import jax
 
   flat, _ = jax.tree_util.tree_flatten_with_path(pure)
   paths = tuple(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path) for path, _ in flat)
   leaves = [x for _, x in flat]
-  layout = WireLayout(
+  wire_format = WireFormat(
     paths=paths,
     shapes=tuple(tuple(int(d) for d in x.shape) for x in leaves),
     dtypes=tuple(str(x.dtype) for x in leaves),
   )
-  return layout, leaves
+  return wire_format, leaves
 
 
 def own_parts(leaves) -> list[Part]:
@@ -85,13 +85,15 @@ def parts_bytes(parts: list[Part]) -> int:
   return sum(a.nbytes for _, _, a in parts)
 
 
-def assemble(layout: WireLayout, parts_per_process: list[list[Part]]) -> dict:
+def assemble(wire_format: WireFormat, parts_per_process: list[list[Part]]) -> dict:
   """The pure params dict from every process's parts.
 
   Raises:
     ValueError: the parts do not cover some leaf exactly once (one sentence naming it).
   """
-  out = [np.empty(s, _dtype(d)) for s, d in zip(layout.shapes, layout.dtypes, strict=True)]
+  out = [
+    np.empty(s, _dtype(d)) for s, d in zip(wire_format.shapes, wire_format.dtypes, strict=True)
+  ]
   filled = [0] * len(out)
   for parts in parts_per_process:
     for i, index, values in parts:
@@ -101,10 +103,10 @@ def assemble(layout: WireLayout, parts_per_process: list[list[Part]]) -> dict:
     if n != x.size:
       raise ValueError(
         f"the trainer processes sent {n} of the {x.size} values of leaf "
-        f"{'/'.join(map(str, layout.paths[i]))}: a process's shards are missing or repeated."
+        f"{'/'.join(map(str, wire_format.paths[i]))}: a process's shards are missing or repeated."
       )
   pure: dict = {}
-  for path, x in zip(layout.paths, out, strict=True):
+  for path, x in zip(wire_format.paths, out, strict=True):
     node = pure
     for k in path[:-1]:
       node = node.setdefault(k, {})

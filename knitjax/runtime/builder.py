@@ -255,7 +255,7 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
   """Returns ``(state, state_shardings, compiled step, the step's third argument or None)``.
 
   ``prompt_len``: the prompts' padded width (``ClassStreams.prompt_len``); with shared prompts
-  in fixed slots the step then attends slot by slot (``StepHParams.shared_slots``); 0 (a
+  in fixed spans the step then attends span by span (``StepHParams.shared_spans``); 0 (a
   learner that never trains, e.g. for export): by the segment and prefix ids, the same result.
 
   The third argument is the reference params when the loss has a KL term (a copy of the initial
@@ -293,7 +293,7 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
     temperature=config.rollout.temperature,
     max_new_tokens=config.rollout.max_new_tokens,
     logprob_chunk=config.layout.logprob_chunk,
-    shared_slots=shared_slots(config, prompt_len),
+    shared_spans=shared_spans(config, prompt_len),
   )
   with_ref = config.loss.kl_coef > 0 and frozen is None
   shared = config.layout.prompt_sharing == "group"
@@ -337,8 +337,8 @@ def reference_params(params: nnx.State, dtype: str) -> nnx.State:
   return jax.tree.map(copy, params)
 
 
-def shared_slots(config: Config, prompt_len: int) -> tuple[int, int] | None:
-  """``(P, N)`` of the fixed-slot shared-prompt rows the step takes, or None (padded or packed
+def shared_spans(config: Config, prompt_len: int) -> tuple[int, int] | None:
+  """``(P, N)`` of the fixed-span shared-prompt rows the step takes, or None (padded or packed
   rows, or an unknown prompt width)."""
   if config.layout.prompt_sharing != "group" or config.layout.packing != "off" or not prompt_len:
     return None
@@ -430,7 +430,8 @@ def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan
   """This consumer's access to released mini-batches: on demand (fetch its groups, lay out,
   place on the train mesh, one mini-batch at a time) or the centralized baseline (a whole step
   gathered by one driver). ``plan_for``: the announced consumer plan of a mini-batch (a trainer
-  of several processes, `knitjax.runtime.trainer_group`); None: planned alike by every consumer."""
+  of several processes, `knitjax.runtime.trainer_processes`); None: planned alike by every
+  consumer."""
   layout = BatchLayout(
     estimator=config.loss.advantage,
     prompt_len=prompts.prompt_len,

@@ -2,7 +2,7 @@
 
 Its key-value store (held open by ``jax.distributed``, served by process 0) carries what one
 process announces to the others (`announce`, `hear`, `forget`), and each process's pulse:
-`GroupWatch` ends a process with one sentence when another one is lost.
+`PulseWatch` ends a process with one sentence when another one is lost.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def forget(key: str) -> None:
     _store().delete(_PREFIX + key)
 
 
-class GroupWatch:
+class PulseWatch:
   """Ends this process with one sentence when another trainer process dies.
 
   A thread counts this process's pulse up in the key-value store every ``PULSE_S`` and reads
@@ -71,7 +71,7 @@ class GroupWatch:
     self.process, self.processes = jax.process_index(), jax.process_count()
     self._silence = silence_s
     self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._loop, name="group-watch", daemon=True)
+    self._thread = threading.Thread(target=self._loop, name="pulse-watch", daemon=True)
     self._thread.start()
 
   def _loop(self) -> None:

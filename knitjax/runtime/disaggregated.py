@@ -26,7 +26,7 @@ from absl import logging
 
 from knitjax import sharding
 from knitjax.config import Config
-from knitjax.runtime import builder, coordination, rollout_builder, rollout_hosts, trainer_group
+from knitjax.runtime import builder, coordination, rollout_builder, rollout_hosts, trainer_processes
 from knitjax.runtime.evaluation import plot_eval
 from knitjax.runtime.metrics import MetricsWriter, mean_rows, plot_reward
 from knitjax.runtime.pipeline import Pipeline
@@ -46,7 +46,7 @@ def split_devices(config: Config, devices=None) -> tuple[list, list]:
   return devices[:r], devices[r:]
 
 
-def _check_group(config: Config) -> None:
+def _check_multiprocess(config: Config) -> None:
   """What a trainer spread over processes needs of the config (one sentence if not met)."""
   r = config.topology
   if not r.rollout_workers or r.rollout_hosts:
@@ -84,14 +84,14 @@ def run(
   Returns:
     The last step's metrics.
   """
-  group = jax.process_count() > 1  # a trainer spread over processes (`trainer_group`)
+  multiprocess = jax.process_count() > 1  # a trainer spread over processes (`trainer_processes`)
   leader = jax.process_index() == 0
   watch = None
-  if group:
-    _check_group(config)
-    watch = coordination.GroupWatch()  # a trainer process lost ends the others (one sentence)
+  if multiprocess:
+    _check_multiprocess(config)
+    watch = coordination.PulseWatch()  # a trainer process lost ends the others (one sentence)
   hosts = config.topology.rollout_hosts
-  if hosts or group:  # the rollout runs in other processes: every device here trains
+  if hosts or multiprocess:  # the rollout runs in other processes: every device here trains
     rollout_devices, train_devices = [], list(jax.devices())
   else:
     rollout_devices, train_devices = split_devices(config)
@@ -106,7 +106,9 @@ def run(
     rollout_mesh = train_mesh
     rollout = rollout_hosts.remote_rollout(config, train_mesh, learner.state.params, workdir)
   elif leader:
-    rollout_mesh = train_mesh if group else sharding.make_mesh((-1, 1, 1), devices=rollout_devices)
+    rollout_mesh = (
+      train_mesh if multiprocess else sharding.make_mesh((-1, 1, 1), devices=rollout_devices)
+    )
     rollout = rollout_builder.build_rollout(config, graphdef, rollout_mesh, prompts)
   if rollout is not None:
     admission = builder.build_admission(
@@ -120,8 +122,8 @@ def run(
       restore_groups(rollout.storage, resumed.payloads)
   m, total = config.admission.minibatches, config.loop.steps
   start = learner.version // m
-  if group:
-    pipe, storage = trainer_group.join(
+  if multiprocess:
+    pipe, storage = trainer_processes.join(
       config,
       workdir,
       learner,
@@ -147,7 +149,7 @@ def run(
     f"{hosts} rollout hosts"
     if hosts
     else f"{config.topology.rollout_workers} Ray workers"
-    if group
+    if multiprocess
     else f"{len(rollout_devices)} devices",
     start + 1,
     total,
@@ -157,7 +159,7 @@ def run(
     config,
     pipe.take,
     builder.build_preparer(
-      config, storage, train_mesh, prompts, plan_for=pipe.plans.plan_for if group else None
+      config, storage, train_mesh, prompts, plan_for=pipe.plans.plan_for if multiprocess else None
     ),
     count=(total - start) * m,
   )

@@ -8,7 +8,7 @@ its own machine or devices. Each host builds the configured rollout on its local
 storage unit in its memory, and is then driven by the trainer's rollout thread through
 `knitjax.rollout.remote` (metadata to the trainer's one admission index, payloads fetched on
 demand from the host's unit). Weights go device to device: the trainer stages each version in
-the wire dtype and layout and offers it with a `WeightServer`; each host pulls it with a
+the wire dtype and sharding with a `WeightServer`; each host pulls it with a
 `WeightClient` straight into its rollout's shardings (`knitjax.runtime.weight_transfer`).
 
 The run's token authenticates both connections: ``KNITJAX_ROLLOUT_TOKEN`` when set (use that
@@ -133,8 +133,8 @@ class _Channel:
   def address(self) -> str:
     return self._server.address
 
-  def offer(self, params, *offer_ids: int) -> None:
-    self._server.offer(jax.tree.leaves(nnx.to_pure_dict(params)), *offer_ids)
+  def stage(self, params, *pull_ids: int) -> None:
+    self._server.stage(jax.tree.leaves(nnx.to_pure_dict(params)), *pull_ids)
 
 
 def remote_rollout(config: Config, train_mesh, params, workdir: str) -> remote.RemoteRollout:
@@ -196,9 +196,9 @@ def _attach(config: Config, unit_id: int, paths: list) -> remote_host.Attached:
   def puller(address: str):
     client = WeightClient(address, leaves, address=f"{_own_host(address)}:0")
 
-    def fetch(offer_id: int):
+    def fetch(pull_id: int):
       pure: dict = {}
-      for (path, _, _), x in zip(paths, client.pull(offer_id), strict=True):
+      for (path, _, _), x in zip(paths, client.pull(pull_id), strict=True):
         node = pure
         for k in path[:-1]:
           node = node.setdefault(k, {})

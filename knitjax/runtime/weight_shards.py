@@ -6,14 +6,14 @@ then, in a publisher thread, copies this process's first-hand shards to host mem
 in Ray's object store (one object per process and version) and posts the reference to the run's
 *board*, a small named Ray actor. Process 0 waits on the board until every process has posted
 the version, and only then makes it visible to ``take_newer``: the rollout adopts a
-`ShardedWeights` (a layout and one reference per process), and each Ray rollout actor
+`ShardedWeights` (a wire format and one reference per process), and each Ray rollout actor
 reassembles the leaves from the parts (`knitjax.rollout.weight_parts`). No process ever holds
 another's shards; the whole parameter set exists on a host only inside the rollout actors.
 
 Counters per process: versions published, seconds from dispatch to visible (process 0) or posted
 (the others), seconds the trainer's thread was held, and the bytes this process put on the wire:
 over the processes they add up to one copy of the params (a leaf replicated across processes is
-sent by the process holding its replica 0), which tests/runtime/test_trainer_group.py checks.
+sent by the process holding its replica 0), which tests/runtime/test_trainer_processes.py checks.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 
 from knitjax import faultpoints
-from knitjax.rollout.weight_parts import ShardedWeights, layout_of, own_parts, parts_bytes
+from knitjax.rollout.weight_parts import ShardedWeights, own_parts, parts_bytes, wire_format_of
 from knitjax.runtime.weight_sync import SYNC_DTYPES, AsyncPublisher, wire_copy, wire_dtype
 
 COLLECT_TIMEOUT_S = 300.0  # process 0 waits this long for every process's part of a version
@@ -102,16 +102,18 @@ class ShardPublisher(AsyncPublisher):
     self.process, self.processes = jax.process_index(), jax.process_count()
     self.sync_dtype, self.route = sync_dtype, "process_shards"
     self._stage = None
-    self._layout = None
+    self._wire_format = None
     self._refs: dict[int, object] = {}  # this process's recent parts (kept alive for the rollout)
 
   def publish(self, params, version: int, *, block: bool = False) -> float:
     t0 = time.perf_counter()
     self.wait()  # the previous publish first (and its error, if it failed)
-    layout, leaves = layout_of(nnx.to_pure_dict(params))
+    wire_format, leaves = wire_format_of(nnx.to_pure_dict(params))
     if self._stage is None:
       dtypes = [wire_dtype(x.dtype, self.sync_dtype) for x in leaves]
-      self._layout = layout.__class__(layout.paths, layout.shapes, tuple(map(str, dtypes)))
+      self._wire_format = wire_format.__class__(
+        wire_format.paths, wire_format.shapes, tuple(map(str, dtypes))
+      )
       self._stage = jax.jit(wire_copy(dtypes), out_shardings=[x.sharding for x in leaves])
     self._hand_off(version, self._stage(leaves), t0, block=block)
     held = time.perf_counter() - t0
@@ -137,7 +139,7 @@ class ShardPublisher(AsyncPublisher):
           f"the trainer processes did not all send their shards of version {version} within "
           f"{COLLECT_TIMEOUT_S:.0f} s: a trainer process stopped."
         )
-      latest = ShardedWeights(self._layout, tuple(refs))
+      latest = ShardedWeights(self._wire_format, tuple(refs))
     self._record(version, latest, t0, parts_bytes(parts))
 
   def take_newer(self, version: int | None) -> tuple[int, ShardedWeights] | None:

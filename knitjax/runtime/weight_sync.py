@@ -11,10 +11,10 @@ A publish is a few dispatches from the trainer's thread, none of which waits:
    to ``np.asarray`` of the whole array, a trip through the host. Two routes avoid that:
 
    - *shard-wise* (train and rollout meshes of equally many devices, e.g. the default half
-     split): ``stage`` keeps the train layout, each shard crosses once to the rollout device in
+     split): ``stage`` keeps the train sharding, each shard crosses once to the rollout device in
      its place (:func:`mirror_sharding`), and a jitted identity on the rollout devices gathers
-     their own layout. Train devices hold one extra wire-dtype copy of their shards.
-   - *staged* (other device counts): ``stage`` lays each leaf out so that every rollout shard
+     their own sharding. Train devices hold one extra wire-dtype copy of their shards.
+   - *staged* (other device counts): ``stage`` reshards each leaf so that every rollout shard
      exists whole on a train device (:func:`staging_sharding`); for a data-parallel rollout mesh
      that is the whole params in the wire dtype on every train device while the copy runs.
 
@@ -62,7 +62,7 @@ def wire_dtype(dtype, sync_dtype: str):
 
 
 def wire_copy(dtypes):
-  """``f(leaves)``: each leaf cast to its wire dtype in a fresh buffer (jit it with the layout
+  """``f(leaves)``: each leaf cast to its wire dtype in a fresh buffer (jit it with the sharding
   wanted). ``copy=True``: a leaf already in the wire dtype still gets its own buffer, never the
   trainer's (which the next train step donates)."""
 
@@ -106,7 +106,7 @@ def _mesh_of(s: jax.sharding.Sharding) -> jax.sharding.Mesh:
 def staging_sharding(
   src: jax.sharding.Sharding, dst: jax.sharding.Sharding, shape
 ) -> NamedSharding:
-  """A layout on ``src``'s devices holding every shard of ``dst`` whole on some device.
+  """A sharding on ``src``'s devices holding every shard of ``dst`` whole on some device.
 
   The destination's spec by :func:`wire_spec`; if that still misses a destination slice, the
   leaf is staged fully replicated.
@@ -120,7 +120,7 @@ def staging_sharding(
 
 
 def mirror_sharding(src: jax.sharding.Sharding, dst: jax.sharding.Sharding) -> NamedSharding | None:
-  """``src``'s layout (mesh shape, axis names, spec) on ``dst``'s devices, or None unless both
+  """``src``'s sharding (mesh shape, axis names, spec) on ``dst``'s devices, or None unless both
   are NamedShardings over equally many devices."""
   if not (isinstance(src, NamedSharding) and isinstance(dst, NamedSharding)):
     return None
@@ -251,7 +251,7 @@ class WeightSync(AsyncPublisher):
     self._dst = jax.tree.leaves(rollout_shardings)
     self._base = base
     self.sync_dtype = sync_dtype
-    # Built at the first publish: the jitted cast-and-lay-out on the train mesh, the layout
+    # Built at the first publish: the jitted cast-and-reshard on the train mesh, the sharding
     # crossing to the rollout devices, and (shard-wise route) the gather there.
     self._stage = self._staged = self._wire = self._gather = None
     self.route = ""
@@ -266,7 +266,7 @@ class WeightSync(AsyncPublisher):
     mirrors = [mirror_sharding(x.sharding, d) for x, d in zip(leaves, self._dst, strict=True)]
     if all(m is not None for m in mirrors):
       # Shard-wise: each train shard crosses once, to the rollout device in its place; the
-      # rollout devices then gather their layout among themselves.
+      # rollout devices then gather their sharding among themselves.
       self.route = "shard_wise"
       self._wire = mirrors
       self._gather = jax.jit(lambda xs: xs, out_shardings=self._dst)
@@ -280,7 +280,7 @@ class WeightSync(AsyncPublisher):
 
   def host_leaves(self, params) -> int:
     """Leaves of ``params`` whose copy across would go through the host (0 by construction;
-    checked with :func:`via_host` on the layouts this sync uses)."""
+    checked with :func:`via_host` on the shardings this sync uses)."""
     leaves = jax.tree.leaves(params)
     if self._stage is None:
       self._stage = self._build_stage(leaves)

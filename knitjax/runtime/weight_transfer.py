@@ -3,22 +3,22 @@
 In multi-controller JAX a ``jax.device_put`` may not move an array onto devices of another
 process set, so `WeightSync` (one process) does not carry over. This module uses
 ``jax.experimental.transfer`` (in JAX 0.10.2): the trainer process runs a transfer server and
-offers each version under an id; the rollout process connects and pulls it straight into arrays
+stages each version under pull ids; the rollout process connects and pulls it straight into arrays
 with its own shardings. The bytes go device buffer to socket to device buffer; neither side
 materialises the params as NumPy.
 
 The trainer stages each version exactly as `WeightSync` does (cast to the wire dtype, jitted,
-fresh buffers the next train step cannot donate away) into the *wire layout*: the rollout's
+fresh buffers the next train step cannot donate away) into the *wire sharding*: the rollout's
 partition spec on the train mesh, with the dimensions replicated whose mesh axis has another
 size there. Shard ``i`` of the pull then gets the slice the rollout's device ``i`` needs; with
 a data-parallel rollout mesh every leaf is replicated on the wire (measured to work with 4 train
 and 2 rollout devices).
 
-Version discovery is the caller's: the rollout must learn under which id version ``v`` is
-offered and then ``pull(id)``; rollout hosts (`knitjax.runtime.rollout_hosts`) learn it from the
-trainer's ``adopt`` call on their control connection, one id per host and version. Each offer
-serves one pull; the trainer keeps the staged arrays of an offer until it is pulled, so it
-offers only versions the rollout will take (the hosts' ``adopt``, which the rollout thread calls
+Version discovery is the caller's: the rollout must learn under which pull id version ``v`` is
+staged and then ``pull(id)``; rollout hosts (`knitjax.runtime.rollout_hosts`) learn it from the
+trainer's ``adopt`` call on their control connection, one id per host and version. Each pull id
+serves one pull; the trainer keeps the staged arrays of an id until it is pulled, so it
+stages only versions the rollout will take (the hosts' ``adopt``, which the rollout thread calls
 for the newest version only).
 """
 
@@ -32,16 +32,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from knitjax.runtime.weight_sync import SYNC_DTYPES, wire_dtype, wire_spec
 
 
-def leaf_uuids(offer_id: int, n: int) -> range:
-  """Transfer ids of an offer's ``n`` leaves. One pull per leaf: on the CPU backend of JAX
+def leaf_uuids(pull_id: int, n: int) -> range:
+  """Transfer ids of a pull id's ``n`` leaves. One pull per leaf: on the CPU backend of JAX
   0.10.2 a pull of several arrays failed ("Async transfer object was deleted before transfers
   completed") when the two sides had different device counts (4 train, 2 rollout), while
   single-array pulls succeeded."""
-  return range(offer_id * n, (offer_id + 1) * n)
+  return range(pull_id * n, (pull_id + 1) * n)
 
 
 class WeightServer:
-  """The trainer process's side: stages versions and offers them to the rollout process.
+  """The trainer process's side: stages versions for the rollout process to pull.
 
   Args:
     train_mesh: the trainer's mesh (its devices are local to this process).
@@ -83,20 +83,20 @@ class WeightServer:
 
     return jax.jit(stage, out_shardings=wire)
 
-  def offer(self, params, *offer_ids: int) -> None:
-    """Stages ``params`` once and offers them under each id (e.g. the version), one pull per id
+  def stage(self, params, *pull_ids: int) -> None:
+    """Stages ``params`` once under each pull id (e.g. the version), one pull per id
     (does not wait for the pulls)."""
     leaves = jax.tree.leaves(params)
     if self._stage is None:
       self._stage = self._build_stage(leaves)
     staged = self._stage(leaves)
-    for offer_id in offer_ids:
-      for uuid, x in zip(leaf_uuids(offer_id, len(leaves)), staged, strict=True):
+    for pull_id in pull_ids:
+      for uuid, x in zip(leaf_uuids(pull_id, len(leaves)), staged, strict=True):
         self._server.await_pull(uuid, [x])
 
 
 class WeightClient:
-  """The rollout process's side: pulls offered versions into arrays on the rollout mesh.
+  """The rollout process's side: pulls staged versions into arrays on the rollout mesh.
 
   Args:
     server_address: the trainer's `WeightServer.address`.
@@ -112,8 +112,8 @@ class WeightClient:
     self._server = transfer.start_transfer_server(client, address, [address])
     self._conn = self._server.connect(server_address)
 
-  def pull(self, offer_id: int):
-    """The params offered under ``offer_id`` (waits until they are offered and arrive)."""
-    uuids = leaf_uuids(offer_id, len(self._avals))
+  def pull(self, pull_id: int):
+    """The params staged under ``pull_id`` (waits until they are staged and arrive)."""
+    uuids = leaf_uuids(pull_id, len(self._avals))
     leaves = [self._conn.pull(u, [a])[0] for u, a in zip(uuids, self._avals, strict=True)]
     return jax.tree.unflatten(self._treedef, leaves)

@@ -41,7 +41,7 @@ ROW_FIELDS = (
 )
 
 
-def pack_rows(
+def pad_rows(
   prompts: Sequence[np.ndarray],
   responses: Sequence[np.ndarray],
   behavior_logps: Sequence[np.ndarray],
@@ -111,7 +111,7 @@ def make_batch(
   Args:
     rows: ``ROW_FIELDS`` arrays: ``prompt_tokens`` ``[R, P']`` right-padded, ``prompt_lengths``
       ``[R]``, ``response_tokens``, ``response_mask`` and ``logprobs`` ``[R, N']``,
-      ``response_lengths`` ``[R]`` (e.g. from ``pack_rows`` or the storage's ``stack_rows``).
+      ``response_lengths`` ``[R]`` (e.g. from ``pad_rows`` or the storage's ``stack_rows``).
     advantages: ``[R]`` advantage per row.
     prompt_len: ``P``, the padded prompt length.
     max_new_tokens: ``N``, the padded response length.

@@ -43,20 +43,20 @@ import jax.numpy as jnp
 # chunks of 512, 1120 with 128, against 4755 with whole logits).
 DEFAULT_CHUNK = 128
 ENTROPY_MODES = ("none", "metric", "loss")
-# The table's layout: "vd" [V, D] (tied embedding), "dv" [D, V] (a separate lm_head).
-LAYOUTS = ("vd", "dv")
+# The table's axes: "vd" [V, D] (tied embedding), "dv" [D, V] (a separate lm_head).
+TABLE_AXES = ("vd", "dv")
 
 
-def logits(x_btd: jax.Array, table: jax.Array, layout: str) -> jax.Array:
+def logits(x_btd: jax.Array, table: jax.Array, table_axes: str) -> jax.Array:
   """float32 logits ``x @ W^T`` of hidden states ``x`` and the table cast to ``x``'s dtype."""
-  spec = "...d,vd->...v" if layout == "vd" else "...d,dv->...v"
+  spec = "...d,vd->...v" if table_axes == "vd" else "...d,dv->...v"
   table = table.astype(x_btd.dtype)
   return jnp.einsum(spec, x_btd, table, preferred_element_type=jnp.float32)
 
 
-def _chunk_forward(x, table, y, *, layout, temperature, entropy):
+def _chunk_forward(x, table, y, *, table_axes, temperature, entropy):
   """One chunk: (logp, lse, E_p[z] or None) from its logits, one log-sum-exp for both."""
-  z = logits(x, table, layout) / temperature
+  z = logits(x, table, table_axes) / temperature
   lse = jax.nn.logsumexp(z, axis=-1)
   logp = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - lse
   mean_z = None
@@ -83,12 +83,12 @@ def _merge(a: jax.Array, t: int) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _chunked(x_btd, table, targets_bt, layout, temperature, chunk, entropy):
-  out, _ = _chunked_fwd(x_btd, table, targets_bt, layout, temperature, chunk, entropy)
+def _chunked(x_btd, table, targets_bt, table_axes, temperature, chunk, entropy):
+  out, _ = _chunked_fwd(x_btd, table, targets_bt, table_axes, temperature, chunk, entropy)
   return out
 
 
-def _chunked_fwd(x_btd, table, targets_bt, layout, temperature, chunk, entropy):
+def _chunked_fwd(x_btd, table, targets_bt, table_axes, temperature, chunk, entropy):
   """Forward; with symbolic zeros the inputs come as ``CustomVJPPrimal``s saying whether they
   are differentiated (a frozen LoRA base's table is not: its gradient is then not computed)."""
   table_grad = True
@@ -97,7 +97,7 @@ def _chunked_fwd(x_btd, table, targets_bt, layout, temperature, chunk, entropy):
     x_btd, table, targets_bt = x_btd.value, table.value, targets_bt.value
   t = x_btd.shape[1]
   fwd = functools.partial(
-    _chunk_forward, layout=layout, temperature=temperature, entropy=entropy != "none"
+    _chunk_forward, table_axes=table_axes, temperature=temperature, entropy=entropy != "none"
   )
 
   def body(_, xs):
@@ -115,7 +115,7 @@ def _chunked_fwd(x_btd, table, targets_bt, layout, temperature, chunk, entropy):
   return (logp, lse - mean_z), residuals
 
 
-def _chunked_bwd(layout, temperature, chunk, entropy, residuals, cotangents):
+def _chunked_bwd(table_axes, temperature, chunk, entropy, residuals, cotangents):
   x_btd, table, targets_bt, lse_bt, mean_z_bt, table_grad = residuals
   table_grad = table_grad is not None
   g_logp_bt, g_ent_bt = cotangents
@@ -127,11 +127,11 @@ def _chunked_bwd(layout, temperature, chunk, entropy, residuals, cotangents):
   if isinstance(g_logp_bt, zero):
     g_logp_bt = jnp.zeros(lse_bt.shape, jnp.float32)
   t = x_btd.shape[1]
-  vocab = table.shape[0] if layout == "vd" else table.shape[1]
+  vocab = table.shape[0] if table_axes == "vd" else table.shape[1]
 
   def body(g_table, xs):
     x, y, lse, mean_z, g_logp, g_ent = xs
-    z = logits(x, table, layout) / temperature
+    z = logits(x, table, table_axes) / temperature
     p = jnp.exp(z - lse[..., None])
     onehot = jnp.arange(vocab, dtype=y.dtype) == y[..., None]
     g_z = g_logp[..., None] * (onehot - p)
@@ -140,12 +140,12 @@ def _chunked_bwd(layout, temperature, chunk, entropy, residuals, cotangents):
     # Matmuls in the compute dtype (x's) with float32 results, as the forward's.
     g_z = (g_z / temperature).astype(x.dtype)
     w = table.astype(x.dtype)
-    if layout == "vd":
+    if table_axes == "vd":
       g_x = jnp.einsum("bcv,vd->bcd", g_z, w, preferred_element_type=jnp.float32)
     else:
       g_x = jnp.einsum("bcv,dv->bcd", g_z, w, preferred_element_type=jnp.float32)
     if table_grad:
-      spec = "bcv,bcd->vd" if layout == "vd" else "bcv,bcd->dv"
+      spec = "bcv,bcd->vd" if table_axes == "vd" else "bcv,bcd->dv"
       g_table = g_table + jnp.einsum(spec, g_z, x, preferred_element_type=jnp.float32)
     return g_table, g_x.astype(x.dtype)
 
@@ -164,7 +164,7 @@ def token_logprobs_and_entropy(
   table: jax.Array,
   targets_bt: jax.Array,
   *,
-  layout: str,
+  table_axes: str,
   temperature: float = 1.0,
   chunk: int = DEFAULT_CHUNK,
   entropy: str = "metric",
@@ -173,10 +173,10 @@ def token_logprobs_and_entropy(
 
   Args:
     hidden_btd: final-normed hidden states (the model's compute dtype).
-    table: the unembedding table, in ``layout`` (``Transformer.unembedding``); cast to the
+    table: the unembedding table, in ``table_axes`` (``Transformer.unembedding``); cast to the
       hidden states' dtype for the matmuls, its gradient comes back in its own dtype.
     targets_bt: int token ids in ``[0, V)``.
-    layout: ``"vd"`` (``[V, D]``, tied embedding) or ``"dv"`` (``[D, V]``, lm_head).
+    table_axes: ``"vd"`` (``[V, D]``, tied embedding) or ``"dv"`` (``[D, V]``, lm_head).
     temperature: the sampler's temperature, so the log-probs match the behavior log-probs.
     chunk: positions per chunk (every row in each); ``0``: the plain path, whole logits.
     entropy: ``"none"`` (returns None), ``"metric"`` (no gradient) or ``"loss"``.
@@ -186,13 +186,13 @@ def token_logprobs_and_entropy(
   """
   if entropy not in ENTROPY_MODES:
     raise ValueError(f"entropy must be one of {ENTROPY_MODES}, got {entropy!r}.")
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+  if table_axes not in TABLE_AXES:
+    raise ValueError(f"table_axes must be one of {TABLE_AXES}, got {table_axes!r}.")
   if not isinstance(chunk, int) or chunk < 0:
     raise ValueError(f"chunk must be a non-negative integer, got {chunk!r}.")
   targets_bt = targets_bt.astype(jnp.int32)
   if chunk == 0:
-    z = logits(hidden_btd, table, layout) / temperature
+    z = logits(hidden_btd, table, table_axes) / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     logp = jnp.take_along_axis(z, targets_bt[..., None], axis=-1)[..., 0] - lse
     if entropy == "none":
@@ -203,7 +203,9 @@ def token_logprobs_and_entropy(
   # padding (T = 132 at chunk 128: two of 66, not 256 positions' logits).
   t = hidden_btd.shape[1]
   chunk = -(-t // -(-t // chunk))
-  logp, ent = _chunked(hidden_btd, table, targets_bt, layout, float(temperature), chunk, entropy)
+  logp, ent = _chunked(
+    hidden_btd, table, targets_bt, table_axes, float(temperature), chunk, entropy
+  )
   if entropy == "none":
     return logp, None
   return logp, ent if entropy == "loss" else jax.lax.stop_gradient(ent)

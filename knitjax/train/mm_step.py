@@ -76,12 +76,12 @@ def _logprobs(model, mb, image_rows_bpd, hparams: StepHParams, entropy: str):
   hidden = model.hidden_states(
     mb["tokens"], mb["positions"], mb["valid"], image_rows_bpd=image_rows_bpd,
     segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"),
-    slots=hparams.shared_slots,
+    spans=hparams.shared_spans,
   )  # fmt: skip
   hidden, _ = scored_states(hidden, None, mb.get("score_index"))
-  table, layout = model.unembedding()
+  table, table_axes = model.unembedding()
   return logprobs_lib.token_logprobs_and_entropy(
-    hidden, table, mb["targets"], layout=layout, temperature=hparams.temperature,
+    hidden, table, mb["targets"], table_axes=table_axes, temperature=hparams.temperature,
     chunk=hparams.logprob_chunk, entropy=entropy,
   )  # fmt: skip
 

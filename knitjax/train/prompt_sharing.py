@@ -47,11 +47,11 @@ single-row unit: to each token of its segment, prompt included, as packing does)
 prompt's tokens carry the padding values (0, 0, -1), so the in-step group estimators
 (:mod:`knitjax.train.step_advantages`) see one row per response, none for the prompt.
 
-Sequences: with ``pack=False`` each unit fills one sequence in **fixed slots**, ``seq_len = P +
+Sequences: with ``pack=False`` each unit fills one sequence in **fixed spans**, ``seq_len = P +
 G N`` tokens (``P``, ``N``: the padded prompt and response widths): the prompt left-padded in
 columns ``[0, P)`` as in its padded row, response ``j`` right-padded in ``[P + j N, P + (j + 1)
-N)``. The model then attends slot by slot (:func:`knitjax.models.attention.attend_slots`,
-``StepHParams.shared_slots``): the prompt once, each slot over the prompt's keys and its own, so
+N)``. The model then attends span by span (:func:`knitjax.models.attention.attend_spans`,
+``StepHParams.shared_spans``): the prompt once, each span over the prompt's keys and its own, so
 no score is spent on one response against another. With ``pack=True`` units are laid out
 contiguously (``[prompt | r1 | r2 | ...]``) and packed first-fit decreasing into sequences of
 ``seq_len`` (= ``pack_len``) tokens, a unit never split
@@ -202,12 +202,12 @@ def share_batch(
   }
   if images is not None:
     out["image_index"] = np.full((s_count,), -1, np.asarray(images).dtype)
-  slot_len = tokens.shape[1] - prompt_len  # N, a response's width (fixed slots)
+  span_len = tokens.shape[1] - prompt_len  # N, a response's width (fixed spans)
   most = max((len(u) for u in groups), default=0)
-  if not pack and prompt_len + most * slot_len > seq_len:
+  if not pack and prompt_len + most * span_len > seq_len:
     raise ValueError(
       f"a group of {most} responses does not fit a shared-prompt row of {seq_len} tokens "
-      f"(a prompt of {prompt_len} and slots of {slot_len}); is config.rollout.group_size right?"
+      f"(a prompt of {prompt_len} and spans of {span_len}); is config.rollout.group_size right?"
     )
   for s, seq in enumerate(sequences):
     col, seg = 0, 1
@@ -215,7 +215,7 @@ def share_batch(
       rows = groups[u]
       first = rows[0]
       pl = int(p_len[first])
-      if not pack:  # fixed slots: the prompt left-padded to P, response j at P + j N
+      if not pack:  # fixed spans: the prompt left-padded to P, response j at P + j N
         col = prompt_len - pl
       src = slice(prompt_len - pl, prompt_len)
       dst = slice(col, col + pl)
@@ -235,7 +235,7 @@ def share_batch(
         if shared:
           seg += 1
         if not pack:
-          col = prompt_len + j * slot_len
+          col = prompt_len + j * span_len
         dst = slice(col, col + n)
         out["tokens"][s, dst] = tokens[r, prompt_len : prompt_len + n]
         out["targets"][s, dst] = tokens[r, prompt_len : prompt_len + n]
@@ -265,7 +265,7 @@ def _row_fields(out, s, dst, r, adv, rewards, group) -> None:
 def sharing_metrics(batch: Mapping[str, np.ndarray], shared: Mapping[str, np.ndarray]) -> dict:
   """Tokens the padded rows hold (``share_padded_tokens``, their valid tokens: ``G (P + R)`` for
   a group), those the shared layout holds (``share_tokens``: ``P + G R``), their ratio
-  (``share_token_ratio``), the sequences ``share_rows`` and the slots' fill ``share_fill``."""
+  (``share_token_ratio``), the sequences ``share_rows`` and the positions' fill ``share_fill``."""
   padded = float(np.count_nonzero(batch["valid"]))
   tokens = float(np.count_nonzero(shared["valid"]))
   return {
@@ -318,7 +318,7 @@ class ShareSpec:
     """The sequence count every part (a consumer's groups, as ``(prompt_tokens,
     response_tokens)``) lays out, and the whole mini-batch's :func:`sharing_metrics`, from the
     groups' token counts alone."""
-    del row_len  # the metrics count tokens, not padded slots
+    del row_len  # the metrics count tokens, not padded positions
     plans, tokens, padded = [], 0, 0
     for groups in parts:
       lengths = unit_lengths_from_counts(groups)

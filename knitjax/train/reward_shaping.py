@@ -44,7 +44,7 @@ def with_overlong_penalty(
   The budget ``L_max`` of a prompt is its class's token budget (``class_max_new_tokens``), else
   ``max_new_tokens``. The returned function has the reward signature (``prompt``,
   ``completion_ids``, ``tokenizer``) and must get completions trimmed to their length (as
-  `knitjax.rollout.worker.assemble_group` passes them), since the length is what it penalises.
+  `knitjax.transfer.assembly.assemble_group` passes them), since the length is what it penalises.
   """
   budgets = dict(class_max_new_tokens)
   for cls, budget in {"": max_new_tokens, **budgets}.items():

@@ -88,10 +88,10 @@ class StepHParams:
   # Positions per chunk of the log-prob / entropy computation (knitjax.train.logprobs): the
   # [B, T, V] logits never exist at once; 0: the plain path (whole logits).
   logprob_chunk: int = logprobs_lib.DEFAULT_CHUNK
-  # Shared prompts in fixed slots (knitjax.train.prompt_sharing, not packed): (P, N), the prompt
-  # width and the response slot width, so attention runs slot by slot
-  # (knitjax.models.attention.attend_slots); None: by the batch's segment and prefix ids.
-  shared_slots: tuple[int, int] | None = None
+  # Shared prompts in fixed spans (knitjax.train.prompt_sharing, not packed): (P, N), the prompt
+  # width and the response span width, so attention runs span by span
+  # (knitjax.models.attention.attend_spans); None: by the batch's segment and prefix ids.
+  shared_spans: tuple[int, int] | None = None
 
   @property
   def entropy_mode(self) -> str:
@@ -111,12 +111,12 @@ def sequence_logprobs(
   temperature: float,
   *,
   chunk: int = logprobs_lib.DEFAULT_CHUNK,
-  slots: tuple[int, int] | None = None,
+  spans: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Per-token log-probs and entropies (no gradient) of the targets, at the sampling
-  temperature (``slots``: see :func:`forward`)."""
+  temperature (``spans``: see :func:`forward`)."""
   logp, entropy, _ = forward(
-    graphdef, params, mb, temperature, values=False, chunk=chunk, entropy="metric", slots=slots
+    graphdef, params, mb, temperature, values=False, chunk=chunk, entropy="metric", spans=spans
   )
   return logp, entropy
 
@@ -130,32 +130,32 @@ def forward(
   values: bool,
   chunk: int = logprobs_lib.DEFAULT_CHUNK,
   entropy: str = "metric",
-  slots: tuple[int, int] | None = None,
+  spans: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """Log-probs and entropies of the targets (at the sampling temperature), and with ``values``
   the critic's values ``[B, T]`` from the same forward pass (else None).
 
   ``chunk`` positions at a time (:mod:`knitjax.train.logprobs`; 0: whole logits); ``entropy``:
-  ``"none"`` (None is returned), ``"metric"`` (no gradient) or ``"loss"``; ``slots``: the
-  batch holds fixed-slot shared-prompt rows of this ``(P, N)`` (``StepHParams.shared_slots``).
+  ``"none"`` (None is returned), ``"metric"`` (no gradient) or ``"loss"``; ``spans``: the
+  batch holds fixed-span shared-prompt rows of this ``(P, N)`` (``StepHParams.shared_spans``).
   """
   model = nnx.merge(graphdef, params)
   inputs = (mb["tokens"], mb["positions"], mb["valid"])
   masks = dict(
-    segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"), slots=slots
+    segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"), spans=spans
   )
   if values:
     hidden, values_bt = model.hidden_states_and_values(*inputs, **masks)
   else:
     hidden, values_bt = model.hidden_states(*inputs, **masks), None
   hidden, values_bt = scored_states(hidden, values_bt, mb.get("score_index"))
-  table, layout = model.unembedding()
-  if slots is not None and chunk:
+  table, table_axes = model.unembedding()
+  if spans is not None and chunk:
     # A row holds G responses: G times the positions per chunk keep the padded rows' logits
     # memory per chunk (rows x chunk x V) with G times fewer table-sized gradient updates.
-    chunk *= max(1, (mb["tokens"].shape[-1] - slots[0]) // slots[1])
+    chunk *= max(1, (mb["tokens"].shape[-1] - spans[0]) // spans[1])
   logp, ent = logprobs_lib.token_logprobs_and_entropy(
-    hidden, table, mb["targets"], layout=layout, temperature=temperature, chunk=chunk,
+    hidden, table, mb["targets"], table_axes=table_axes, temperature=temperature, chunk=chunk,
     entropy=entropy,
   )  # fmt: skip
   return logp, ent, values_bt
@@ -193,7 +193,7 @@ def micro_batch_loss(
   critic = hparams.advantage.critic
   logp, entropy, values = forward(
     graphdef, policy, mb, hparams.temperature, values=critic, chunk=hparams.logprob_chunk,
-    entropy=hparams.entropy_mode, slots=hparams.shared_slots,
+    entropy=hparams.entropy_mode, spans=hparams.shared_spans,
   )  # fmt: skip
   loss, sums = losses.policy_loss(
     logp,
@@ -248,7 +248,7 @@ def recompute_advantages(
   logp, _, values = jax.lax.map(
     lambda mb: forward(
       graphdef, params, mb, hparams.temperature, values=critic, chunk=hparams.logprob_chunk,
-      entropy="none", slots=hparams.shared_slots,
+      entropy="none", spans=hparams.shared_spans,
     ),
     batch,
   )  # fmt: skip
@@ -306,7 +306,7 @@ def train_step(
     ref_logp = jax.lax.map(
       lambda mb: forward(
         graphdef, ref_params, mb, hparams.temperature, values=False, chunk=hparams.logprob_chunk,
-        entropy="none", slots=hparams.shared_slots,
+        entropy="none", spans=hparams.shared_spans,
       )[0],
       batch,
     )  # fmt: skip

@@ -39,7 +39,7 @@ from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.models.vlm import VLM, split_params
 from knitjax.train import losses, mm_step
-from knitjax.train.batch import make_batch, pack_rows
+from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.dedup import COUNT_KEYS
 from knitjax.train.step import (
   MICRO_BATCH_FIELDS,
@@ -90,7 +90,7 @@ def make_workload(
       index.append(g)
   rows = len(prompts)
   batch = make_batch(
-    pack_rows(prompts, responses, logps),
+    pad_rows(prompts, responses, logps),
     rng.normal(size=rows).astype(np.float32),
     prompt_len=len(prompts[0]),
     max_new_tokens=response_tokens,

@@ -29,7 +29,7 @@ def _fns(chunk: int, temperature: float):
 
   def fwd(hidden, table, targets):
     return token_logprobs_and_entropy(
-      hidden, table, targets, layout="vd", temperature=temperature, chunk=chunk, entropy="loss"
+      hidden, table, targets, table_axes="vd", temperature=temperature, chunk=chunk, entropy="loss"
     )
 
   def loss(hidden, table, targets):

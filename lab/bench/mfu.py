@@ -7,7 +7,7 @@ decode loop over the KV cache) with an end token that never comes, so every row 
 ``new_tokens`` tokens. Each is compiled once, run ``warmup`` times, then timed over ``steps``
 calls (median).
 
-FLOPs per trained token, as PaLM counts them (Chowdhery et al. 2022, appendix B):
+FLOPs per trained token, as PaLM counts them (Chowdhery et al. 2022, appendix B; `lab.flops`):
 ``6 N + 12 L H Q T``, with N the params of every matmul (attention and MLP projections and the
 unembedding; the input embedding is a lookup), L layers, H query heads, Q the head dim and T the
 sequence length. The attention term counts the full T x T scores, as PaLM does (a causal kernel
@@ -32,7 +32,7 @@ from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.train import losses
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import make_batch, pad_rows, split_micro_batches
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.step import (
   StepHParams,
@@ -42,21 +42,7 @@ from knitjax.train.step import (
 )
 from lab.bench.compiled_memory import memory_stats
 from lab.bench.report import format_table, write_json
-
-
-def matmul_params(model: TransformerConfig) -> int:
-  """Params that take part in a matmul per token: every layer's projections and the
-  unembedding (the tied embedding counts once, as the output projection)."""
-  d, hd = model.d_model, model.head_dim
-  attention = d * (model.num_heads + 2 * model.num_kv_heads) * hd + model.num_heads * hd * d
-  mlp = 3 * d * model.ffn_dim
-  return model.num_layers * (attention + mlp) + d * model.vocab_size
-
-
-def train_flops_per_token(model: TransformerConfig, seq_len: int) -> float:
-  """PaLM's ``6 N + 12 L H Q T`` FLOPs per trained token (forward and backward)."""
-  attention = 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
-  return 6.0 * matmul_params(model) + attention
+from lab.flops import matmul_params, train_flops_per_token
 
 
 def _rows(rng, rows: int, seq_len: int, prompt_len: int, vocab: int):
@@ -66,7 +52,7 @@ def _rows(rng, rows: int, seq_len: int, prompt_len: int, vocab: int):
   logps = [np.full(new, -np.log(vocab), np.float32) for _ in range(rows)]
   advantages = rng.normal(size=rows).astype(np.float32)
   batch = make_batch(
-    pack_rows(prompts, responses, logps),
+    pad_rows(prompts, responses, logps),
     advantages,
     prompt_len=prompt_len,
     max_new_tokens=new,

@@ -18,6 +18,7 @@ from knitjax.models.vision import VisionConfig
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.storage import image_hash
+from lab import flops
 
 IMAGE_TOKEN = 3
 
@@ -73,19 +74,9 @@ def model_configs(config, w: Workload) -> tuple[TransformerConfig, VisionConfig]
 
 def row_flops(model: TransformerConfig, vision: VisionConfig, w: Workload) -> dict[str, float]:
   """Forward FLOPs per row (2 x matmul params x tokens + attention scores), encoder vs decoder."""
-  d, dv = model.d_model, vision.d_model
-  hd, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-  dec_layer = d * hd * 2 + d * kv * 2 + 3 * d * model.ffn_dim
   tokens = 1 + vision.num_image_tokens + w.text_tokens + w.response_tokens
-  dec = 2 * (model.num_layers * dec_layer + d * model.vocab_size) * tokens
-  dec += model.num_layers * 4 * tokens**2 * hd
-  patch = vision.patch_size**2 * vision.channels
-  vh = vision.num_heads * vision.head_dim
-  enc_layer = 4 * dv * vh + 2 * dv * vision.mlp_dim
-  proj = dv * vision.projector_dim + vision.projector_dim * d
-  n = vision.num_patches
-  enc = 2 * (patch * dv + vision.num_layers * enc_layer + proj) * n
-  enc += vision.num_layers * 4 * n**2 * vh
+  dec = flops.decoder_forward_flops(model, tokens)
+  enc = flops.encoder_forward_flops(vision, model.d_model)
   return {"encoder": float(enc), "decoder": float(dec), "encoder_share": enc / (enc + dec)}
 
 

@@ -25,7 +25,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import losses, packing
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import make_batch, pad_rows, split_micro_batches
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.step import (
   StepHParams,
@@ -49,7 +49,7 @@ def _rows(config) -> dict[str, np.ndarray]:
   logps = [rng.normal(-2.0, 0.5, k).astype(np.float32) for k in resp_lens]
   adv = rng.normal(size=r).astype(np.float32)
   return make_batch(
-    pack_rows(prompts, responses, logps), adv, prompt_len=p, max_new_tokens=n, pad_id=0
+    pad_rows(prompts, responses, logps), adv, prompt_len=p, max_new_tokens=n, pad_id=0
   )
 
 

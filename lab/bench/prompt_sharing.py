@@ -45,7 +45,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.train import advantages, losses
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import make_batch, pad_rows, split_micro_batches
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.prompt_sharing import ShareSpec, sharing_metrics
 from knitjax.train.step import (
@@ -83,7 +83,7 @@ def workload(
   rewards = rng.integers(0, 2, rows).astype(np.float32)
   adv = advantages.compute_advantages(rewards.reshape(groups, group_size), "grpo").reshape(-1)
   return make_batch(
-    pack_rows(prompts, responses, logps), np.asarray(adv, np.float32), prompt_len=prompt_len,
+    pad_rows(prompts, responses, logps), np.asarray(adv, np.float32), prompt_len=prompt_len,
     max_new_tokens=response_len, pad_id=0, rewards=rewards,
     group_ids=np.repeat(np.arange(groups), group_size),
   )  # fmt: skip
@@ -103,8 +103,8 @@ class _Layout:
     hparams = StepHParams(
       loss=losses.LossConfig(kl_coef=config.kl_coef),
       max_new_tokens=response_len,
-      # Fixed slots attend slot by slot, as the runtime's step does (builder.shared_slots).
-      shared_slots=(prompt_len, response_len) if shared else None,
+      # Fixed spans attend span by span, as the runtime's step does (builder.shared_spans).
+      shared_spans=(prompt_len, response_len) if shared else None,
     )
     step = compile_train_step(
       graphdef=graphdef, optimizer=optimizer, hparams=hparams, state_shardings=shardings,
@@ -178,8 +178,8 @@ def measure_point(
     "token_ratio": ratio,
     "tokens_off": int(np.count_nonzero(padded["valid"])),
     "tokens_group": int(np.count_nonzero(shared["valid"])),
-    "slots_off": int(padded["valid"].size),
-    "slots_group": int(shared["valid"].size),
+    "positions_off": int(padded["valid"].size),
+    "positions_group": int(shared["valid"].size),
     "shape_off": list(padded["valid"].shape),
     "shape_group": list(shared["valid"].shape),
     "step_s_off": float(np.median(times[:, 0])),

@@ -13,7 +13,7 @@ transformers rows say so and there is no ratio.
 
 Train pass: knitjax's jitted GRPO step (`lab.bench.mfu.measure_train`: micro-batch scan,
 clipped loss, AdamW) on the real weights and random full-length rows, ``rounds`` timed passes after
-an untimed one. Achieved FLOP/s = 6 N x trained tokens / s, N = `mfu.matmul_params` (every
+an untimed one. Achieved FLOP/s = 6 N x trained tokens / s, N = `lab.flops.matmul_params` (every
 matmul's params, the tied embedding counted once, as the output projection: 134.5M of SmolLM2's
 134.5M); PaLM's count with the attention term is kept beside it. The ceiling is a jitted square
 matmul in the train dtype, timed before and after the train pass (median of all its calls).
@@ -38,6 +38,7 @@ from knitjax.models.hf_tokenizer import HFTokenizer
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.tasks import word_problems
 from knitjax.train.batch import left_pad
+from lab import flops
 from lab.bench import mfu
 from lab.bench.report import format_table, write_json
 
@@ -186,20 +187,21 @@ def measure_train_pass(folder: str, mesh, config) -> dict:
   train = mfu.measure_train(model, mesh, view, t.seq_len, weights=(graphdef, params))
   ceiling += matmul_ceiling(config.ceiling.size, t.dtype, config.ceiling.calls)
   ceiling_flops = float(np.median(ceiling))
-  n = mfu.matmul_params(model)
+  n = flops.matmul_params(model)
   tokens = t.rows * t.seq_len
+  trained = flops.matmul_flops(n, tokens, passes=flops.TRAIN_PASSES)  # 6 N x tokens
   rounds = [
     {
       "round": r,
       "pass_s": s,
       "tokens_per_s": tokens / s,
-      "gflops_per_s": 6 * n * tokens / s / 1e9,
-      "fraction_of_ceiling": 6 * n * tokens / s / ceiling_flops,
+      "gflops_per_s": trained / s / 1e9,
+      "fraction_of_ceiling": trained / s / ceiling_flops,
     }
     for r, s in enumerate(train["step_s_all"])
   ]
   print(format_table(rounds, list(rounds[0])))
-  achieved = 6 * n * tokens / train["step_s"]
+  achieved = trained / train["step_s"]
   return {
     "rows": t.rows,
     "seq_len": t.seq_len,
@@ -207,7 +209,7 @@ def measure_train_pass(folder: str, mesh, config) -> dict:
     "dtype": t.dtype,
     "optimizer": "adamw",
     "params_counted": n,
-    "flops_counted_as": "6 x params_counted x rows x seq_len (mfu.matmul_params)",
+    "flops_counted_as": "6 x params_counted x rows x seq_len (lab.flops.matmul_params)",
     "rounds": rounds,
     "pass_s": train["step_s"],
     "gflops_per_s": achieved / 1e9,

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from lab import flops
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RealWorkload:
@@ -62,8 +64,8 @@ def real_compute(w: RealWorkload) -> dict[str, float]:
   """Seconds per row of the real trainer host: every row encoding its image (``naive``, what
   the centralized baseline does) and one encoding per group (``dedup``)."""
   flops_s = w.peak_tflops * 1e12 * w.utilisation * w.accelerators
-  decoder = 2 * w.decoder_params * w.tokens_per_row * w.train_passes
-  encoder = 2 * w.encoder_params * w.patches_per_image * w.train_passes
+  decoder = flops.matmul_flops(w.decoder_params, w.tokens_per_row, passes=w.train_passes)
+  encoder = flops.matmul_flops(w.encoder_params, w.patches_per_image, passes=w.train_passes)
   return {
     "flops_per_s": flops_s,
     "decoder_flops_per_row": decoder,

@@ -32,9 +32,9 @@ _PARTS = flags.DEFINE_list(
 _KILLS = flags.DEFINE_integer("kills", 10, "Kill-resume trials per runtime mode.")
 _KILL_MODES = flags.DEFINE_list(
   "kill_modes",
-  ["colocated", "disaggregated", "rollout_hosts", "trainer_group"],
+  ["colocated", "disaggregated", "rollout_hosts", "trainer_processes"],
   "Runtime modes of the kill-resume part (rollout_hosts: a trainer and a rollout host process; "
-  "trainer_group: two trainer processes and two Ray rollout actors).",
+  "trainer_processes: two trainer processes and two Ray rollout actors).",
 )
 _EXAMPLES = flags.DEFINE_integer("examples", 10_000, "Generated bad inputs.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of kill points and generated inputs.")

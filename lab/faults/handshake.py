@@ -92,7 +92,7 @@ class _IdleRollout:
 class _Channel:
   address = "in-memory"
 
-  def offer(self, params, *ids):
+  def stage(self, params, *ids):
     pass
 
 

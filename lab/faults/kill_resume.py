@@ -6,8 +6,8 @@ offered = consumed + rejected + pending as sets of group ids, no group consumed 
 train step logged once, quotas exact. ``rollout_hosts`` is a disaggregated run whose rollout is
 a rollout host process: a kill in the trainer ends the host too (its connection closes); a kill
 in the host (``rollout_host`` point) ends the trainer with one sentence; either way a new
-trainer and a new host resume. ``trainer_group`` is a disaggregated trainer of two processes
-(``--distributed``, `knitjax.runtime.trainer_group`) with two Ray rollout actors: trials kill
+trainer and a new host resume. ``trainer_processes`` is a disaggregated trainer of two processes
+(``--distributed``, `knitjax.runtime.trainer_processes`) with two Ray rollout actors: trials kill
 trainer process 0 and 1 in turn (the other must stop with one sentence, and both resume), and
 one more kills a rollout actor's process mid-run (survived: Ray replaces it, its groups are
 generated again).
@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from knitjax import faultpoints
-from lab import REPO, local_group
+from lab import REPO, local_processes
 
 # Small runs that checkpoint every step, so that a kill anywhere has something to resume from:
 # (config file, variant, overrides), given to `knitjax.main` as flags.
@@ -59,7 +59,7 @@ RUNS = {
       "topology.rollout_host_wait_s": 120,
     },
   ),
-  "trainer_group": (
+  "trainer_processes": (
     "configs/arith_disagg.py",
     "quick",
     {
@@ -70,7 +70,7 @@ RUNS = {
     },
   ),
 }
-PROCESSES = {"trainer_group": 2}  # trainer processes per run (--distributed); others: 1
+PROCESSES = {"trainer_processes": 2}  # trainer processes per run (--distributed); others: 1
 
 # Where each point is passed: the trainer's process, or (rollout_hosts) the host's.
 HOST_POINTS = ("rollout_host",)
@@ -154,7 +154,7 @@ def _main(
 
 
 # How a surviving trainer process stops when another dies: a follower lost is noticed by the
-# others' pulse watch (`knitjax.runtime.coordination.GroupWatch`, one sentence, exit 1); process
+# others' pulse watch (`knitjax.runtime.coordination.PulseWatch`, one sentence, exit 1); process
 # 0 lost takes the coordination service with it, and JAX's runtime in the others aborts at once
 # with its own line (and a stack trace; jaxlib 0.10 gives Python no way to replace it).
 JAX_ABORT = "Terminating process because the JAX distributed service detected fatal errors"
@@ -205,14 +205,14 @@ def _kill_rollout_actor_after_first_step(workdir: str, killed: list) -> None:
   threading.Thread(target=loop, daemon=True).start()
 
 
-def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
+def run_processes(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
   """Kill-resume trials of a trainer spread over processes (see the module docstring)."""
   args, steps = _argv(RUNS[mode]), RUNS[mode][2]["loop.steps"]
   n = PROCESSES[mode]
   ref = os.path.join(workdir, mode, "reference")
   files = [os.path.join(workdir, mode, f"counts.p{k}.json") for k in range(n)]
   t0 = time.time()
-  result = local_group.launch(args, ref, [{"KNITJAX_FAULT_COUNTS": f} for f in files])
+  result = local_processes.launch(args, ref, [{"KNITJAX_FAULT_COUNTS": f} for f in files])
   if any(code != 0 for code, _ in result):
     raise RuntimeError(f"the {mode} reference run failed: {[_last_line(e) for _, e in result]}")
   counts = []
@@ -226,7 +226,7 @@ def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
     wd = os.path.join(workdir, mode, f"kill{k}")
     if k == kills:  # the last trial: a rollout actor's process
       killed: list = []
-      first = local_group.launch(
+      first = local_processes.launch(
         args,
         wd,
         [{}] * n,
@@ -245,7 +245,7 @@ def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
       # The first half of the passes: a rerun passes the rollout's points a varying number of times.
       n_at = int(rng.integers(1, max(1, counts[target][point] // 2) + 1))
       envs = [{"KNITJAX_KILL_AT": f"{point}:{n_at}"} if j == target else {} for j in range(n)]
-      first = local_group.launch(args, wd, envs)
+      first = local_processes.launch(args, wd, envs)
       problems = []
       if first[target][0] != -signal.SIGKILL:
         problems.append(f"process {target} was not killed as planned (exit {first[target][0]})")
@@ -253,7 +253,7 @@ def run_group(workdir: str, mode: str, *, kills: int, rng, log=print) -> dict:
         if j != target and _stopped_by(code, err) is None:
           problems.append(f"process {j} did not stop as planned: {code} {_last_line(err)!r}")
       survivors = [_stopped_by(c, e) for j, (c, e) in enumerate(first) if j != target]
-      second = local_group.launch(args, wd, [{}] * n)
+      second = local_processes.launch(args, wd, [{}] * n)
       if any(code != 0 for code, _ in second):
         problems.append(f"resume failed: {[_last_line(e) for _, e in second]}")
       else:
@@ -352,7 +352,7 @@ def run(
   out = {}
   for mode in modes:
     if mode in PROCESSES:
-      out[mode] = run_group(workdir, mode, kills=kills, rng=rng, log=log)
+      out[mode] = run_processes(workdir, mode, kills=kills, rng=rng, log=log)
       continue
     args, steps = _argv(RUNS[mode]), RUNS[mode][2]["loop.steps"]
     hosts = RUNS[mode][2].get("topology.rollout_hosts", 0)

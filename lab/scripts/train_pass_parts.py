@@ -7,9 +7,9 @@ SmolLM2-135M-Instruct; speed does not depend on the token values) it times, each
 jitted function (median of ``--calls`` after one untimed call): the decoder body's forward, the
 forward with the chunked log-probs of the targets (the loss's forward), the gradient of the body
 alone, and the gradient of the summed log-probs (the loss's forward and backward). Each row's
-GFLOP/s counts 2 x params x tokens per forward and twice that per backward. docs/real_model.md
-reads the train pass against these parts (`jax.profiler.trace` shows a CPU executable as one
-event, so the parts are timed apart instead).
+GFLOP/s counts 2 x params x tokens per forward and twice that per backward (`lab.flops`).
+docs/real_model.md reads the train pass against these parts (`jax.profiler.trace` shows a CPU
+executable as one event, so the parts are timed apart instead).
 """
 
 import argparse
@@ -22,6 +22,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models import gguf_cache, hf
 from knitjax.train import step
+from lab import flops
 from lab.bench import mfu
 
 
@@ -49,13 +50,17 @@ def main() -> None:
     return step.forward(graphdef, p, mb, 1.0, values=False, entropy="none")[0]
 
   tokens = args.rows * args.seq_len
-  n_all = mfu.matmul_params(model)
+  n_all = flops.matmul_params(model)
   n_body = n_all - model.vocab_size * model.d_model  # without the output projection
+
+  def train(n):
+    return flops.matmul_flops(n, 1, passes=flops.TRAIN_PASSES)
+
   parts = (
-    ("body forward", body, 2 * n_body),
-    ("body + log-probs forward", logp, 2 * n_all),
-    ("body forward + backward", jax.grad(lambda p: body(p).sum()), 6 * n_body),
-    ("body + log-probs forward + backward", jax.grad(lambda p: logp(p).sum()), 6 * n_all),
+    ("body forward", body, flops.matmul_flops(n_body, 1)),
+    ("body + log-probs forward", logp, flops.matmul_flops(n_all, 1)),
+    ("body forward + backward", jax.grad(lambda p: body(p).sum()), train(n_body)),
+    ("body + log-probs forward + backward", jax.grad(lambda p: logp(p).sum()), train(n_all)),
   )
   print(f"one micro-batch: {args.rows} rows x {args.seq_len} tokens, float32")
   with jax.set_mesh(mesh):

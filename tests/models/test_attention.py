@@ -260,7 +260,7 @@ def test_prefill_and_decode_match_the_full_forward(models):
 
 
 def test_per_row_cache_index_under_vmap(models):
-  """The continuous engine's layout: a cache row per slot, each at its own index (vmap)."""
+  """The continuous engine's cache: a row per slot, each at its own index (vmap)."""
   dense, model = models
   tokens, positions, valid = _batch(np.random.default_rng(8), [0, 0, 0], 9)
   lens = jnp.asarray([3, 6, 8])  # each row has decoded up to a different slot
@@ -344,23 +344,24 @@ _TREE_T = 40
 
 def _tree_layout(rows, t):
   """Segment ids (prompt and each response its own, 0 on padding), prefix ids (a response
-  token's prompt segment, 0 elsewhere), and each group's (row, prompt slots, [response slots])."""
+  token's prompt segment, 0 elsewhere), and each group's (row, prompt columns,
+  [response columns])."""
   seg, prefix = np.zeros((len(rows), t), np.int32), np.zeros((len(rows), t), np.int32)
   groups = []
   for r, row in enumerate(rows):
-    slot, sid = 0, 0
+    col, sid = 0, 0
     for p_len, r_lens in row:
       sid += 1
-      prompt, prompt_sid = np.arange(slot, slot + p_len), sid
+      prompt, prompt_sid = np.arange(col, col + p_len), sid
       seg[r, prompt] = sid
-      slot += p_len
+      col += p_len
       responses = []
       for n in r_lens:
         sid += 1
-        slots = np.arange(slot, slot + n)
-        seg[r, slots], prefix[r, slots] = sid, prompt_sid
-        responses.append(slots)
-        slot += n
+        cols = np.arange(col, col + n)
+        seg[r, cols], prefix[r, cols] = sid, prompt_sid
+        responses.append(cols)
+        col += n
       groups.append((r, prompt, responses))
   return jnp.asarray(seg), jnp.asarray(prefix), groups
 
@@ -378,14 +379,14 @@ def _causal(q_tnh, k_tkh, v_tkh):
 
 def _each_response_in_its_own_row(q, kk, v, groups):
   """The tree mask the long way: each prompt alone, each response in its own row [prompt |
-  response]; outputs back at their slots (0 on padding). Every row reads its own copy of the
+  response]; outputs back at their columns (0 on padding). Every row reads its own copy of the
   prompt's keys and values, so their gradient is the sum over the rows."""
   out = jnp.zeros_like(q)
   for r, prompt, responses in groups:
     out = out.at[r, prompt].set(_causal(q[r, prompt], kk[r, prompt], v[r, prompt]))
-    for slots in responses:
-      row = np.concatenate([prompt, slots])
-      out = out.at[r, slots].set(_causal(q[r, row], kk[r, row], v[r, row])[len(prompt) :])
+    for cols in responses:
+      row = np.concatenate([prompt, cols])
+      out = out.at[r, cols].set(_causal(q[r, row], kk[r, row], v[r, row])[len(prompt) :])
   return out
 
 

@@ -1,5 +1,5 @@
-"""config.json RoPE scaling <-> TransformerConfig: both transformers layouts, round trips, and one
-named sentence for every refusal."""
+"""config.json RoPE scaling <-> TransformerConfig: both transformers config formats, round trips,
+and one named sentence for every refusal."""
 
 import dataclasses
 import json
@@ -49,7 +49,7 @@ def _v5(rope_parameters: dict, theta: float = 5e5, **fields) -> dict:
   ],
   ids=["v4", "v4_legacy_type", "v5", "v5_original_from_max_position", "both"],
 )
-def test_llama31_scaling_reads_from_either_layout(config):
+def test_llama31_scaling_reads_from_either_format(config):
   loaded = hf.config_from_hf(config)
   assert loaded.rope_scaling == EXPECTED_LLAMA3
   assert loaded.rope_theta == 5e5

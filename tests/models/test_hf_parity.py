@@ -54,7 +54,7 @@ CASES = {
   "qwen3_qk_norm": ("Qwen3Config", dict(tie_word_embeddings=True, rope_theta=1e6), "single"),
   "llama31": ("LlamaConfig", dict(rope_parameters=LLAMA3), "single"),
   "llama31_sharded": ("LlamaConfig", dict(rope_parameters=LLAMA3), "sharded"),
-  "llama31_v4_layout": ("LlamaConfig", dict(rope_parameters=LLAMA3), "v4_layout"),
+  "llama31_v4_config": ("LlamaConfig", dict(rope_parameters=LLAMA3), "v4_config"),
   "qwen2_yarn": (
     "Qwen2Config",
     dict(
@@ -72,8 +72,8 @@ CASES = {
   ),
 }
 SCALED = ("llama31", "qwen2_yarn", "llama_linear")
-# The layout variants hold the same weights as the single-file llama31 checkpoint.
-SAME_WEIGHTS = {"llama31_sharded": "llama31", "llama31_v4_layout": "llama31"}
+# The sharded and v4-config variants hold the same weights as the single-file llama31 checkpoint.
+SAME_WEIGHTS = {"llama31_sharded": "llama31", "llama31_v4_config": "llama31"}
 
 
 def _redraw(model, seed: int) -> None:
@@ -91,17 +91,17 @@ def _redraw(model, seed: int) -> None:
 
 
 def _write(name: str, path: str) -> None:
-  cls_name, fields, layout = CASES[name]
+  cls_name, fields, variant = CASES[name]
   config = getattr(transformers, cls_name)(**BASE, **fields)
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
   _redraw(model, seed=sorted(CASES).index(SAME_WEIGHTS.get(name, name)))
-  if layout == "sharded":
+  if variant == "sharded":
     model.save_pretrained(path, max_shard_size="40KB")
     assert os.path.isfile(os.path.join(path, hf.INDEX_FILE))
   else:
     model.save_pretrained(path)
-  if layout == "v4_layout":  # transformers 4.x: top-level rope_theta + a rope_scaling dict
+  if variant == "v4_config":  # transformers 4.x: top-level rope_theta + a rope_scaling dict
     config_path = os.path.join(path, hf.CONFIG_FILE)
     with open(config_path) as f:
       hf_config = json.load(f)

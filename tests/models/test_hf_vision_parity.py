@@ -128,7 +128,7 @@ def _abstract_encoder(config):
   return nnx.split(nnx.eval_shape(lambda: VisionEncoder(config, rngs=nnx.Rngs(0))))
 
 
-def test_siglip_matches_transformers_in_both_layouts(siglip):
+def test_siglip_matches_transformers_in_both_namings(siglip):
   """last_hidden_state and the attention-pooled pooler_output, 5.x and 4.x names."""
   model, root = siglip
   assert "vision_model.head.probe" in hf.read_safetensors(root / "v4")
@@ -139,9 +139,9 @@ def test_siglip_matches_transformers_in_both_layouts(siglip):
     _same_weights(model, transformers.SiglipVisionModel.from_pretrained(root / "v4"))
   config = hf_vision.siglip_config_from_hf(root / "v5")
   assert (config.num_patches, config.mlp_act, config.pool_head) == (49, "gelu_tanh", True)
-  for layout in ("v5", "v4"):
+  for naming in ("v5", "v4"):
     graphdef, abstract = _abstract_encoder(config)
-    params = hf_vision.load_siglip_params(root / layout, abstract)
+    params = hf_vision.load_siglip_params(root / naming, abstract)
     last, pooled = _siglip_outputs(nnx.merge(graphdef, params), images)
     np.testing.assert_allclose(last, want.last_hidden_state.numpy(), rtol=0, atol=ATOL)
     np.testing.assert_allclose(pooled, want.pooler_output.numpy(), rtol=0, atol=ATOL)
@@ -153,15 +153,15 @@ def test_siglip_export_round_trips_and_loads_in_transformers(siglip, tmp_path):
   config = hf_vision.siglip_config_from_hf(root / "v5")
   graphdef, abstract = _abstract_encoder(config)
   params = hf_vision.load_siglip_params(root / "v5", abstract)
-  for layout in ("v5", "v4"):
-    hf_vision.save_siglip(params, config, tmp_path / layout, layout=layout)
+  for naming in ("v5", "v4"):
+    hf_vision.save_siglip(params, config, tmp_path / naming, naming=naming)
     assert (
-      hf.read_safetensors(tmp_path / layout).keys() == hf.read_safetensors(root / layout).keys()
+      hf.read_safetensors(tmp_path / naming).keys() == hf.read_safetensors(root / naming).keys()
     )
-    again = hf_vision.load_siglip_params(tmp_path / layout, abstract)
+    again = hf_vision.load_siglip_params(tmp_path / naming, abstract)
     for (k, a), (_, b) in zip(nnx.to_flat_state(params), nnx.to_flat_state(again), strict=True):
       np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(k))
-    _same_weights(model, transformers.SiglipVisionModel.from_pretrained(tmp_path / layout))
+    _same_weights(model, transformers.SiglipVisionModel.from_pretrained(tmp_path / naming))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def _llava_model(case, seed):
 
 @pytest.fixture(scope="module")
 def llavas(tmp_path_factory):
-  """Per case: the transformers model and its checkpoint in every layout."""
+  """Per case: the transformers model and its checkpoint in every naming."""
   out = {}
   for seed, case in enumerate(LLAVAS):
     root = tmp_path_factory.mktemp(f"llava_{case}")
@@ -230,7 +230,7 @@ def _hf_logits(model, tokens, valid, positions, images):
 
 @pytest.mark.parametrize("case", sorted(LLAVAS))
 def test_llava_logits_and_greedy_tokens_match_transformers(llavas, case):
-  """Logits of an image prompt in every layout, and greedy generation through knitjax's sampler
+  """Logits of an image prompt in every naming, and greedy generation through knitjax's sampler
   (image embeddings into the prefill) against `generate(do_sample=False)`."""
   model, root = llavas[case]
   lm_config, vision_config, token = hf_vision.llava_config_from_hf(root / "v5")
@@ -239,8 +239,8 @@ def test_llava_logits_and_greedy_tokens_match_transformers(llavas, case):
   images = _images(2, seed=1)
   want = _hf_logits(model, tokens, valid, positions, images)
   assert np.abs(want[valid]).max() > 1.0
-  for layout in ("saved", "v5", "v4"):
-    _, _, _, graphdef, params = hf_vision.init_vlm_from_hf(root / layout)
+  for naming in ("saved", "v5", "v4"):
+    _, _, _, graphdef, params = hf_vision.init_vlm_from_hf(root / naming)
     got = _forward(nnx.merge(graphdef, params), tokens, positions, valid, images)
     np.testing.assert_allclose(np.asarray(got)[valid], want[valid], rtol=0, atol=ATOL)
 
@@ -289,14 +289,14 @@ def test_llava_feature_layer_and_strategy_are_not_ignored(llavas):
 
 @pytest.mark.parametrize("case", sorted(LLAVAS))
 def test_llava_export_round_trips_and_loads_in_transformers(llavas, case, tmp_path):
-  """load -> save_llava -> load is bitwise; transformers reads each exported layout into the
+  """load -> save_llava -> load is bitwise; transformers reads each exported naming into the
   original weights."""
   model, root = llavas[case]
   lm_config, vision_config, token, graphdef, params = hf_vision.init_vlm_from_hf(root / "saved")
-  for layout in ("v5", "v4"):
-    out = tmp_path / layout
-    hf_vision.save_llava(params, lm_config, vision_config, token, out, layout=layout)
-    assert hf.read_safetensors(out).keys() == hf.read_safetensors(root / layout).keys()
+  for naming in ("v5", "v4"):
+    out = tmp_path / naming
+    hf_vision.save_llava(params, lm_config, vision_config, token, out, naming=naming)
+    assert hf.read_safetensors(out).keys() == hf.read_safetensors(root / naming).keys()
     *_, again = hf_vision.init_vlm_from_hf(out)
     for (k, a), (_, b) in zip(nnx.to_flat_state(params), nnx.to_flat_state(again), strict=True):
       np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(k))

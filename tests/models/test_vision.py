@@ -1,4 +1,4 @@
-"""Vision encoder, projector and VLM wiring: patch layout, bidirectional attention, sharding,
+"""Vision encoder, projector and VLM wiring: patch order, bidirectional attention, sharding,
 placeholder splicing, cached prefill, and sampling from image prompts."""
 
 import jax

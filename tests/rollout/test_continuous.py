@@ -12,7 +12,7 @@ from knitjax.rollout.continuous import ContinuousEngine
 from knitjax.rollout.engine_requests import Request
 from knitjax.rollout.engine_state import Outbox, ended_rows
 from knitjax.rollout.sampler import SamplingConfig
-from knitjax.train.batch import make_batch, pack_rows
+from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.step import sequence_logprobs
 
 P, N = 6, 10
@@ -72,7 +72,7 @@ def _requests(start, n, rng, budget=None):
 
 def _teacher_forced(graphdef, params, reqs, done):
   batch = make_batch(
-    pack_rows(
+    pad_rows(
       [reqs[f.tag].tokens for f in done], [f.tokens for f in done], [f.logprobs for f in done]
     ),
     np.zeros(len(done)),

@@ -88,14 +88,14 @@ class ScriptedRollout:
 
 
 class Channel:
-  """Weights through a dict: ``offer`` keeps the params under each id, hosts read them."""
+  """Weights through a dict: ``stage`` keeps the params under each id, hosts read them."""
 
   def __init__(self):
-    self.offers, self.address = {}, "in-memory"
+    self.staged, self.address = {}, "in-memory"
 
-  def offer(self, params, *ids):
+  def stage(self, params, *ids):
     for i in ids:
-      self.offers[i] = params
+      self.staged[i] = params
 
 
 def _prompt(i):
@@ -109,7 +109,7 @@ def _start_hosts(n, channel, rollouts, results, token=TOKEN):
     rollouts[unit_id] = ScriptedRollout(unit)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     specs = [jax.sharding.PartitionSpec()]
-    return remote_host.Attached(rollouts[unit_id], unit, mesh, specs, lambda a: channel.offers.get)
+    return remote_host.Attached(rollouts[unit_id], unit, mesh, specs, lambda a: channel.staged.get)
 
   def host(k):
     try:

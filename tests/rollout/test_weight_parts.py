@@ -7,7 +7,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from knitjax import records
-from knitjax.rollout.weight_parts import WireLayout, assemble, layout_of, own_parts, parts_bytes
+from knitjax.rollout.weight_parts import (
+  WireFormat,
+  assemble,
+  own_parts,
+  parts_bytes,
+  wire_format_of,
+)
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
 from knitjax.transfer.group import GroupMeta
@@ -27,26 +33,26 @@ def _params():
 
 def test_parts_cover_every_value_once_and_reassemble_exactly():
   pure = _params()
-  layout, leaves = layout_of(pure)
+  wire_format, leaves = wire_format_of(pure)
   parts = own_parts(leaves)
   # Replicas are sent once: the bytes are one copy of every leaf.
-  assert parts_bytes(parts) == layout.nbytes == sum(x.nbytes for x in leaves)
+  assert parts_bytes(parts) == wire_format.nbytes == sum(x.nbytes for x in leaves)
   # Split as if by two processes (any split of the parts reassembles the same).
-  got = assemble(layout, [parts[::2], parts[1::2]])
+  got = assemble(wire_format, [parts[::2], parts[1::2]])
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.device_get(pure)), strict=True):
     assert a.dtype == b.dtype and np.array_equal(a, b)
   assert set(got) == {"layer", "embed"} and set(got["layer"]) == {"kernel", "bias"}
 
 
 def test_a_missing_or_repeated_part_is_one_sentence_naming_the_leaf():
-  layout, leaves = layout_of(_params())
+  wire_format, leaves = wire_format_of(_params())
   parts = own_parts(leaves)
-  kernel = [p for p in parts if layout.paths[p[0]] == ("layer", "kernel")]
+  kernel = [p for p in parts if wire_format.paths[p[0]] == ("layer", "kernel")]
   with pytest.raises(ValueError, match=r"sent 24 of the 32 values of leaf layer/kernel"):
-    assemble(layout, [[p for p in parts if p is not kernel[0]]])
+    assemble(wire_format, [[p for p in parts if p is not kernel[0]]])
   with pytest.raises(ValueError, match=r"of leaf layer/kernel: a process's shards are missing"):
-    assemble(layout, [parts, kernel[:1]])
-  assert isinstance(layout, WireLayout)
+    assemble(wire_format, [parts, kernel[:1]])
+  assert isinstance(wire_format, WireFormat)
 
 
 def test_an_announced_plan_round_trips_through_json():

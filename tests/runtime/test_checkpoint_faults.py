@@ -107,7 +107,7 @@ def _train_state(config):
 
   def init():
     params = nnx.state(Transformer(config.model, rngs=nnx.Rngs(0)))
-    return TrainState(params=params, opt_state=make_optimizer(config.train).init(params))
+    return TrainState(params=params, opt_state=make_optimizer(config.optimizer).init(params))
 
   return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(init))
 

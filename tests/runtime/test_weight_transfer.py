@@ -1,8 +1,8 @@
 """Weight sync across two processes (jax.experimental.transfer), as two real CPU processes.
 
-The trainer process (4 fake devices, an FSDP mesh) offers two versions in bfloat16; the rollout
+The trainer process (4 fake devices, an FSDP mesh) stages two versions in bfloat16; the rollout
 process (2 fake devices, a data-parallel mesh) pulls both straight into its own shardings. The
-trainer counts host reads of its arrays while offering (none), the rollout saves what it got.
+trainer counts host reads of its arrays while staging (none), the rollout saves what it got.
 """
 
 import os
@@ -50,8 +50,8 @@ PEER = textwrap.dedent(
         k: jax.device_put(v, sharding.logical_sharding(mesh, LEAVES[k][0], v.shape))
         for k, v in values(version).items()
       }
-      server.offer(params, version)
-    print("host reads while offering:", len(reads), flush=True)
+      server.stage(params, version)
+    print("host reads while staging:", len(reads), flush=True)
     with open(os.path.join(folder, "address.tmp"), "w") as f:
       f.write(server.address)
     os.rename(os.path.join(folder, "address.tmp"), os.path.join(folder, "address"))
@@ -116,7 +116,7 @@ def test_rollout_process_pulls_bf16_versions_from_the_trainer_process(tmp_path):
         p.kill()
   out = [f.read_text() for f in logs]
   assert codes == [0, 0], f"exit codes {codes}\n{out[0][-3000:]}\n---\n{out[1][-3000:]}"
-  assert "host reads while offering: 0" in out[0]
+  assert "host reads while staging: 0" in out[0]
   for version in (1, 2):
     for k, want in values(version).items():
       got = np.load(tmp_path / f"v{version}_{k}.npy")

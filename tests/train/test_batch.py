@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitjax.train.batch import ROW_FIELDS, make_batch, pack_rows
+from knitjax.train.batch import ROW_FIELDS, make_batch, pad_rows
 
 P, N, PAD = 5, 6, 0
 
@@ -62,7 +62,7 @@ def test_property_equals_the_per_row_construction(seed, rows, extra_p, extra_n):
   """Unmasked rows, with arbitrary junk past the lengths and wider arrays, lay out as before."""
   rng = np.random.default_rng(seed)
   prompts, responses, logps, adv = ragged(rng, rows, min_prompt=0)
-  packed = pack_rows(prompts, responses, logps)
+  packed = pad_rows(prompts, responses, logps)
   # Wider arrays with junk past each length must not leak into the batch.
   wide = {}
   for name, x in packed.items():
@@ -85,7 +85,7 @@ def test_hole_in_the_mask_carries_no_loss_but_stays_in_the_sequence():
   responses = [np.array([10, 11, 12, 13], np.int32), np.array([14, 15], np.int32)]
   logps = [np.array([-1, -2, -3, -4], np.float32), np.array([-5, -6], np.float32)]
   adv = np.array([1.0, -1.0], np.float32)
-  rows = pack_rows(prompts, responses, logps)
+  rows = pad_rows(prompts, responses, logps)
   rows["response_mask"] = rows["response_mask"].copy()
   rows["response_mask"][0, 1:3] = False  # tool output inside row 0's response
   got = make_batch(rows, adv, prompt_len=3, max_new_tokens=4, pad_id=PAD)
@@ -106,7 +106,7 @@ def test_hole_in_the_mask_carries_no_loss_but_stays_in_the_sequence():
 
 
 def test_masked_off_logprobs_never_reach_the_batch():
-  rows = pack_rows(
+  rows = pad_rows(
     [np.array([1], np.int32)], [np.array([2, 3], np.int32)], [np.zeros(2, np.float32)]
   )
   rows["logprobs"] = np.array([[np.nan, -1.0]], np.float32)
@@ -117,7 +117,7 @@ def test_masked_off_logprobs_never_reach_the_batch():
 
 
 def test_response_width_wider_than_max_new_tokens_is_cut_when_lengths_fit():
-  rows = pack_rows(
+  rows = pad_rows(
     [np.array([4], np.int32)] * 2, [np.array([5, 6], np.int32)] * 2, [np.ones(2, np.float32)] * 2
   )
   wide = {
@@ -146,7 +146,7 @@ def test_response_width_wider_than_max_new_tokens_is_cut_when_lengths_fit():
   ],
 )
 def test_bad_rows_raise_one_sentence(change, match):
-  rows = pack_rows(
+  rows = pad_rows(
     [np.array([1, 2], np.int32), np.array([3], np.int32)],
     [np.arange(6, dtype=np.int32), np.arange(3, dtype=np.int32)],
     [np.zeros(6, np.float32), np.zeros(3, np.float32)],
@@ -156,7 +156,7 @@ def test_bad_rows_raise_one_sentence(change, match):
 
 
 def test_prompt_or_response_that_does_not_fit_is_named():
-  rows = pack_rows(
+  rows = pad_rows(
     [np.arange(1, 4, dtype=np.int32), np.arange(1, 7, dtype=np.int32)],
     [np.arange(2, dtype=np.int32), np.arange(5, dtype=np.int32)],
     [np.zeros(2, np.float32), np.zeros(5, np.float32)],
@@ -169,8 +169,8 @@ def test_prompt_or_response_that_does_not_fit_is_named():
     make_batch(rows, np.zeros(2), prompt_len=6, max_new_tokens=4, pad_id=PAD)
 
 
-def test_pack_rows_pads_right_and_checks_logprob_counts():
-  rows = pack_rows(
+def test_pad_rows_pads_right_and_checks_logprob_counts():
+  rows = pad_rows(
     [np.array([7, 8], np.int32), np.array([9], np.int32)],
     [np.array([1, 2, 3], np.int32), np.zeros(0, np.int32)],
     [np.array([-1, -2, -3], np.float32), np.zeros(0, np.float32)],
@@ -183,13 +183,13 @@ def test_pack_rows_pads_right_and_checks_logprob_counts():
   np.testing.assert_array_equal(rows["response_lengths"], [3, 0])
   np.testing.assert_array_equal(rows["logprobs"], [[-1, -2, -3], [0, 0, 0]])
   with pytest.raises(ValueError, match="row 0 has 2 log-probs for 3 response tokens"):
-    pack_rows([np.ones(1, np.int32)], [np.ones(3, np.int32)], [np.ones(2, np.float32)])
+    pad_rows([np.ones(1, np.int32)], [np.ones(3, np.int32)], [np.ones(2, np.float32)])
 
 
 def test_rewards_and_group_ids_travel_with_the_rows():
   prompts, responses, logps, adv = ragged(np.random.default_rng(3), 4)
   got = make_batch(
-    pack_rows(prompts, responses, logps), adv, prompt_len=P, max_new_tokens=N, pad_id=PAD,
+    pad_rows(prompts, responses, logps), adv, prompt_len=P, max_new_tokens=N, pad_id=PAD,
     rewards=[1, 0, 0.5, 2], group_ids=[7, 7, 3, 3],
   )  # fmt: skip
   np.testing.assert_array_equal(got["rewards"], np.array([1, 0, 0.5, 2], np.float32))

@@ -16,7 +16,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models.vlm import VLM
 from knitjax.train import losses, mm_step
-from knitjax.train.batch import make_batch, pack_rows
+from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.dedup import dedup_gather
 from knitjax.train.step import StepHParams
 from tests.tiny import TINY, TINY_VISION
@@ -46,7 +46,7 @@ def _minibatch(seed=0):
       index.append(image)
   rows = len(prompts)
   batch = make_batch(
-    pack_rows(prompts, responses, logps),
+    pad_rows(prompts, responses, logps),
     rng.normal(size=rows).astype(np.float32),
     prompt_len=P_LEN,
     max_new_tokens=N_NEW,

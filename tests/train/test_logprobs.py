@@ -23,10 +23,10 @@ B, T, D, V = 2, 7, 16, 40
 RTOL, ATOL, G_ATOL = 1e-5, 1e-5, 3e-5
 
 
-def _inputs(layout, seed=0):
+def _inputs(table_axes, seed=0):
   k = jax.random.split(jax.random.key(seed), 5)
   x = jax.random.normal(k[0], (B, T, D), jnp.float32)
-  shape = (V, D) if layout == "vd" else (D, V)
+  shape = (V, D) if table_axes == "vd" else (D, V)
   table = jax.random.normal(k[1], shape, jnp.float32) * 0.5
   targets = jax.random.randint(k[2], (B, T), 0, V)
   w_logp = jax.random.normal(k[3], (B, T))
@@ -34,19 +34,19 @@ def _inputs(layout, seed=0):
   return x, table, targets, w_logp, w_ent
 
 
-def _reference(x, table, targets, layout, temperature):
+def _reference(x, table, targets, table_axes, temperature):
   """The pre-existing path: whole float32 logits, then losses.token_logprobs / token_entropy."""
-  spec = "btd,vd->btv" if layout == "vd" else "btd,dv->btv"
+  spec = "btd,vd->btv" if table_axes == "vd" else "btd,dv->btv"
   z = jnp.einsum(spec, x, table, preferred_element_type=jnp.float32) / temperature
   return losses.token_logprobs(z, targets), losses.token_entropy(z)
 
 
-@pytest.mark.parametrize("layout", ["vd", "dv"])
+@pytest.mark.parametrize("table_axes", ["vd", "dv"])
 @pytest.mark.parametrize("chunk,temperature", [(3, 0.7), (7, 1.0), (64, 1.3), (1, 1.0)])
-def test_values_and_gradients_match_whole_logits(layout, chunk, temperature):
+def test_values_and_gradients_match_whole_logits(table_axes, chunk, temperature):
   """Log-probs, entropies and their gradients w.r.t. hidden states and table; chunk sizes that
   divide T (7, 1), do not (3) and exceed it (64)."""
-  x, table, targets, w_logp, w_ent = _inputs(layout)
+  x, table, targets, w_logp, w_ent = _inputs(table_axes)
 
   def loss(fn):
     def f(x, table):
@@ -55,8 +55,10 @@ def test_values_and_gradients_match_whole_logits(layout, chunk, temperature):
 
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, table)
 
-  (_, (logp0, ent0)), (gx0, gw0) = loss(lambda x, w: _reference(x, w, targets, layout, temperature))
-  kw = dict(layout=layout, temperature=temperature, chunk=chunk, entropy="loss")
+  (_, (logp0, ent0)), (gx0, gw0) = loss(
+    lambda x, w: _reference(x, w, targets, table_axes, temperature)
+  )
+  kw = dict(table_axes=table_axes, temperature=temperature, chunk=chunk, entropy="loss")
   (_, (logp1, ent1)), (gx1, gw1) = loss(
     lambda x, w: token_logprobs_and_entropy(x, w, targets, **kw)
   )
@@ -70,15 +72,15 @@ def test_values_and_gradients_match_whole_logits(layout, chunk, temperature):
 def test_entropy_off_or_metric_gives_log_prob_gradients_only(entropy):
   """Without the entropy term the gradient is that of the log-probs alone; the metric's value is
   still exact."""
-  layout, temperature = "vd", 0.8
-  x, table, targets, w_logp, w_ent = _inputs(layout, seed=1)
+  table_axes, temperature = "vd", 0.8
+  x, table, targets, w_logp, w_ent = _inputs(table_axes, seed=1)
 
   def f_ref(x, table):
-    return jnp.sum(w_logp * _reference(x, table, targets, layout, temperature)[0])
+    return jnp.sum(w_logp * _reference(x, table, targets, table_axes, temperature)[0])
 
   def f(x, table):
     logp, ent = token_logprobs_and_entropy(
-      x, table, targets, layout=layout, temperature=temperature, chunk=3, entropy=entropy
+      x, table, targets, table_axes=table_axes, temperature=temperature, chunk=3, entropy=entropy
     )
     extra = 0.0 if ent is None else jnp.sum(w_ent * ent)  # no gradient in "metric"
     return jnp.sum(w_logp * logp) + extra, ent
@@ -91,7 +93,7 @@ def test_entropy_off_or_metric_gives_log_prob_gradients_only(entropy):
     assert ent is None
   else:
     np.testing.assert_allclose(
-      ent, _reference(x, table, targets, layout, temperature)[1], rtol=RTOL, atol=ATOL
+      ent, _reference(x, table, targets, table_axes, temperature)[1], rtol=RTOL, atol=ATOL
     )
 
 
@@ -105,7 +107,9 @@ def test_bfloat16_hidden_states_keep_their_dtype_and_match():
 
   g0 = f(lambda x, w: _reference(x, w, targets, "vd", 1.0)[0])
   g1 = f(
-    lambda x, w: token_logprobs_and_entropy(x, w, targets, layout="vd", chunk=3, entropy="none")[0]
+    lambda x, w: token_logprobs_and_entropy(
+      x, w, targets, table_axes="vd", chunk=3, entropy="none"
+    )[0]
   )
   for a, b in zip(g1, g0, strict=True):
     assert a.dtype == jnp.bfloat16
@@ -119,8 +123,8 @@ def test_model_hidden_states_and_unembedding_give_its_logits(tie):
   tokens = jax.random.randint(jax.random.key(0), (B, T), 0, cfg.vocab_size)
   positions = jnp.broadcast_to(jnp.arange(T), (B, T))
   valid = jnp.ones((B, T), bool)
-  table, layout = model.unembedding()
-  assert layout == ("vd" if tie else "dv")
+  table, table_axes = model.unembedding()
+  assert table_axes == ("vd" if tie else "dv")
   hidden, values = model.hidden_states_and_values(tokens, positions, valid)
   logits0, values0 = model.logits_and_values(tokens, positions, valid)
   spec = "btd,vd->btv" if tie else "btd,dv->btv"
@@ -190,5 +194,5 @@ def test_a_frozen_table_gets_no_gradient_work():
     return jax.jit(jax.grad(lambda x: jnp.sum(w_logp * fn(x))))(x)
 
   g0 = f(lambda x: _reference(x, table, targets, "dv", 1.0)[0])
-  g1 = f(lambda x: token_logprobs_and_entropy(x, table, targets, layout="dv", chunk=4)[0])
+  g1 = f(lambda x: token_logprobs_and_entropy(x, table, targets, table_axes="dv", chunk=4)[0])
   np.testing.assert_allclose(g1, g0, rtol=RTOL, atol=G_ATOL)

@@ -16,7 +16,7 @@ from knitjax import sharding
 from knitjax.models import attention, lora
 from knitjax.models.transformer import Transformer
 from knitjax.train import losses, packing
-from knitjax.train.batch import make_batch, pack_rows
+from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.step import (
   StepHParams,
 )
@@ -32,7 +32,7 @@ def _minibatch(seed=0, rows=ROWS, p_len=P_LEN, n_new=N_NEW):
   logps = [rng.normal(-3.0, 0.5, n).astype(np.float32) for n in lens]
   adv = rng.normal(size=rows).astype(np.float32)
   return make_batch(
-    pack_rows(prompts, responses, logps),
+    pad_rows(prompts, responses, logps),
     adv,
     prompt_len=p_len,
     max_new_tokens=n_new,

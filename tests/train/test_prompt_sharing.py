@@ -15,7 +15,7 @@ from knitjax import sharding
 from knitjax.models import lora
 from knitjax.models.transformer import Transformer
 from knitjax.train import advantages, losses, prompt_sharing
-from knitjax.train.batch import make_batch, pack_rows
+from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.step import (
   StepHParams,
   forward,
@@ -45,7 +45,7 @@ def _groups_batch(seed=0, groups=3, g=G, *, fallback=True):
   rewards = rng.integers(0, 2, rows).astype(np.float32)
   adv = advantages.compute_advantages(rewards.reshape(-1, g), "grpo").reshape(-1)
   batch = make_batch(
-    pack_rows(prompts, responses, logps), adv, prompt_len=P, max_new_tokens=N, pad_id=0,
+    pad_rows(prompts, responses, logps), adv, prompt_len=P, max_new_tokens=N, pad_id=0,
     rewards=rewards, group_ids=np.repeat(np.arange(groups) * 7 + 3, g),
   )  # fmt: skip
   # A tool-output token (no loss, still attended to) inside one response.
@@ -65,10 +65,10 @@ def test_hand_example_layout():
   prompts = [np.array([5, 6, 7])] * 2
   responses = [np.array([8, 9]), np.array([10])]
   batch = make_batch(
-    pack_rows(prompts, responses, [np.array([-1.0, -2.0]), np.array([-3.0])]),
+    pad_rows(prompts, responses, [np.array([-1.0, -2.0]), np.array([-3.0])]),
     np.array([0.5, -0.5]), prompt_len=4, max_new_tokens=2, pad_id=0, group_ids=np.array([1, 1]),
   )  # fmt: skip
-  # Fixed slots (pack=False): the prompt left-padded in [0, 4), the responses at 4 and 6.
+  # Fixed spans (pack=False): the prompt left-padded in [0, 4), the responses at 4 and 6.
   out = prompt_sharing.share_batch(batch, prompt_len=4, seq_len=8, multiple=1)
   np.testing.assert_array_equal(out["tokens"][0], [0, 5, 6, 7, 8, 9, 10, 0])
   np.testing.assert_array_equal(out["positions"][0], [0, 0, 1, 2, 3, 4, 3, 0])
@@ -100,7 +100,7 @@ def test_units_share_only_identical_prompts_with_responses():
 
 def test_tokens_cut_by_the_token_ratio():
   """Equal lengths: ``G (P + R) / (P + G R)`` exactly, the issue's ratio."""
-  rows = pack_rows([np.arange(3, 3 + P)] * 8, [np.arange(3, 3 + N)] * 8, [np.zeros(N)] * 8)
+  rows = pad_rows([np.arange(3, 3 + P)] * 8, [np.arange(3, 3 + N)] * 8, [np.zeros(N)] * 8)
   batch = make_batch(
     rows, np.zeros(8), prompt_len=P, max_new_tokens=N, pad_id=0, group_ids=np.zeros(8, int)
   )
@@ -140,19 +140,19 @@ def _assert_same_tokens(shared_batch, shared_values, padded_batch, padded_values
   np.testing.assert_allclose([a[k] for k in keys], [b[k] for k in keys], rtol=rtol, atol=1e-6)
 
 
-@pytest.mark.parametrize("slots", [None, (P, N)])
-def test_logprobs_equal_the_padded_rows(slots):
+@pytest.mark.parametrize("spans", [None, (P, N)])
+def test_logprobs_equal_the_padded_rows(spans):
   """The forward of either layout, every loss token's log-prob and entropy (rtol 1e-5); fixed
-  slots attended by the tree mask's ids (None) or slot by slot (``attend_slots``)."""
+  spans attended by the tree mask's ids (None) or span by span (``attend_spans``)."""
   batch = _groups_batch(seed=3)
   shared = _share(batch)
   graphdef, params = tiny.init()
   run = jax.jit(
-    lambda p, mb, slots: forward(graphdef, p, mb, 1.0, values=False, chunk=4, slots=slots),
+    lambda p, mb, spans: forward(graphdef, p, mb, 1.0, values=False, chunk=4, spans=spans),
     static_argnums=2,
   )
   lp0, ent0, _ = run(params, dict(batch), None)
-  lp1, ent1, _ = run(params, dict(shared), slots)
+  lp1, ent1, _ = run(params, dict(shared), spans)
   _assert_same_tokens(shared, lp1, batch, lp0, 1e-5)
   _assert_same_tokens(shared, ent1, batch, ent0, 1e-5)
 
@@ -167,10 +167,10 @@ MODES = {
 }  # fmt: skip
 
 
-def _step(mesh, batch, mode, *, shared, slots=None, micro_batches=2):
+def _step(mesh, batch, mode, *, shared, spans=None, micro_batches=2):
   loss_kw, advantage = MODES[mode]
   hp = StepHParams(
-    loss=losses.LossConfig(**loss_kw), advantage=advantage, max_new_tokens=N, shared_slots=slots
+    loss=losses.LossConfig(**loss_kw), advantage=advantage, max_new_tokens=N, shared_spans=spans
   )
 
   def critic_predicts(params):  # a critic that predicts something: GAE bootstraps real values
@@ -204,7 +204,7 @@ def test_step_equals_padded_step(mode, pack, devices):
   batch = _groups_batch(seed=4)
   shared = _share(batch, multiple=2 * devices, pack=pack, seq_len=P + G * N + (7 if pack else 0))
   g0, m0 = _step(mesh, batch, mode, shared=False)
-  g1, m1 = _step(mesh, shared, mode, shared=True, slots=None if pack else (P, N))
+  g1, m1 = _step(mesh, shared, mode, shared=True, spans=None if pack else (P, N))
   _assert_steps_equal(g0, m0, g1, m1)
   if MODES[mode][1].critic:
     assert m0["value_loss"] > 0
@@ -220,8 +220,8 @@ def test_lora_step_equals_padded_step():
   batch = _groups_batch(seed=5)
   out = []
   for b, shared in ((batch, False), (_share(batch), True)):
-    slots = (P, N) if shared else None
-    hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05), max_new_tokens=N, shared_slots=slots)
+    spans = (P, N) if shared else None
+    hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05), max_new_tokens=N, shared_spans=spans)
     out.append(tiny.lora_step(mesh, graphdef, adapters, base, b, hp, packed=shared, shared=shared))
   (p0, m0), (p1, m1) = out
   assert m0["kl"] != 0
@@ -274,7 +274,7 @@ def _vlm_batch(seed=0):
       groups.append(group)
   rows = len(prompts)
   batch = make_batch(
-    pack_rows(prompts, responses, logps), rng.normal(size=rows).astype(np.float32),
+    pad_rows(prompts, responses, logps), rng.normal(size=rows).astype(np.float32),
     prompt_len=VC.num_patches + 3, max_new_tokens=N, pad_id=0, group_ids=np.array(groups),
   )  # fmt: skip
   batch["image_index"] = np.asarray(index, np.int32)
@@ -304,7 +304,7 @@ def test_vlm_step_equals_padded_step():
   for b, is_shared in ((batch, False), (shared, True)):
     hp = StepHParams(
       loss=losses.LossConfig(entropy_coef=0.01, kl_coef=0.05), max_new_tokens=N,
-      shared_slots=(prompt_len, N) if is_shared else None,
+      shared_spans=(prompt_len, N) if is_shared else None,
     )  # fmt: skip
     host = mm_step.prepare_batch(b, 2)
     dev = jax.device_put(host, mm_step.batch_shardings(mesh, shared=is_shared))

@@ -17,7 +17,7 @@ import pytest
 
 from knitjax import sharding
 from knitjax.train import losses, step_advantages, value_loss
-from knitjax.train.batch import make_batch, pack_rows, split_micro_batches
+from knitjax.train.batch import make_batch, pad_rows, split_micro_batches
 from knitjax.train.step import (
   StepHParams,
 )
@@ -51,7 +51,7 @@ def _minibatch(seed=0):
   rewards = rng.normal(size=ROWS).astype(np.float32)
   rewards[G : 2 * G] = 0.5  # equal rewards: the KL penalty alone separates this group's rows
   return make_batch(
-    pack_rows(prompts, responses, logps), np.zeros(ROWS, np.float32), prompt_len=P_LEN,
+    pad_rows(prompts, responses, logps), np.zeros(ROWS, np.float32), prompt_len=P_LEN,
     max_new_tokens=N_NEW, pad_id=0, rewards=rewards, group_ids=np.repeat([0, 7, 3], G),
   )  # fmt: skip
 

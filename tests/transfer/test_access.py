@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from knitjax.train.advantages import compute_advantages
-from knitjax.train.batch import make_batch, pack_rows
+from knitjax.train.batch import make_batch, pad_rows
 from knitjax.transfer.access import BatchLayout, fetch_minibatch
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.group import GroupMeta
@@ -48,7 +48,7 @@ def _per_row(payloads):
       responses.append(p["response_tokens"][k][:n])
       logps.append(p["logprobs"][k][:n])
   return make_batch(
-    pack_rows(prompts, responses, logps),
+    pad_rows(prompts, responses, logps),
     np.concatenate(advs),
     prompt_len=P_LEN,
     max_new_tokens=N_NEW,

@@ -11,8 +11,8 @@ from lab.bench import prompt_sharing as bench
 
 POINT_KEYS = {
   "model", "prompt_len", "response_len", "group_size", "token_ratio", "tokens_off",
-  "tokens_group", "slots_off", "slots_group", "step_s_off", "step_s_group", "rounds", "speedup",
-  "speedup_over_ratio", "loss_off", "loss_group", "memory",
+  "tokens_group", "positions_off", "positions_group", "step_s_off", "step_s_group", "rounds",
+  "speedup", "speedup_over_ratio", "loss_off", "loss_group", "memory",
 }  # fmt: skip
 
 
@@ -35,8 +35,8 @@ def test_quick_bench_writes_points_with_exact_ratios_and_equal_losses(tmp_path):
     g, pl, rl, k = p["group_size"], p["prompt_len"], p["response_len"], p["groups"]
     assert p["token_ratio"] == pytest.approx(g * (pl + rl) / (pl + g * rl), rel=1e-12)
     assert (p["tokens_off"], p["tokens_group"]) == (k * g * (pl + rl), k * (pl + g * rl))
-    # Equal lengths fill every slot of either layout.
-    assert (p["slots_off"], p["slots_group"]) == (p["tokens_off"], p["tokens_group"])
+    # Equal lengths fill every position of either layout.
+    assert (p["positions_off"], p["positions_group"]) == (p["tokens_off"], p["tokens_group"])
     np.testing.assert_allclose(p["loss_group"], p["loss_off"], rtol=1e-5, atol=1e-7)
     assert p["loss_off"] != 0
     assert len(p["rounds"]) == config.repeats and all(t > 0 for r in p["rounds"] for t in r)

@@ -1,4 +1,4 @@
-"""A disaggregated trainer spread over two processes (`knitjax.runtime.trainer_group`).
+"""A disaggregated trainer spread over two processes (`knitjax.runtime.trainer_processes`).
 
 Two trainer processes (``--distributed``, 2 fake CPU devices each, one FSDP mesh over all 4) and
 two Ray rollout actors run ``configs/arith_disagg.py:quick``. Process 0 holds the one admission
@@ -21,11 +21,11 @@ from flax import nnx
 
 from configs import arith_disagg
 from knitjax.config import from_config_dict
-from knitjax.rollout.weight_parts import layout_of
+from knitjax.rollout.weight_parts import wire_format_of
 from knitjax.runtime import builder
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import batch_shardings
-from lab import local_group
+from lab import local_processes
 from tests import tiny
 from tests.runtime.test_disaggregated import check_run, read_jsonl
 from tests.runtime.test_multihost_main import _gloo_available
@@ -79,7 +79,7 @@ def test_two_trainer_processes_share_one_admission_index(tmp_path):
     f"--config.{k}={v}" for k, v in OVERRIDES.items()
   ]
   args.append(f"--dump_batches={dumps}")
-  result = local_group.launch(args, workdir, [{}] * 2, timeout=600, module="lab.batch_dump")
+  result = local_processes.launch(args, workdir, [{}] * 2, timeout=600, module="lab.batch_dump")
   assert [code for code, _ in result] == [0, 0], [err[-3000:] for _, err in result]
   s0, s1 = (_summary(err, k) for k, (_, err) in enumerate(result))
   for key in ("step", "version", "loss", "param_norm"):
@@ -107,8 +107,8 @@ def test_two_trainer_processes_share_one_admission_index(tmp_path):
   _, learner = builder.build_learner(cfg, mesh, str(tmp_path / "reference"))
   # Weights leave as each process's own shards only: together every value once, and neither
   # process sends the whole parameter set (no host gather).
-  layout, _ = layout_of(nnx.to_pure_dict(learner.state.params))
-  wire = layout.nbytes
+  wire_format, _ = wire_format_of(nnx.to_pure_dict(learner.state.params))
+  wire = wire_format.nbytes
   assert s0["weight_publish_bytes"] + s1["weight_publish_bytes"] == wire
   assert 0 < s1["weight_publish_bytes"] < wire and 0 < s0["weight_publish_bytes"] < wire
   shardings = batch_shardings(mesh, packed=False)

@@ -1,10 +1,10 @@
-"""A disaggregated trainer of 2 processes vs 1 (configs/bench/trainer_group.py).
+"""A disaggregated trainer of 2 processes vs 1 (configs/bench/trainer_processes.py).
 
 Each run is real (`knitjax.main`, the two-process one with ``--distributed`` on loopback,
-`lab.local_group`). Per variant: throughput and architectural staleness after the
+`lab.local_processes`). Per variant: throughput and architectural staleness after the
 warmup (`lab.bench.real_runs.measured_point`), and per published version the seconds from
 dispatch until the rollout may adopt it and the bytes each trainer process put on the wire.
-Writes ``trainer_group.json`` and prints a table; docs/disaggregated.md has figures.
+Writes ``trainer_processes.json`` and prints a table; docs/disaggregated.md has figures.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 import ml_collections as mc
 import numpy as np
 
-from lab import local_group
+from lab import local_processes
 from lab.bench.real_runs import launch, measured_point, read_run
 from lab.bench.report import format_table, write_json
 
@@ -55,7 +55,7 @@ def _run(cfg: mc.ConfigDict, root: str, name: str, variant: str) -> dict:
     workdir = os.path.join(root, "runs", name)
     path = os.path.join(root, "configs", f"{name}.py")
     launch(cfg, root, name, write_only=True)
-    result = local_group.launch([f"--config={path}"], workdir, [{}, {}], timeout=3600)
+    result = local_processes.launch([f"--config={path}"], workdir, [{}, {}], timeout=3600)
     if any(code for code, _ in result):
       tails = ["\n".join(err.splitlines()[-8:]) for _, err in result]
       raise RuntimeError(f"run {name!r} failed:\n" + "\n---\n".join(tails))
@@ -92,7 +92,7 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
     "mean": mean,
     "throughput_ratio_two_over_one": mean["two"]["steps_per_hour"] / mean["one"]["steps_per_hour"],
   }
-  write_json(workdir, "trainer_group", out)
+  write_json(workdir, "trainer_processes", out)
   rows = [
     {
       "trainer processes": 1 if v == "one" else 2,

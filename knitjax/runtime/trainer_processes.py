@@ -14,7 +14,7 @@ on a mini-batch the others do not. ``fetched.p<k>.jsonl`` records, per process a
 mini-batch, the announced plan, the groups this process fetched and their payload bytes.
 
 Every process publishes its own shards of each version (`knitjax.runtime.weight_shards`), and
-watches the others' pulse in the same store (`knitjax.runtime.coordination.GroupWatch`): a lost
+watches the others' pulse in the same store (`knitjax.runtime.coordination.PulseWatch`): a lost
 process ends the rest with one sentence, and a restart of all resumes from process 0's
 checkpoint of the run state.
 

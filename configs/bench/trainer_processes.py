@@ -1,7 +1,7 @@
 """A disaggregated trainer of 2 processes vs 1, the paper's regime at CPU size (one point).
 
-    python -m lab.bench --config configs/bench/trainer_group.py --workdir runs/bench_group
-    python -m lab.bench --config configs/bench/trainer_group.py:quick --workdir /tmp/bgq
+    python -m lab.bench --config configs/bench/trainer_processes.py --workdir runs/bench_processes
+    python -m lab.bench --config configs/bench/trainer_processes.py:quick --workdir /tmp/bgq
 
 Both variants train on 4 devices (FSDP) with the rollout in 2 Ray actors: ``one`` is one
 trainer process of 8 fake devices (4 train; 4 stage the published weights, the one-process
@@ -20,7 +20,7 @@ from configs import arith_disagg
 
 def get_config(arg: str | None = None) -> mc.ConfigDict:
   c = mc.ConfigDict()
-  c.bench = "trainer_group"
+  c.bench = "trainer_processes"
   t = c.train = arith_disagg.get_config()
   t.admission.minibatches = 16
   t.admission.min_per_minibatch = {"arith": 1, "think": 1}
@@ -40,4 +40,4 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
     c.train.topology.rollout_workers = 2
     c.depth, c.steps, c.warmup_steps, c.repeats = 0.5, 3, 1, 1
     return c
-  raise ValueError(f"trainer_group config arg={arg!r} is not accepted; use '' or 'quick'.")
+  raise ValueError(f"trainer_processes config arg={arg!r} is not accepted; use '' or 'quick'.")
