@@ -50,11 +50,7 @@ MESSAGES: dict[str, tuple] = {
   "control": (str, int),  # a host's control connection: hostname, pid
   "storage": (int,),  # a host's storage connection, for the unit its control connection got
   "welcome": (int, list[Path]),  # the host's unit id, the leaves the trainer publishes
-  "ready": (
-    list[PartitionSpec],
-    dict[str, int],
-    int,
-  ),  # the host's partition specs, mesh shape, devices
+  "ready": (list[PartitionSpec], dict[str, int], int),  # the host's specs, mesh shape, devices
   "weights": (str,),  # the trainer's weight transfer address
   "go": (),  # both connections are up: the host starts serving
   "report": (list[GroupMeta], int, RolloutStats, int),  # metas, capacity, stats, starts seen

@@ -48,14 +48,14 @@ def last_response_tokens(mask: jax.Array, segment_ids: jax.Array | None = None) 
   if segment_ids is None:
     last = (t - 1) - jnp.argmax(m[..., ::-1], axis=-1)
     return jax.nn.one_hot(last, t, dtype=jnp.float32) * m
-  # Per (sequence, segment) slot, the largest response position: segment_max over the
-  # [B * (T + 1)] slots of knitjax.train.aggregation.row_totals, read back at every token.
+  # Per (sequence, segment) bin, the largest response position: segment_max over the
+  # [B * (T + 1)] bins of knitjax.train.aggregation.row_totals, read back at every token.
   m2, seg = m.reshape(-1, t), segment_ids.reshape(-1, t).astype(jnp.int32)
   b = m2.shape[0]
-  slot = jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + seg
+  bin_ids = jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + seg
   pos = jnp.where(m2 > 0, jnp.arange(t, dtype=jnp.int32)[None, :], -1)
-  last = jax.ops.segment_max(pos.reshape(-1), slot.reshape(-1), num_segments=b * (t + 1))
-  at_last = (pos == last[slot]) & (m2 > 0)
+  last = jax.ops.segment_max(pos.reshape(-1), bin_ids.reshape(-1), num_segments=b * (t + 1))
+  at_last = (pos == last[bin_ids]) & (m2 > 0)
   return at_last.astype(jnp.float32).reshape(m.shape)
 
 

@@ -26,7 +26,7 @@ of ``pack_len`` tokens, several rows per sequence:
 Rows with no valid token (none in practice) have no segment; they carry no loss either.
 
 Metrics (:func:`packing_metrics`, written with each mini-batch's step metrics when packing is
-on): ``pack_fill`` real tokens / packed slots (``S * pack_len``, the empty sequences included:
+on): ``pack_fill`` real tokens / packed positions (``S * pack_len``, the empty sequences included:
 the step computes them too), ``pack_padded_fill`` the same for the padded rows it replaces,
 ``pack_rows`` the packed sequences ``S``, and ``pack_segments_mean`` / ``pack_segments_max`` the
 rows per packed sequence (the mean over all ``S``, so ``S * mean`` is the rows packed). When

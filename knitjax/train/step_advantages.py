@@ -22,16 +22,16 @@ depend on the micro-batch split.
 Packed rows (:mod:`knitjax.train.packing`, a ``segment_ids`` field): every row is a segment of a
 ``[K, S / K, pack_len]`` sequence and its ``rewards`` and ``group_id`` are copied to each of its
 tokens. GAE restarts at each segment's end (:mod:`knitjax.train.gae`); the group estimators run
-over the ``S * (pack_len + 1)`` (sequence, segment) slots of
+over the ``S * (pack_len + 1)`` (sequence, segment) bins of
 :func:`knitjax.train.aggregation.row_totals`, one per row plus empty ones that form a group of
 their own, and the advantages go back to every token of the row. The results are the padded
-rows' (up to float32 summation order). The slots cost one sort of ``S * (pack_len + 1)`` group
+rows' (up to float32 summation order). The bins cost one sort of ``S * (pack_len + 1)`` group
 ids (``segment_advantages``' ``jnp.unique``), small next to the forward passes these advantages
 already need.
 
 Shared prompts (:mod:`knitjax.train.prompt_sharing`): laid out like packed rows, one segment per
 response; a group's prompt is a segment of its own, named by its responses' ``prefix_ids``, which
-is no row: it joins the empty slots.
+is no row: it joins the empty bins.
 """
 
 import dataclasses
@@ -119,7 +119,7 @@ def compute(
     if segments is None:
       seq_penalty = kl_coef * jnp.sum(kl * mask, axis=-1)
       rows = jnp.sum(mask, axis=-1) > 0
-    else:  # per (sequence, segment) slot; column 0 is the padding's
+    else:  # per (sequence, segment) bin; column 0 is the padding's
       t = mask.shape[-1]
       flat = segments.reshape(-1, t)
       seq_penalty = kl_coef * row_totals((kl * mask).reshape(-1, t), flat)
@@ -162,11 +162,11 @@ def _packed_group_advantages(
 ) -> jax.Array:
   """A group estimator over packed rows: ``[..., T]`` advantages, each row's on its tokens.
 
-  ``penalty``: ``[B, T + 1]`` per-slot KL penalties (``compute``'s), or None.
+  ``penalty``: ``[B, T + 1]`` per-bin KL penalties (``compute``'s), or None.
   """
   t = segments.shape[-1]
   seg = segments.reshape(-1, t).astype(jnp.int32)
-  # A row's first token: its reward and group id, summed once into its slot (exact: one term).
+  # A row's first token: its reward and group id, summed once into its bin (exact: one term).
   first = (seg > 0) & (seg != jnp.pad(seg, ((0, 0), (1, 0)))[:, :-1])
   rows = row_totals(first.astype(jnp.int32), seg) > 0
   if "prefix_ids" in batch:  # shared prompts: a prompt's segment is no row (it has no response)
@@ -179,7 +179,7 @@ def _packed_group_advantages(
   if penalty is not None:
     reward = reward - penalty
   group = row_totals(jnp.where(first, batch["group_id"].reshape(-1, t), 0), seg)
-  # Empty slots: one group of their own below every real id, reward 0, so advantage 0.
+  # Empty bins: one group of their own below every real id, reward 0, so advantage 0.
   empty = jnp.min(jnp.where(rows, group, jnp.iinfo(group.dtype).max)) - 1
   adv = segment_advantages(
     jnp.where(rows, reward, 0.0).reshape(-1),

@@ -8,7 +8,7 @@ padded (``[rows, P + N]``, `knitjax.train.batch.make_batch`) and packed (``[S, p
 (`knitjax.train.step.compile_train_step`, AdamW, the configured micro-batches) runs each
 ``repeats`` times after a compile-and-warm-up call. Useful tokens are the rows' real tokens
 (prompt + response); useful tokens/s divides them by the median step time. Also reported: the
-token-slot fill (real tokens / slots) and the packed step's loss next to the padded one's (the
+token fill (real tokens / token positions) and the packed step's loss next to the padded one's (the
 same up to float32 summation order, as tests/train/test_packing.py checks).
 
 Usage: python -m lab.bench --config configs/bench/packing.py --workdir DIR
@@ -82,7 +82,7 @@ def _time_step(config, mesh, batch: dict, *, packed: bool) -> dict:
     "layout": "packed" if packed else "padded",
     "sequences": int(batch["valid"].shape[0]),
     "seq_len": int(batch["valid"].shape[1]),
-    "token_slots": int(batch["valid"].size),
+    "token_positions": int(batch["valid"].size),
     "useful_tokens": useful,
     "loss_tokens": int(np.asarray(batch["loss_mask"]).sum()),
     "fill": useful / batch["valid"].size,
@@ -151,7 +151,7 @@ def _plot(workdir: str, results: list[dict], ratio: float) -> None:
   axes[0].set_title(f"train step throughput ({ratio:.2f}x)")
   axes[1].bar(names, [r["fill"] for r in results], color=["tab:gray", "tab:blue"])
   axes[1].set_ylim(0, 1)
-  axes[1].set_ylabel("real tokens / token slots")
+  axes[1].set_ylabel("real tokens / token positions")
   axes[1].set_title("fill")
   fig.tight_layout()
   fig.savefig(os.path.join(workdir, "packing.png"), dpi=120)

@@ -12,7 +12,7 @@ def test_quick_packing_bench_fills_more_and_keeps_the_loss(tmp_path):
   padded, packed = result["layouts"]
   assert padded["useful_tokens"] == packed["useful_tokens"] > 0
   assert packed["loss_tokens"] == padded["loss_tokens"]
-  assert packed["token_slots"] < padded["token_slots"] and packed["fill"] > padded["fill"]
+  assert packed["token_positions"] < padded["token_positions"] and packed["fill"] > padded["fill"]
   assert packed["sequences"] % 2 == 0  # split evenly into the 2 micro-batches
   np.testing.assert_allclose(packed["first_loss"], padded["first_loss"], rtol=1e-5, atol=1e-7)
   assert result["packed_over_padded"] > 0
