@@ -63,7 +63,7 @@ class TopologyConfig:
   # Generate in this many Ray actors (each writing to a Ray storage unit on its own node). A
   # disaggregated trainer of several processes (--distributed) needs them: process 0 runs the
   # admission index, every process trains on the one global mesh and fetches its own share
-  # (knitjax.runtime.trainer_group).
+  # (knitjax.runtime.trainer_processes).
   rollout_workers: int = setting(0, off=0, meaning="generate in this process")
   # Ray actor deaths (rollout actors, storage units) a run survives; one more ends it.
   actor_restarts: int = setting(3, off=0, meaning="the first actor death ends the run")
