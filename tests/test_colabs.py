@@ -270,4 +270,7 @@ def test_notebook_runs(path, tmp_path, repo_url):
 
 
 if __name__ == "__main__":
+  # A kernel does not have tests/ on its path (tests/lab would shadow the lab package).
+  if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
   _run_notebook(sys.argv[1])

@@ -11,7 +11,7 @@ import pytest
 from knitjax import faultpoints
 from lab.faults import backpressure
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = (
   "from knitjax import faultpoints\nfor _ in range(3): faultpoints.point('update')\nprint('x')"
 )

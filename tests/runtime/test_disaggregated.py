@@ -109,7 +109,7 @@ def test_quick_run_versions_quotas_and_conservation(tmp_path):
 
 
 def test_train_batch_step_sync_and_partial_rollout(tmp_path):
-  config = quick_config(weight_sync="step", adoption="mid_generation", max_lag_steps=0.5)
+  config = quick_config(every="step", adoption="mid_generation", max_lag_steps=0.5)
   config.admission.policy = "train_batch"
   train(from_config_dict(config), str(tmp_path))
   rows = check_run(str(tmp_path), config)
@@ -137,11 +137,11 @@ def test_depth_bound_and_device_split():
   with pytest.raises(ValueError, match="lag_unit='version'"):
     versions.VersionClock(0, groups_per_step=8, minibatches=2, max_lag_steps=0, lag_unit="version")
   # the clock's constants sit beside it: config and the simulator check lag units against them
-  from knitjax import config
+  from knitjax import config_run
   from knitjax.sim import workload
 
   assert versions.LAG_UNITS == ("step", "minibatch")
-  assert config.LAG_UNITS is versions.LAG_UNITS and workload.LAG_UNITS is versions.LAG_UNITS
+  assert config_run.LAG_UNITS is versions.LAG_UNITS and workload.LAG_UNITS is versions.LAG_UNITS
   cfg = from_config_dict(quick_config(rollout_devices=3))
   rollout, trainer = split_devices(cfg, devices=list(range(8)))
   assert rollout == [0, 1, 2] and trainer == [3, 4, 5, 6, 7]

@@ -10,7 +10,7 @@
 # MFU benchmark runs once (T = 2048 and 4096, then the sampler) under a 7.5-minute limit and its
 # JSON, plot and log land in OUT_DIR, with nvidia-smi's view of the GPU.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 OUT_DIR="${1:-docs/device/h200}"
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"

@@ -13,7 +13,7 @@
 #                   64 MiB (working tree included), so the file takes two calls; smollm2_learn.sh
 #                   joins the parts and checks the sum.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 PYV="${1:-3.12}"
 PY="${PYTHON:-python}"
 PACKAGES=(ml-collections grain array-record portpicker gguf tensorboardX)

@@ -31,7 +31,7 @@
 # and /.device_cache/, so the wheels and the model parts travel only when carried (and never count
 # against a call that does not name them).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 OUT="${1:-docs/device/smollm2_learn}"
 CONFIG="${CONFIG:-configs/smollm2_learn.py:gpu}"
 BENCH_CONFIG="${BENCH_CONFIG:-configs/bench/real_model.py:gpu}"

@@ -9,7 +9,7 @@ import pytest
 
 from lab.bench import admission
 
-_CONFIG = pathlib.Path(__file__).parents[2] / "configs" / "bench" / "admission.py"
+_CONFIG = pathlib.Path(__file__).parents[3] / "configs" / "bench" / "admission.py"
 _spec = importlib.util.spec_from_file_location("admission_config", _CONFIG)
 admission_config = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(admission_config)

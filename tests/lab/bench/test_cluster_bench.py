@@ -1,5 +1,5 @@
 """The cluster bench's pieces that need no cluster: its configs, its refusal without root, how it
-reads the runs it started (the cluster itself is tested in tests/cluster)."""
+reads the runs it started (the cluster itself is tested in tests/lab/cluster)."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 from lab.bench import cluster as bench
 from lab.cluster import scale
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, REPO)
 from configs.bench import cluster as cluster_config  # noqa: E402
 

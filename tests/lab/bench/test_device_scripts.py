@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import numpy as np
-from tests.bench.test_real_model_bench import check_quick_result
+from tests.lab.bench.test_real_model_bench import check_quick_result
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(REPO, "benchmarks", "device", "smollm2_learn.sh")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+SCRIPT = os.path.join(REPO, "lab", "scripts", "device", "smollm2_learn.sh")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

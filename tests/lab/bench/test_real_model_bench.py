@@ -31,7 +31,7 @@ def test_agreement_counts_rows_and_the_agreeing_prefix():
 def check_quick_result(result: dict) -> None:
   """What `configs/bench/real_model.py:quick` must write (``real_model.json``). The quick run
   itself happens once in the suite, inside lab/scripts/device/smollm2_learn.sh on the CPU
-  (tests/bench/test_device_scripts.py), which checks its JSON with this."""
+  (tests/lab/bench/test_device_scripts.py), which checks its JSON with this."""
   c = bench_config.get_config("quick")
   assert result["environment"]["threads"] >= 1
 

@@ -11,7 +11,7 @@ import pytest
 
 from lab.bench import staleness
 
-_ROOT = pathlib.Path(__file__).parents[2]
+_ROOT = pathlib.Path(__file__).parents[3]
 _CONFIG = _ROOT / "configs" / "bench" / "staleness.py"
 _spec = importlib.util.spec_from_file_location("staleness_config", _CONFIG)
 staleness_config = importlib.util.module_from_spec(_spec)

@@ -9,7 +9,7 @@ import pytest
 
 from lab.bench import staleness_real
 
-_ROOT = pathlib.Path(__file__).parents[2]
+_ROOT = pathlib.Path(__file__).parents[3]
 _spec = importlib.util.spec_from_file_location(
   "staleness_real_config", _ROOT / "configs" / "bench" / "staleness_real.py"
 )

@@ -15,7 +15,7 @@ import pytest
 from lab.cluster import net
 from lab.cluster.hosts import Cluster, HostSpec
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _cannot_build() -> str | None:
