@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+
 from tests.lab.bench.test_real_model_bench import check_quick_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
