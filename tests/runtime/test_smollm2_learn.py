@@ -1,7 +1,7 @@
 """The learning recipe (configs/smollm2_learn.py): its training and held-out prompts never meet.
 
-Two steps of its tiny variant run in tests/lab/bench/test_device_scripts.py, through the device script
-that runs the GPU variant (one run of the real model for both checks)."""
+Two steps of its tiny variant run in tests/lab/bench/test_device_scripts.py, through the device
+script that runs the GPU variant (one run of the real model for both checks)."""
 
 import pytest
 
