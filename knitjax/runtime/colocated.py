@@ -18,10 +18,9 @@ from absl import logging
 from knitjax import faultpoints
 from knitjax.config import Config
 from knitjax.rollout import contract
-from knitjax.runtime import builder, rollout_builder
-from knitjax.runtime.evaluation import plot_eval
-from knitjax.runtime.learner import RunState
-from knitjax.runtime.metrics import MetricsWriter, fault_counters, mean_rows, plot_reward
+from knitjax.runtime import builder, loop, rollout_builder
+from knitjax.runtime.learner import Learner, RunState
+from knitjax.runtime.metrics import fault_counters
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.feed import exposed_transfer
 from knitjax.transfer.storage import release_groups
@@ -60,100 +59,105 @@ def run(
     admission.load_state_dict(resumed.admission)
     if admission.pending():
       raise RuntimeError("a colocated checkpoint must not hold pending groups.")
-  start, total = learner.version // config.admission.minibatches, config.loop.steps
-  writer = MetricsWriter(
-    workdir,
-    total_steps=total,
-    start_step=start,
-    log_every=config.loop.log_every,
-    checkpoint_every=config.checkpoint.every_steps,
-  )
-  logging.info("training steps %d..%d on mesh %s", start + 1, total, dict(mesh.shape))
+  start = learner.version // config.admission.minibatches
+  logging.info("training steps %d..%d on mesh %s", start + 1, config.loop.steps, dict(mesh.shape))
   prepare = builder.build_preparer(config, rollout.storage, mesh, prompts)
   evals = rollout_builder.build_periodic_eval(config, graphdef, mesh, prompts, workdir, start)
-  metrics: dict = {}
-  t_start = time.time()
-  with jax.set_mesh(mesh):
-    if evals is not None and start == 0:
-      evals.maybe_run(0, learner.policy_params, rollout_builder.eval_rng(config))
-    for step in range(start, total):
-      t0 = time.time()
-      released, lengths, next_group_id = _generate_step(
-        config, rollout, admission, prompts, learner, step, next_group_id
-      )
-      t_train = time.time()
-      feed = builder.build_feed(config, _from_list(released), prepare, count=len(released))
-      rows = []
-      for _ in released:
-        t_want = time.perf_counter()
-        p = next(feed)
-        info = {**p.info, **exposed_transfer(p, t_want, time.perf_counter())}
-        rows.append({**learner.consume(p), **info})
-        release_groups(rollout.storage, p.minibatch.groups)
-      now = time.time()
-      metrics = {
-        "version": learner.version,
-        **mean_rows(rows),
-        "tokens_per_s": sum(lengths) / (now - t0),
-        "response_len_mean": sum(lengths) / max(1, len(lengths)),
-        "step_s": now - t0,
-        "rollout_s": t_train - t0,
-        "train_s": now - t_train,
-        "wall_s": now - t_start,  # from this process's first step; host work between steps too
-        **fault_counters(rollout),
-        **learner.tracker.step_metrics(step),
-      }
-      if evals is not None:
-        metrics.update(
-          evals.maybe_run(step + 1, learner.policy_params, rollout_builder.eval_rng(config))
-        )
-      writer.write(step + 1, metrics)
-      learner.maybe_save(
-        step + 1,
-        total,
-        lambda gid=next_group_id: RunState(
-          next_group_id=gid,
-          prompts=prompts.state_dict(),
-          admission=admission.state_dict(),
-        ),
-      )
-      if on_step is not None:
-        on_step(step + 1, metrics)
-  learner.close()
-  writer.close()
-  rollout.close()
-  if writer.primary:
-    plot_reward(workdir, config_name=config_name)
-    plot_eval(workdir)
-  return {"step": total, **metrics}
+  steps = ColocatedSteps(config, learner, rollout, admission, prompts, prepare, next_group_id)
+  return loop.run_steps(
+    config, workdir, steps, learner, mesh, evals=evals, on_step=on_step, config_name=config_name
+  )
 
 
-def _generate_step(config: Config, rollout, admission, prompts, learner, step: int, group_id: int):
-  """Generates until the whole step is released (dynamic sampling can reject groups).
+class ColocatedSteps:
+  """The colocated `loop.Pipe`: each step generates its groups, then consumes them.
 
-  Returns ``(released mini-batches, the generated responses' token counts, next group id)``.
+  A step's feed is built over that step's released mini-batches only: one feed across steps
+  would prefetch past a step boundary, asking for a mini-batch not yet generated.
   """
-  rng = builder.rng_for(config.seed, step)
-  quotas = config.admission.quotas
-  released, lengths, chunk = [], [], 0
-  while len(released) < config.admission.minibatches:
-    need = {c: n for c, n in admission.remaining().items() if n > 0} or dict(quotas)
-    metas = contract.generate(
-      rollout,
-      learner.policy_params,
-      prompts.next({c: max(n, quotas[c]) for c, n in need.items()}),
-      version=learner.version,
-      rng=jax.random.fold_in(rng, chunk),
-      first_group_id=group_id,
+
+  def __init__(
+    self,
+    config: Config,
+    learner: Learner,
+    rollout,
+    admission,
+    prompts,
+    prepare,
+    next_group_id: int,
+  ):
+    self.config, self.learner, self.rollout = config, learner, rollout
+    self.admission, self.prompts, self.prepare = admission, prompts, prepare
+    self.next_group_id = next_group_id
+    self.t_start = time.time()  # wall_s counts from here; host work between steps too
+
+  def begin_step(self, step: int) -> None:
+    self._t0 = time.time()
+    self._released, self._lengths = self._generate(step)
+    self._t_train = time.time()
+
+  def _generate(self, step: int) -> tuple[list[MiniBatch], list[int]]:
+    """Generates until the whole step is released (dynamic sampling can reject groups).
+
+    Returns the released mini-batches and the generated responses' token counts.
+    """
+    config, admission = self.config, self.admission
+    rng = builder.rng_for(config.seed, step)
+    quotas = config.admission.quotas
+    released, lengths, chunk = [], [], 0
+    while len(released) < config.admission.minibatches:
+      need = {c: n for c, n in admission.remaining().items() if n > 0} or dict(quotas)
+      metas = contract.generate(
+        self.rollout,
+        self.learner.policy_params,
+        self.prompts.next({c: max(n, quotas[c]) for c, n in need.items()}),
+        version=self.learner.version,
+        rng=jax.random.fold_in(rng, chunk),
+        first_group_id=self.next_group_id,
+      )
+      chunk += 1
+      self.next_group_id += len(metas)
+      faultpoints.point("rollout")
+      for meta in metas:
+        lengths += [int(n) for n in meta.response_tokens]
+        released += admission.offer(meta)
+        faultpoints.point("admission")
+    return released, lengths
+
+  def consume(self, step: int) -> list[dict]:
+    released = self._released
+    feed = builder.build_feed(self.config, _from_list(released), self.prepare, count=len(released))
+    rows = []
+    for _ in released:
+      t_want = time.perf_counter()
+      p = next(feed)
+      info = {**p.info, **exposed_transfer(p, t_want, time.perf_counter())}
+      rows.append({**self.learner.consume(p), **info})
+      release_groups(self.rollout.storage, p.minibatch.groups)
+    return rows
+
+  def end_step(self, step: int, last: bool) -> dict:
+    now, t0, lengths = time.time(), self._t0, self._lengths
+    return {
+      "tokens_per_s": sum(lengths) / (now - t0),
+      "response_len_mean": sum(lengths) / max(1, len(lengths)),
+      "step_s": now - t0,
+      "rollout_s": self._t_train - t0,
+      "train_s": now - self._t_train,
+      "wall_s": now - self.t_start,
+      **fault_counters(self.rollout),
+    }
+
+  def snapshot(self) -> RunState:
+    """The host side of a colocated checkpoint: every step ends with nothing pending."""
+    return RunState(
+      next_group_id=self.next_group_id,
+      prompts=self.prompts.state_dict(),
+      admission=self.admission.state_dict(),
     )
-    chunk += 1
-    group_id += len(metas)
-    faultpoints.point("rollout")
-    for meta in metas:
-      lengths += [int(n) for n in meta.response_tokens]
-      released += admission.offer(meta)
-      faultpoints.point("admission")
-  return released, lengths, group_id
+
+  def close(self) -> None:
+    self.rollout.close()
 
 
 def _from_list(minibatches: list[MiniBatch]) -> Callable[[float], MiniBatch | None]:

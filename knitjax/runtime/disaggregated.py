@@ -26,9 +26,14 @@ from absl import logging
 
 from knitjax import sharding
 from knitjax.config import Config
-from knitjax.runtime import builder, coordination, rollout_builder, rollout_hosts, trainer_processes
-from knitjax.runtime.evaluation import plot_eval
-from knitjax.runtime.metrics import MetricsWriter, mean_rows, plot_reward
+from knitjax.runtime import (
+  builder,
+  coordination,
+  loop,
+  rollout_builder,
+  rollout_hosts,
+  trainer_processes,
+)
 from knitjax.runtime.pipeline import Pipeline
 from knitjax.transfer.snapshot import restore_groups
 from knitjax.transfer.storage import release_groups
@@ -120,30 +125,33 @@ def run(
     admission.load_state_dict(resumed.admission)
     if resumed.payloads is not None:
       restore_groups(rollout.storage, resumed.payloads)
-  m, total = config.admission.minibatches, config.loop.steps
-  start = learner.version // m
+  start = learner.version // config.admission.minibatches
   if multiprocess:
-    pipe, storage = trainer_processes.join(
+    pipe = trainer_processes.join(
       config,
       workdir,
       learner,
       prompts,
-      start,
+      train_mesh,
       rollout=rollout,
       admission=admission,
       resumed=resumed,
+      watch=watch,
       on_batch=on_batch,
     )
   else:
-    pipe = Pipeline(config, workdir, learner, rollout, admission, prompts, rollout_mesh, resumed)
-    storage = rollout.storage
-  writer = MetricsWriter(
-    workdir,
-    total_steps=total,
-    start_step=start,
-    log_every=config.loop.log_every,
-    checkpoint_every=config.checkpoint.every_steps,
-  )
+    prepare = builder.build_preparer(config, rollout.storage, train_mesh, prompts)
+    pipe = Pipeline(
+      config,
+      workdir,
+      learner,
+      rollout,
+      admission,
+      prompts,
+      rollout_mesh,
+      resumed,
+      prepare=prepare,
+    )
   logging.info(
     "disaggregated: rollout on %s, training steps %d..%d on %d devices",
     f"{hosts} rollout hosts"
@@ -152,54 +160,18 @@ def run(
     if multiprocess
     else f"{len(rollout_devices)} devices",
     start + 1,
-    total,
+    config.loop.steps,
     len(train_devices),
-  )
-  feed = builder.build_feed(
-    config,
-    pipe.take,
-    builder.build_preparer(
-      config, storage, train_mesh, prompts, plan_for=pipe.plans.plan_for if multiprocess else None
-    ),
-    count=(total - start) * m,
   )
   # Evaluation runs on the train mesh in this thread, with the trainer's current parameters.
   evals = rollout_builder.build_periodic_eval(config, graphdef, train_mesh, prompts, workdir, start)
-  if evals is not None and start == 0:
-    with jax.set_mesh(train_mesh):
-      evals.maybe_run(0, learner.policy_params, rollout_builder.eval_rng(config))
-  metrics: dict = {}
-  pipe.start()
-  try:
-    with jax.set_mesh(train_mesh):
-      for step in range(start, total):
-        pipe.step_begins()
-        rows = [pipe.consume(feed, step, j) for j in range(m)]
-        if step + 1 == total:  # the last step's metrics and checkpoint see the final state
-          pipe.stop()
-        metrics = {
-          "version": learner.version,
-          **mean_rows(rows),
-          **learner.tracker.step_metrics(step),
-          **pipe.step_metrics(),
-        }
-        if evals is not None:
-          metrics.update(
-            evals.maybe_run(step + 1, learner.policy_params, rollout_builder.eval_rng(config))
-          )
-        writer.write(step + 1, metrics)
-        learner.maybe_save(step + 1, total, pipe.snapshot)
-        if on_step is not None:
-          on_step(step + 1, metrics)
-    if watch is not None:
-      watch.done()
-  finally:
-    feed.close()
-    pipe.close()
-    learner.close()
-    writer.close()
-  pipe.write_timings(workdir)
-  if writer.primary:
-    plot_reward(workdir, config_name=config_name)
-    plot_eval(workdir)
-  return {"step": total, **metrics}
+  return loop.run_steps(
+    config,
+    workdir,
+    pipe,
+    learner,
+    train_mesh,
+    evals=evals,
+    on_step=on_step,
+    config_name=config_name,
+  )

@@ -1,10 +1,11 @@
 """The disaggregated pipeline around the trainer: the rollout side and each update's bookkeeping.
 
-:class:`Pipeline` owns what runs beside the trainer thread in a disaggregated run: the rollout
-thread and its released queue, the version clock (pipeline depth) and weight sync, the
-``consumed.jsonl`` / ``offered.jsonl`` logs, and the flow counters behind the step metrics. Its
-``consume`` is one trainer update with everything around it (order check, Learner, release,
-publish); its ``snapshot`` is the rollout side of a checkpoint, taken under the rollout lock.
+:class:`Pipeline` is the disaggregated leader's `knitjax.runtime.loop.Pipe`. It owns what runs
+beside the trainer thread: the rollout thread and its released queue, the version clock
+(pipeline depth) and weight sync, the trainer's feed, the ``consumed.jsonl`` / ``offered.jsonl``
+logs, and the flow counters behind the step metrics. Each update it applies comes with
+everything around it (order check, Learner, release, publish); its ``snapshot`` is the rollout
+side of a checkpoint, taken under the rollout lock.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from knitjax import sharding
 from knitjax import workdir as wd
 from knitjax.rollout.versions import VersionClock
+from knitjax.runtime import builder
 from knitjax.runtime.learner import Learner, RunState
 from knitjax.runtime.metrics import fault_counters
 from knitjax.runtime.released import ReleasedQueue
@@ -55,9 +57,19 @@ def _consumed_row(mb, version: int) -> dict:
 class Pipeline:
   """The rollout side of the run and the trainer's bookkeeping around each update.
 
-  Holds the rollout thread, the released queue, the version clock and weight sync, the
-  ``consumed.jsonl`` / ``offered.jsonl`` logs and the flow counters; ``snapshot`` is the
+  Holds the rollout thread, the released queue, the version clock and weight sync, the feed,
+  the ``consumed.jsonl`` / ``offered.jsonl`` logs and the flow counters; ``snapshot`` is the
   rollout side of a checkpoint, consistent because it is taken under the rollout lock.
+
+  The rollout thread and the feed start with the first step (after the evaluation before
+  training); the thread stops when the last step ends, and a finished run's ``timings.json``
+  is written when the pipeline closes.
+
+  Args (beyond the parts it holds):
+    prepare: the feed's preparer (`builder.build_preparer`'s).
+    mesh: the rollout mesh the versions are published to (None: Ray rollout actors).
+    weights, plans: a multi-process trainer's own publisher and plan book.
+    watch: a multi-process trainer's pulse watch, told when this process has finished.
   """
 
   def __init__(
@@ -71,18 +83,24 @@ class Pipeline:
     mesh,
     resumed,
     *,
+    prepare,
     weights=None,
     plans=None,
+    watch=None,
   ):
     restarts = 0 if resumed is None else resumed.restarts + 1
     resumed = resumed or RunState()
-    self.config, self.learner, self.rollout = config, learner, rollout
+    self.config, self.workdir, self.learner, self.rollout = config, workdir, learner, rollout
     self.admission, self.prompts = admission, prompts
     self.consumed, self.restarts = resumed.consumed, restarts
     self.queue = ReleasedQueue(resumed.queued)
     self.lock = threading.Lock()
     stats0 = admission.stats()
     start_step = learner.version // config.admission.minibatches
+    self._prepare = prepare
+    self._count = (config.loop.steps - start_step) * config.admission.minibatches
+    # finished: the last step ended (a resumed run with no steps left has none to run).
+    self.watch, self.feed, self.finished = watch, None, start_step >= config.loop.steps
     self.clock = VersionClock(
       learner.version,
       groups_per_step=config.admission.groups_per_step,
@@ -149,10 +167,7 @@ class Pipeline:
       }
     )
 
-  def start(self) -> None:
-    self.thread.start()
-
-  def take(self, timeout: float):
+  def _take(self, timeout: float):
     """The feed's source: the next released mini-batch, or an error if rollout is gone."""
     mb = self.queue.get(timeout=timeout)
     if mb is not None:
@@ -165,14 +180,20 @@ class Pipeline:
       raise RuntimeError("the rollout thread stopped before the trainer had its mini-batches.")
     return None
 
-  def step_begins(self) -> None:
+  def begin_step(self, step: int) -> None:
+    if self.feed is None:  # the first step: the rollout starts, then the feed that takes from it
+      self.thread.start()
+      self.feed = builder.build_feed(self.config, self._take, self._prepare, count=self._count)
     self._t0, self._busy0, self._idle0 = time.time(), self.busy_s, self.idle_s
     self._w0 = publish_counters(self.weights)
 
-  def consume(self, feed, step: int, j: int) -> dict:
+  def consume(self, step: int) -> list[dict]:
+    return [self._consume(step, j) for j in range(self.config.admission.minibatches)]
+
+  def _consume(self, step: int, j: int) -> dict:
     """Takes mini-batch ``j`` of ``step`` from the feed, applies it, publishes, releases."""
     t_wait = time.perf_counter()
-    p: Prepared = next(feed)
+    p: Prepared = next(self.feed)
     t_got = time.perf_counter()
     self.idle_s += t_got - t_wait
     mb = p.minibatch
@@ -198,7 +219,10 @@ class Pipeline:
       "release_to_compute_s": max(0.0, t_got - released_at),
     }
 
-  def step_metrics(self) -> dict:
+  def end_step(self, step: int, last: bool) -> dict:
+    if last:
+      self._stop()
+      self.finished = True
     now = time.time()
     cur = _rollout_counters(self.thread, now)
     step_s = now - self._t0
@@ -237,20 +261,27 @@ class Pipeline:
         restarts=self.restarts,
       )
 
-  def stop(self) -> None:
+  def _stop(self) -> None:
     self.clock.stop()
-    self.thread.join(timeout=60)
+    if self.thread.is_alive():
+      self.thread.join(timeout=60)
 
   def close(self) -> None:
-    self.stop()
+    if self.finished and self.watch is not None:
+      self.watch.done()  # before closing: the others may end (and the store with them) first
+    if self.feed is not None:
+      self.feed.close()
+    self._stop()
     self.weights.close()
     self.rollout.close()
     self.log.close()
     self.offered.close()
     if self.plans is not None:
       self.plans.close()
+    if self.finished:
+      self._write_timings()
 
-  def write_timings(self, workdir: str) -> None:
+  def _write_timings(self) -> None:
     """``timings.json``: measured service times (the simulator's calibration) and lengths.
 
     ``calls``: per rollout call ``(end time, seconds, loop iterations, groups started, live
@@ -279,7 +310,7 @@ class Pipeline:
       "lengths": {c: list(v) for c, v in self.thread.lengths.items()},
       "restarts": self.restarts,
     }
-    wd.path(workdir, "timings.json").write_text(json.dumps(out))
+    wd.path(self.workdir, "timings.json").write_text(json.dumps(out))
 
 
 def _rollout_counters(rollout: RolloutThread, now: float) -> dict:

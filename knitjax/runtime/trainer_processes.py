@@ -34,7 +34,9 @@ import jax
 
 from knitjax import records
 from knitjax import workdir as wd
+from knitjax.runtime.builder import build_feed, build_preparer
 from knitjax.runtime.coordination import announce, forget, hear
+from knitjax.runtime.learner import RunState
 from knitjax.runtime.local_ray import ensure_ray
 from knitjax.runtime.pipeline import Pipeline, publish_counters, publish_metrics
 from knitjax.runtime.rollout_builder import build_storage_limits
@@ -42,6 +44,7 @@ from knitjax.runtime.weight_shards import ShardPublisher, connect_board, create_
 from knitjax.runtime.weight_sync import resolve_sync_dtype
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
+from knitjax.transfer.feed import exposed_transfer
 
 PLAN_TIMEOUT_S = 300.0  # a follower waits this long for the next plan before it gives up
 
@@ -161,31 +164,31 @@ class PlanBook:
 
 
 class FollowerPipe:
-  """A follower's side of the disaggregated loop: the leader's `Pipeline` interface without a
-  rollout. It takes the announced mini-batches, runs the same updates on the global mesh and
-  publishes its shards of each version; the run state lives in process 0's checkpoint meta."""
+  """A follower's `knitjax.runtime.loop.Pipe`: the announced mini-batches, without a rollout.
 
-  def __init__(self, config, learner, weights, plans: PlanBook):
+  It takes the announcements as its feed's source, runs the same updates as the leader on the
+  global mesh and publishes its shards of each version; the run state lives in process 0's
+  checkpoint meta.
+  """
+
+  def __init__(self, config, learner, weights, plans: PlanBook, *, prepare, start: int, watch):
     self.config, self.learner, self.weights, self.plans = config, learner, weights, plans
-    self.mb_seconds: list = []
+    self.watch, self.finished = watch, start >= config.loop.steps
     self.weights.publish(learner.state.params, learner.version, block=True)
+    m = config.admission.minibatches
+    self.feed = build_feed(config, plans.take, prepare, count=(config.loop.steps - start) * m)
     self.t_start = self._t0 = time.time()
 
-  def start(self) -> None:
-    pass
-
-  def take(self, timeout: float) -> MiniBatch | None:
-    return self.plans.take(timeout)
-
-  def step_begins(self) -> None:
+  def begin_step(self, step: int) -> None:
     self._t0 = time.time()
     self._w0 = publish_counters(self.weights)
 
-  def consume(self, feed, step: int, j: int) -> dict:
-    from knitjax.transfer.feed import exposed_transfer
+  def consume(self, step: int) -> list[dict]:
+    return [self._consume(step, j) for j in range(self.config.admission.minibatches)]
 
+  def _consume(self, step: int, j: int) -> dict:
     t_wait = time.perf_counter()
-    p = next(feed)
+    p = next(self.feed)
     t_got = time.perf_counter()
     mb = p.minibatch
     if (mb.step, mb.index) != (step, j):
@@ -194,10 +197,11 @@ class FollowerPipe:
     self.plans.record(p)
     if self.config.sync.every == "minibatch" or j == self.config.admission.minibatches - 1:
       self.weights.publish(self.learner.state.params, self.learner.version)
-    self.mb_seconds.append((time.time(), time.perf_counter() - t_got))
     return {**row, **p.info, **exposed_transfer(p, t_wait, t_got)}
 
-  def step_metrics(self) -> dict:
+  def end_step(self, step: int, last: bool) -> dict:
+    if last:
+      self.finished = True
     now = time.time()
     return {
       **publish_metrics(self._w0, publish_counters(self.weights)),
@@ -205,32 +209,41 @@ class FollowerPipe:
       "wall_s": now - self.t_start,
     }
 
-  def snapshot(self):
-    from knitjax.runtime.learner import RunState
-
+  def snapshot(self) -> RunState:
+    """Flushes ``fetched.p<k>.jsonl``; the run state itself is process 0's to write, so this
+    process's checkpoint meta holds none (orbax writes only process 0's)."""
     self.plans.flush()
-    return RunState()  # only process 0 writes the checkpoint's meta (orbax's JSON handler)
-
-  def stop(self) -> None:
-    pass
+    return RunState()
 
   def close(self) -> None:
+    if self.finished:
+      self.watch.done()  # before closing: the leader may end (and the store with it) first
+    self.feed.close()
     self.weights.close()
     self.plans.close()
 
-  def write_timings(self, workdir: str) -> None:
-    pass
-
 
 def join(
-  config, workdir: str, learner, prompts, start: int, *, rollout, admission, resumed, on_batch=None
+  config,
+  workdir: str,
+  learner,
+  prompts,
+  mesh,
+  *,
+  rollout,
+  admission,
+  resumed,
+  watch,
+  on_batch=None,
 ):
-  """This process's place in a trainer spread over processes: ``(pipe, storage units)``.
+  """This process's `knitjax.runtime.loop.Pipe` in a trainer spread over processes.
 
   Process 0 (which built the Ray rollout and the admission index) creates the weights board and
   announces how to reach the cluster (Ray's address, the board, the storage units' names);
-  the others hear it, join Ray and connect to the units by name.
+  the others hear it, join Ray and connect to the units by name. ``mesh`` is the train mesh the
+  feed prepares mini-batches on; ``watch`` the processes' pulse watch.
   """
+  start = learner.version // config.admission.minibatches
   plans = PlanBook(
     workdir,
     minibatches=config.admission.minibatches,
@@ -252,7 +265,7 @@ def join(
     local = not config.topology.ray_address  # the Ray process 0 started, token-authenticated
     announce("ray", {"address": address, "local": local, "run": run, "units": units})
     weights = ShardPublisher(board, **sync)
-    pipe = Pipeline(
+    return Pipeline(
       config,
       workdir,
       learner,
@@ -261,10 +274,11 @@ def join(
       prompts,
       None,
       resumed,
+      prepare=build_preparer(config, rollout.storage, mesh, prompts, plan_for=plans.plan_for),
       weights=weights,
       plans=plans,
+      watch=watch,
     )
-    return pipe, rollout.storage
   cluster = hear("ray", PLAN_TIMEOUT_S)
   if cluster is None:
     raise TimeoutError(
@@ -281,4 +295,5 @@ def join(
     int(i): RayStorageUnit.connect(name, limits, int(i)) for i, name in cluster["units"].items()
   }
   weights = ShardPublisher(connect_board(cluster["run"]), **sync)
-  return FollowerPipe(config, learner, weights, plans), storage
+  prepare = build_preparer(config, storage, mesh, prompts, plan_for=plans.plan_for)
+  return FollowerPipe(config, learner, weights, plans, prepare=prepare, start=start, watch=watch)
