@@ -9,16 +9,20 @@ own tokenizer trains on it).
 
 A workdir that is missing, a file, or holds no checkpoint is refused in one sentence (nothing is
 created). ``FOLDER`` must be new or empty, unless ``--overwrite`` asks to replace it: files of an
-older export (another shard count's ``model.safetensors.index.json``, a user's ``config.json``)
-would otherwise mix with the new ones. The folder is written whole beside its place (a sibling
-``.FOLDER.tmp-<pid>``) and then renamed into it, so a failed or stopped export leaves the old
-folder as it was.
+older export (another shard count's ``model.safetensors.index.json``) would otherwise mix with the
+new ones. ``--overwrite`` replaces only a previous export (a folder holding nothing but
+``config.json`` and safetensors files): the whole folder is removed, so a folder with anything
+else in it (a run, a user's notes) is refused. ``FOLDER`` may not be the workdir, hold it or lie
+inside it (compared as real paths, links resolved), nor be a symlink. The folder is written whole
+beside its place (a sibling ``.FOLDER.tmp-<pid>``) and then renamed into it, so a failed or
+stopped export leaves the old folder as it was.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -40,23 +44,52 @@ if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir", "out"])
 
 
-def check_out(out: str, *, overwrite: bool) -> None:
+# What `hf.save_hf_params` may have written into an earlier export (any shard count): the only
+# names --overwrite removes, since it removes the folder whole.
+_EXPORT_FILE = re.compile(
+  r"config\.json|model\.safetensors|model\.safetensors\.index\.json"
+  r"|model-\d{5}-of-\d{5}\.safetensors"
+)
+
+
+def check_out(out: str, *, overwrite: bool, workdir: str | None = None) -> None:
   """Raises ValueError (one sentence naming ``out``) unless an export may be written there:
-  a new or empty folder (any folder with ``overwrite``) whose parent this process can write."""
+  a new or empty folder (a previous export with ``overwrite``) whose parent this process can
+  write, that is not a symlink and neither is, holds nor lies inside ``workdir``."""
   from etils import epath
 
+  from knitjax import workdir as wd
   from knitjax.runtime.preflight import check_writable
 
   if not out:
     raise ValueError("--out is empty; give the folder to write.")
   path = os.path.abspath(out)
+  if os.path.islink(path):
+    # the swap would replace the link, not the folder it points to
+    raise ValueError(f"--out {out} is a symlink; give the real folder it points to, or a new one.")
+  if workdir and not wd.is_remote(workdir):
+    real, run = os.path.realpath(path), os.path.realpath(workdir)
+    common = os.path.commonpath([real, run])
+    if common in (real, run):
+      how = "is" if real == run else "holds" if common == real else "lies inside"
+      raise ValueError(
+        f"--out {out} {how} the workdir {workdir}; choose a folder outside the run, which an "
+        "export must not replace."
+      )
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f"--out {out} is a file, not a folder.")
-  if os.path.isdir(path) and (names := sorted(os.listdir(path))) and not overwrite:
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+  names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+  if names and not overwrite:
     raise ValueError(
-      f"--out {out} is not empty (it holds {shown}); pass --overwrite to replace it whole, or "
-      "choose a new folder."
+      f"--out {out} is not empty (it holds {_shown(names)}); pass --overwrite to replace it "
+      "whole, or choose a new folder."
+    )
+  if others := [
+    n for n in names if not (_EXPORT_FILE.fullmatch(n) and os.path.isfile(os.path.join(path, n)))
+  ]:
+    raise ValueError(
+      f"--out {out} holds {_shown(others)}, which no export wrote; --overwrite replaces only a "
+      "previous export (config.json and safetensors files), so choose a new folder."
     )
   if os.path.isdir(path) and not os.access(path, os.W_OK):
     raise ValueError(f"--out {out} is not writable (permission denied).")
@@ -66,6 +99,10 @@ def check_out(out: str, *, overwrite: bool) -> None:
   )
 
 
+def _shown(names: list[str]) -> str:
+  return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def export(
   config, workdir: str, out: str, *, dtype: str = "float32", overwrite: bool = False
 ) -> dict:
@@ -73,7 +110,8 @@ def export(
 
   Raises:
     ValueError: (one sentence) the workdir holds no checkpoint, or ``out`` is not a new or empty
-      folder (and not ``overwrite``), or cannot be written.
+      folder (a previous export with ``overwrite``), is a symlink, is or holds or lies inside the
+      workdir, or cannot be written.
   """
   import jax
   import ml_dtypes
@@ -85,7 +123,7 @@ def export(
   if config.vision is not None:
     raise ValueError("knitjax.export writes text decoders; config.vision is set (a VLM).")
   check_checkpoint_workdir(workdir)
-  check_out(out, overwrite=overwrite)
+  check_out(out, overwrite=overwrite, workdir=workdir)
   mesh = builder.build_mesh(config)
   _, learner = builder.build_learner(config, mesh, workdir)
   learner.restore()

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 
+from absl import logging
 from etils import epath
 
 
@@ -37,9 +38,42 @@ def path(workdir: str | os.PathLike, *parts: str) -> epath.Path:
   return epath.Path(root).joinpath(*parts)
 
 
-def read_lines(p: epath.Path) -> list[str]:
-  """The lines of a text file, split as ``str.split("\\n")`` does; [] when it does not exist."""
-  return p.read_text().split("\n") if p.exists() else []
+def read_rows(p: epath.Path) -> list[dict]:
+  """The rows of an append-only JSON-lines log (``metrics.jsonl``, ``eval.jsonl``,
+  ``consumed.jsonl``, ...) less a torn last line, with a warning; [] when it does not exist.
+
+  A kill mid-write leaves at most the last line torn (:class:`JsonlFile` appends a flush in one
+  write, and a resume rewrites the rows it keeps), so a last line that is not a JSON object is
+  dropped. A last line that parses but lost its newline is kept: an object does not parse
+  before its closing brace is written, so nothing of it was lost. Blank lines are skipped.
+
+  Raises:
+    ValueError: (one sentence naming the file and line) a line before the last is not a JSON
+      object: something other than a crash damaged the log.
+  """
+  if not p.exists():
+    return []
+  lines = p.read_bytes().split(b"\n")
+  numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+  rows = []
+  for n, (i, line) in enumerate(numbered):
+    why = None
+    try:
+      row = json.loads(line)
+      if not isinstance(row, dict):
+        why = f"a JSON {type(row).__name__}, not an object"
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+      why = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+    if why is None:
+      rows.append(row)
+    elif n == len(numbered) - 1:
+      logging.warning("dropping the torn last line %d of %s (%s).", i, p, why)
+    else:
+      raise ValueError(
+        f"{p} line {i} is not a JSON object ({why}); only a torn last line (a crash "
+        "mid-write) is dropped, so repair or delete that line."
+      )
+  return rows
 
 
 def free_bytes(file: epath.Path) -> int | None:
@@ -145,8 +179,9 @@ class JsonlFile:
       if self._remote:
         self.path.write_text("".join(self._written))
       else:
+        # one write call: a kill leaves at most one torn line, the last (see `read_rows`)
         with open(self.path, "a") as f:
-          f.writelines(self._written)
+          f.write("".join(self._written))
         self._written = []
     self._pending = False
 

@@ -103,10 +103,8 @@ def test_export_over_an_older_sharded_export_leaves_no_stale_file(tmp_path, conf
   out.mkdir()
   (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
   (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
-  (out / "notes.txt").write_text("mine")
   with pytest.raises(ValueError, match="is not empty"):
     export(config, trained, str(out))
-  assert (out / "notes.txt").read_text() == "mine"
   written = export(config, trained, str(out), overwrite=True)
   assert written == {"step": 1, "checkpoint": True, "out": str(out), "dtype": "float32"}
   assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
@@ -131,3 +129,57 @@ def test_a_failed_export_leaves_the_old_folder_whole(tmp_path, config, trained, 
   with pytest.raises(ValueError, match=f"^no space left on the device of {out} "):
     export(config, trained, str(out), overwrite=True)
   assert sorted(os.listdir(tmp_path)) == ["hf"] and os.listdir(out) == ["config.json"]
+
+
+def _run_files(workdir):
+  return sorted(
+    os.path.relpath(os.path.join(d, f), workdir) for d, _, fs in os.walk(workdir) for f in fs
+  )
+
+
+def test_export_refuses_an_out_that_is_holds_or_lies_inside_the_workdir(tmp_path, config):
+  """Issue 47: ``--out W --overwrite`` (or W's parent, or ``W/checkpoints``) replaced the run
+  with the export; now each is refused before anything is touched, through symlinks too."""
+  workdir = _fake_checkpoint(tmp_path / "runs" / "a")
+  (tmp_path / "runs" / "a" / "metrics.jsonl").write_text('{"step": 1}\n')
+  (tmp_path / "link").symlink_to(tmp_path / "runs")
+  before = _run_files(tmp_path / "runs")
+  cases = [
+    (workdir, "is"),
+    (str(tmp_path / "runs"), "holds"),
+    (str(tmp_path), "holds"),
+    (os.path.join(workdir, "checkpoints"), "lies inside"),
+    (os.path.join(workdir, "hf"), "lies inside"),
+    (str(tmp_path / "link" / "a"), "is"),  # the workdir reached through a linked parent
+  ]
+  for out, how in cases:
+    with pytest.raises(ValueError, match=f"^--out {re.escape(out)} {how} the workdir {workdir}; "):
+      export(config, workdir, out, overwrite=True)
+  assert _run_files(tmp_path / "runs") == before
+
+
+def test_export_overwrite_replaces_only_a_previous_export(tmp_path, config):
+  workdir = _fake_checkpoint(tmp_path / "run")
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  for name in ["config.json", "model.safetensors", "notes.txt"]:
+    (mine / name).write_text("x")
+  with pytest.raises(ValueError, match=f"^--out {mine} holds notes.txt, which no export wrote; "):
+    export(config, workdir, str(mine), overwrite=True)
+  nested = tmp_path / "nested"
+  (nested / "model.safetensors").mkdir(parents=True)  # a folder, not the file an export writes
+  with pytest.raises(ValueError, match="holds model.safetensors, which no export wrote"):
+    export(config, workdir, str(nested), overwrite=True)
+  assert sorted(os.listdir(mine)) == ["config.json", "model.safetensors", "notes.txt"]
+
+
+def test_export_refuses_a_symlink_out(tmp_path, config):
+  """``--out LINK --overwrite`` replaced the link with a folder and left ``.LINK.tmp-PID.old``."""
+  workdir = _fake_checkpoint(tmp_path / "run")
+  (tmp_path / "real_hf").mkdir()
+  (tmp_path / "real_hf" / "config.json").write_text("{}")
+  (tmp_path / "hf").symlink_to(tmp_path / "real_hf")
+  with pytest.raises(ValueError, match=f"^--out {tmp_path / 'hf'} is a symlink; give the real "):
+    export(config, workdir, str(tmp_path / "hf"), overwrite=True)
+  assert sorted(os.listdir(tmp_path)) == ["hf", "real_hf", "run"]
+  assert os.path.islink(tmp_path / "hf")

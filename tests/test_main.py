@@ -259,13 +259,25 @@ def test_ctrl_c_in_main_stops_in_one_line_and_names_the_checkpoint(tmp_path):
 
   cmd = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_tiny.py:quick"]
   cmd += ["--workdir", str(tmp_path), "--config.loop.steps=100"]
-  proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
-  deadline = time.monotonic() + 120
-  while not (tmp_path / "checkpoints" / "1").is_dir():
-    assert proc.poll() is None and time.monotonic() < deadline, "no step finished"
-    time.sleep(0.2)
-  proc.send_signal(signal.SIGINT)
-  _, stderr = proc.communicate(timeout=60)
+  # The child must start with SIGINT at its default, as a foreground command does: one started
+  # from a suite with SIGINT ignored (`nohup pytest &`, a script's background job) inherits the
+  # ignore, which Python and knitjax keep (a background job is not meant to see Ctrl-C). A
+  # Python handler is reset to the default across exec, so one is set around the start (rather
+  # than a preexec_fn, which is unsafe in this process's threads).
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  try:
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "checkpoints" / "1").is_dir():
+      assert proc.poll() is None and time.monotonic() < deadline, "no step finished"
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+  finally:
+    proc.kill()  # a failed check must not leave a 100-step run behind
   last = stderr.strip().splitlines()[-1]
   assert proc.returncode == 130, stderr[-2000:]
   assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]

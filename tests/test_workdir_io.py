@@ -164,3 +164,74 @@ def test_a_bucket_workdir_lock_has_an_owner_and_a_heartbeat(fake_bucket):
   (fake_bucket / "run" / ".lock").write_text(json.dumps(owner))
   with workdir_lock.hold(url, ttl_s=60):
     assert json.loads((fake_bucket / "run" / ".lock").read_text())["token"] != owner["token"]
+
+
+def _log(path, tail):
+  path.write_text('{"step": 1, "seq": 1}\n{"step": 2, "seq": 2}\n' + tail)
+  return epath.Path(path)
+
+
+@pytest.mark.parametrize("tail", ['{"step": 3, "group_ids": [4', '{"step": 3, "gr', "[3]\n"])
+def test_read_rows_drops_a_torn_last_line_only(tmp_path, tail, caplog):
+  """Issue 47: a torn last line of consumed.jsonl blocked resume with a bare json error."""
+  import logging
+
+  path = _log(tmp_path / "consumed.jsonl", tail)
+  with caplog.at_level(logging.WARNING):
+    assert wd.read_rows(path) == [{"step": 1, "seq": 1}, {"step": 2, "seq": 2}]
+  assert any(f"dropping the torn last line 3 of {path}" in r.getMessage() for r in caplog.records)
+  path.write_text(path.read_text() + '\n{"step": 3, "seq": 3}\n')  # the torn line is not last now
+  with pytest.raises(ValueError) as e:
+    wd.read_rows(path)
+  assert str(e.value).startswith(f"{path} line 3 is not a JSON object (")
+  assert str(e.value).endswith(
+    "only a torn last line (a crash mid-write) is dropped, so repair or delete that line."
+  )
+
+
+def test_every_append_only_log_is_read_by_the_one_reader(tmp_path):
+  """consumed, offered, fetched.p<k>, metrics and eval logs all drop a torn last line on resume."""
+  from knitjax.runtime.evaluation import read_eval
+  from knitjax.runtime.metrics import read_metrics
+  from knitjax.runtime.pipeline import _jsonl_log
+  from knitjax.runtime.trainer_processes import PlanBook
+
+  torn = '{"step": 3, "group_ids": [4'
+  for name in ["consumed.jsonl", "offered.jsonl"]:
+    _log(tmp_path / name, torn)
+    _jsonl_log(str(tmp_path), name, keep=lambda r: True).close()
+    assert (tmp_path / name).read_text() == '{"step": 1, "seq": 1}\n{"step": 2, "seq": 2}\n'
+  _log(tmp_path / "fetched.p0.jsonl", torn)
+  PlanBook(str(tmp_path), minibatches=1, start_step=3, locality_slack=0.0)
+  assert (tmp_path / "fetched.p0.jsonl").read_text().count("\n") == 2
+  for name, read in [("metrics.jsonl", read_metrics), ("eval.jsonl", read_eval)]:
+    _log(tmp_path / name, torn)
+    assert [r["step"] for r in read(str(tmp_path))] == [1, 2]
+
+
+def test_a_flush_is_one_write_so_a_kill_tears_at_most_one_line(tmp_path, monkeypatch):
+  writes = []
+
+  class _Counting:
+    def __init__(self, f):
+      self._f = f
+
+    def write(self, text):
+      writes.append(text)
+      return self._f.write(text)
+
+    def __getattr__(self, name):
+      return getattr(self._f, name)
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self._f.close()
+
+  f = wd.JsonlFile(epath.Path(tmp_path / "consumed.jsonl"), [])
+  for step in range(3):
+    f.write({"step": step})
+  monkeypatch.setattr(wd, "open", lambda *a, **k: _Counting(open(*a, **k)), raising=False)  # noqa: SIM115
+  f.flush()
+  assert writes == ['{"step": 0}\n{"step": 1}\n{"step": 2}\n']

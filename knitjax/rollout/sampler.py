@@ -20,8 +20,9 @@ has probability 0 and is never drawn), and the clamp removes what rounding is le
 are approximations). Dividing first, as this module once did, put the argmax token's log-prob
 above 0 inside the fused decode step (+1e-4 at temperature 0.1, +2 at 1e-6) and overflowed near
 0. So every temperature gives log-probs that are finite and <= 0, as storage requires. (The
-trainer's recomputation, knitjax.train.logprobs, stays within 3e-5 of the exact value at the
-argmax token down to 1e-6: measured with random float32 logits.)
+trainer's recomputation, knitjax.train.logprobs, shifts the same way below temperature 1e-3, so
+it stays finite down to 1.18e-38; above it, it divides first and stays within 3e-5 of the exact
+value at the argmax token: measured with random float32 logits.)
 
 `temperature == 0` is greedy: the argmax token, reported with its log-prob under the untempered
 policy, log_softmax(logits) (clamped at 0 too). Under the greedy policy itself that token has

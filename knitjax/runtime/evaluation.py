@@ -172,17 +172,7 @@ class EvalLog:
 
 def read_eval(workdir: str) -> list[dict]:
   """The rows of ``workdir/eval.jsonl``; a torn last line (a crash mid-write) is dropped."""
-  path = wd.path(workdir, EVAL_FILE)
-  rows = []
-  lines = [line for line in wd.read_lines(path) if line.strip()]
-  for i, line in enumerate(lines):
-    try:
-      rows.append(json.loads(line))
-    except json.JSONDecodeError:
-      if i == len(lines) - 1:
-        break
-      raise ValueError(f"{path} line {i + 1} is not JSON; repair or delete it.") from None
-  return rows
+  return wd.read_rows(wd.path(workdir, EVAL_FILE))
 
 
 def plot_eval(workdir: str) -> str | None:

@@ -8,7 +8,6 @@ uploaded whole on each of its flushes (object stores cannot append).
 from __future__ import annotations
 
 import io
-import json
 import math
 import time
 from collections.abc import Mapping
@@ -60,7 +59,7 @@ class MetricsWriter:
     if not primary:
       return
     self.path = wd.path(workdir, "metrics.jsonl")
-    kept = [r for r in _read_rows(self.path) if r.get("step", 0) <= start_step]
+    kept = [r for r in wd.read_rows(self.path) if r.get("step", 0) <= start_step]
     self._file = wd.JsonlFile(self.path, kept)
     self._remote = wd.is_remote(self.path)
     self._checkpoint_every, self._upload_every_s = checkpoint_every, upload_every_s
@@ -136,38 +135,8 @@ def mean_rows(rows: list[Mapping[str, float]]) -> dict[str, float]:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """Reads ``workdir/metrics.jsonl``, dropping a torn last line (see :func:`_read_rows`)."""
-  return _read_rows(wd.path(workdir, "metrics.jsonl"))
-
-
-def _read_rows(path: epath.Path) -> list[dict]:
-  """The rows of a ``metrics.jsonl`` less a torn last line (a crash mid-write), with a warning;
-  [] when there is no such file yet.
-
-  A resumed run appends after the rows it keeps, so a torn line can only be the last one.
-
-  Raises:
-    ValueError: a line before the last is not a JSON object.
-  """
-  lines = wd.read_lines(path)
-  numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
-  rows = []
-  for n, (i, line) in enumerate(numbered):
-    try:
-      row = json.loads(line)
-      if not isinstance(row, dict):
-        raise ValueError(f"a JSON {type(row).__name__}, not an object")
-    except ValueError as e:  # json.JSONDecodeError is a ValueError
-      why = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
-      if n == len(numbered) - 1:
-        logging.warning("dropping the torn last line %d of %s (%s).", i, path, why)
-        break
-      raise ValueError(
-        f"{path} line {i} is not a JSON object ({why}); only a torn last line (a crash "
-        "mid-write) is dropped, so repair or delete that line."
-      ) from None
-    rows.append(row)
-  return rows
+  """Reads ``workdir/metrics.jsonl``, dropping a torn last line (see `workdir.read_rows`)."""
+  return wd.read_rows(wd.path(workdir, "metrics.jsonl"))
 
 
 def plot_reward(workdir: str, *, config_name: str | None = None, window: int = 10) -> str:

@@ -38,7 +38,7 @@ def _jsonl_log(workdir: str, name: str, keep: Callable[[dict], bool]) -> wd.Json
   Flushed (on a remote workdir: uploaded whole) when a checkpoint is taken, see ``snapshot``.
   """
   path = wd.path(workdir, name)
-  rows = [json.loads(line) for line in wd.read_lines(path) if line.strip()]
+  rows = wd.read_rows(path)
   return wd.JsonlFile(path, [r for r in rows if keep(r)])
 
 

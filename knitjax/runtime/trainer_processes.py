@@ -24,7 +24,6 @@ and payloads and weights move through Ray.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -85,7 +84,7 @@ class PlanBook:
     self._on_batch = on_batch
     name = f"fetched.p{self.process}.jsonl"
     path = wd.path(workdir, name)
-    rows = [json.loads(line) for line in wd.read_lines(path) if line.strip()]
+    rows = wd.read_rows(path)
     self._log = wd.JsonlFile(path, [r for r in rows if r["step"] < start_step])
 
   @property

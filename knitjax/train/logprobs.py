@@ -54,9 +54,44 @@ def logits(x_btd: jax.Array, table: jax.Array, table_axes: str) -> jax.Array:
   return jnp.einsum(spec, x_btd, table, preferred_element_type=jnp.float32)
 
 
+# Below this temperature the logits are shifted (max 0) before they are divided, as the sampler
+# does: near float32's smallest normal temperature (1.18e-38, the least the config accepts) the
+# plain quotient overflows to inf and the log-sum-exp turns NaN. Above it the plain quotient
+# stays, bit for bit as before (it overflows only for logits beyond 3e35, no model's).
+SHIFT_BELOW = 1e-3
+# The floor of a shifted tempered logit. exp of anything below about -104 is 0 in float32, and the
+# sampler never draws a token more than about 21 below the max (the span of its Gumbel noise),
+# so the floor changes no probability and no log-prob of a token that can be drawn. It keeps
+# z and the cotangents through the entropy's p * z finite (at float32's lowest they overflowed).
+SHIFTED_FLOOR = -1e4
+
+
+def tempered(logits_v: jax.Array, temperature: float) -> jax.Array:
+  """float32 ``logits / temperature`` as log softmax sees it: finite wherever the logits are.
+
+  Below ``SHIFT_BELOW`` each row is shifted first, so its max is exactly 0, and floored at
+  ``SHIFTED_FLOOR``; log softmax, its gradient and the entropy do not change under the shift,
+  and the sampled argmax token gets the sampler's log-prob 0.
+  """
+  if temperature >= SHIFT_BELOW:  # static
+    return logits_v / temperature
+  peak = jax.lax.stop_gradient(jnp.max(logits_v, axis=-1, keepdims=True))  # log softmax ignores it
+  return jnp.maximum((logits_v - peak) / temperature, SHIFTED_FLOOR)
+
+
+def _tempered_grad(g_z: jax.Array, temperature: float) -> jax.Array:
+  """``g_z / temperature``; below ``SHIFT_BELOW`` kept in float32's range: a tie at the max
+  overflows to inf there, which the global-norm clip would turn into NaN."""
+  g = g_z / temperature
+  if temperature >= SHIFT_BELOW:
+    return g
+  big = jnp.finfo(g.dtype).max
+  return jnp.clip(g, -big, big)
+
+
 def _chunk_forward(x, table, y, *, table_axes, temperature, entropy):
   """One chunk: (logp, lse, E_p[z] or None) from its logits, one log-sum-exp for both."""
-  z = logits(x, table, table_axes) / temperature
+  z = tempered(logits(x, table, table_axes), temperature)
   lse = jax.nn.logsumexp(z, axis=-1)
   logp = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - lse
   mean_z = None
@@ -131,14 +166,14 @@ def _chunked_bwd(table_axes, temperature, chunk, entropy, residuals, cotangents)
 
   def body(g_table, xs):
     x, y, lse, mean_z, g_logp, g_ent = xs
-    z = logits(x, table, table_axes) / temperature
+    z = tempered(logits(x, table, table_axes), temperature)
     p = jnp.exp(z - lse[..., None])
     onehot = jnp.arange(vocab, dtype=y.dtype) == y[..., None]
     g_z = g_logp[..., None] * (onehot - p)
     if with_entropy:
       g_z = g_z - g_ent[..., None] * p * (z - mean_z[..., None])
     # Matmuls in the compute dtype (x's) with float32 results, as the forward's.
-    g_z = (g_z / temperature).astype(x.dtype)
+    g_z = _tempered_grad(g_z, temperature).astype(x.dtype)
     w = table.astype(x.dtype)
     if table_axes == "vd":
       g_x = jnp.einsum("bcv,vd->bcd", g_z, w, preferred_element_type=jnp.float32)
@@ -192,7 +227,7 @@ def token_logprobs_and_entropy(
     raise ValueError(f"chunk must be a non-negative integer, got {chunk!r}.")
   targets_bt = targets_bt.astype(jnp.int32)
   if chunk == 0:
-    z = logits(hidden_btd, table, table_axes) / temperature
+    z = tempered(logits(hidden_btd, table, table_axes), temperature)
     lse = jax.nn.logsumexp(z, axis=-1)
     logp = jnp.take_along_axis(z, targets_bt[..., None], axis=-1)[..., 0] - lse
     if entropy == "none":

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from knitjax.train import kl as kl_lib
+from knitjax.train import logprobs as logprobs_lib
 from knitjax.train import ratios
 from knitjax.train.aggregation import (
   AGGREGATIONS,
@@ -144,7 +145,7 @@ def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array, *, temperature:
   """
   logits = logits_btv.astype(jnp.float32)
   if temperature != 1.0:
-    logits = logits / temperature
+    logits = logprobs_lib.tempered(logits, temperature)  # finite at any accepted temperature
   picked = jnp.take_along_axis(logits, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
   return picked - jax.nn.logsumexp(logits, axis=-1)
 

@@ -23,12 +23,19 @@ from absl import app, flags
 from knitjax import cli
 from lab import REPO
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Scratch folder; faults.json is written here.")
-_PARTS = flags.DEFINE_list(
-  "parts",
-  ["kill", "actors", "inputs", "entry_points", "workdir", "handshake", "backpressure", "network"],
-  "Parts to run.",
+PARTS = (
+  "kill",
+  "actors",
+  "inputs",
+  "entry_points",
+  "workdir",
+  "handshake",
+  "backpressure",
+  "network",
 )
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Scratch folder; faults.json is written here.")
+_PARTS = flags.DEFINE_list("parts", list(PARTS), "Parts to run.")
 _KILLS = flags.DEFINE_integer("kills", 10, "Kill-resume trials per runtime mode.")
 _KILL_MODES = flags.DEFINE_list(
   "kill_modes",
@@ -36,7 +43,9 @@ _KILL_MODES = flags.DEFINE_list(
   "Runtime modes of the kill-resume part (rollout_hosts: a trainer and a rollout host process; "
   "trainer_processes: two trainer processes and two Ray rollout actors).",
 )
-_EXAMPLES = flags.DEFINE_integer("examples", 10_000, "Generated bad inputs.")
+_EXAMPLES = flags.DEFINE_integer(
+  "examples", 10_000, "Generated bad inputs (at least one per case of each kind is generated)."
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of kill points and generated inputs.")
 flags.mark_flag_as_required("workdir")
 
@@ -92,9 +101,36 @@ def _table(results: dict) -> str:
   return "\n".join(lines)
 
 
+def check_flags() -> None:
+  """Ends in ``error: <one sentence>`` (exit 1) for a flag no part could use, before any work:
+  an empty --parts said it wrote faults.json and wrote nothing, --kills=-1 reported "0/0 resumed
+  correctly", a negative --seed ended in an asyncio traceback, all with exit status 0."""
+  from lab.faults import kill_resume
+
+  if not _WORKDIR.value:
+    sys.exit("error: --workdir is empty; give the scratch folder for faults.json.")
+  if not _PARTS.value:
+    sys.exit(f"error: --parts is empty; give one or more of {', '.join(PARTS)}.")
+  if unknown := [p for p in _PARTS.value if p not in PARTS]:
+    sys.exit(f"error: --parts {','.join(unknown)} not accepted; choose from {', '.join(PARTS)}.")
+  if "kill" in _PARTS.value:
+    modes = ", ".join(kill_resume.RUNS)
+    if not _KILL_MODES.value:
+      sys.exit(f"error: --kill_modes is empty; give one or more of {modes}.")
+    if unknown := [m for m in _KILL_MODES.value if m not in kill_resume.RUNS]:
+      sys.exit(f"error: --kill_modes {','.join(unknown)} not accepted; choose from {modes}.")
+    if _KILLS.value < 1:
+      sys.exit(f"error: --kills {_KILLS.value} is not accepted; give a count of at least 1.")
+  if _EXAMPLES.value < 1:
+    sys.exit(f"error: --examples {_EXAMPLES.value} is not accepted; give a count of at least 1.")
+  if _SEED.value < 0:
+    sys.exit(f"error: --seed {_SEED.value} is not accepted; give an integer of at least 0.")
+
+
 def main(argv):
   del argv
   cli.quiet_libraries()
+  check_flags()
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # the in-process runs (actor loss) use the shipped configs' 8 fake CPU devices
     os.environ["XLA_FLAGS"] = (
@@ -114,11 +150,6 @@ def main(argv):
     if part == "kill":
       from lab.faults import kill_resume
 
-      unknown = sorted(set(_KILL_MODES.value) - set(kill_resume.RUNS))
-      if unknown:
-        sys.exit(
-          f"error: --kill_modes {unknown} not accepted; choose from {', '.join(kill_resume.RUNS)}."
-        )
       results["kill"] = kill_resume.run(
         os.path.join(workdir, "kill"),
         kills=_KILLS.value,
@@ -155,11 +186,6 @@ def main(argv):
       from lab.faults import network
 
       results["network"] = network.run(os.path.join(workdir, "network"))
-    else:
-      sys.exit(
-        f"error: --parts {part!r} is not accepted; choose from kill, actors, inputs, entry_points, "
-        "workdir, handshake, backpressure, network."
-      )
     results.setdefault("seconds", {})[part] = time.time() - t0
     save()
   print(_table(results))

@@ -279,6 +279,16 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
       survives=lambda: _read(kept) == '{"mine": true}\n',
     )
   )
+  # an --out that would take the run with it (issue 47: both deleted the checkpoints)
+  run_files = lambda: sorted(
+    os.path.relpath(os.path.join(d, f), trained) for d, _, fs in os.walk(trained) for f in fs
+  )
+  kept_run = run_files()
+  run_intact = lambda: run_files() == kept_run
+  for name, target in (("out_is_the_workdir", trained), ("out_holds_the_workdir", scratch)):
+    out.append(
+      Case(f"export/{name}", export(trained, target, "--overwrite"), (target,), survives=run_intact)
+    )
   if ro_trained:
     out.append(Case("eval/read_only_workdir", eval_(ro_trained), (ro_trained,)))
   if ro_empty:

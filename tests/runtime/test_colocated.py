@@ -105,3 +105,19 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     np.testing.assert_array_equal(a, b)
   straight_rewards = [r["reward_mean"] for r in read_rows(straight)]
   assert [r["reward_mean"] for r in read_rows(killed)] == straight_rewards
+
+
+def test_the_smallest_documented_temperature_trains(tmp_path):
+  """Issue 47: ``--config.rollout.temperature=1.2e-38`` (docs/reliability.md: any T >= 1.18e-38)
+  stopped at step 2 with a NaN log-prob blamed on the data; the trainer's logits / T overflowed
+  and made the update NaN. Now both steps train and every metric is finite."""
+  c = arith_tiny.get_config("quick")
+  c.rollout.temperature = 1.2e-38
+  workdir = str(tmp_path)
+  train(from_config_dict(c), workdir)
+  rows = read_rows(workdir)
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    for key in ("grad_norm", "param_norm", "loss", "entropy", "ratio_mean"):
+      assert isinstance(r[key], float) and np.isfinite(r[key]), (key, r)
+  assert rows[-1]["ratio_mean"] == 1.0  # the trainer's log-probs are the sampler's (0)

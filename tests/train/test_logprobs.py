@@ -196,3 +196,26 @@ def test_a_frozen_table_gets_no_gradient_work():
   g0 = f(lambda x: _reference(x, table, targets, "dv", 1.0)[0])
   g1 = f(lambda x: token_logprobs_and_entropy(x, table, targets, table_axes="dv", chunk=4)[0])
   np.testing.assert_allclose(g1, g0, rtol=RTOL, atol=G_ATOL)
+
+
+@pytest.mark.parametrize("temperature", [1.2e-38, float(np.finfo(np.float32).tiny), 1e-6])
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_the_smallest_temperatures_give_finite_logprobs_and_gradients(chunk, temperature):
+  """Issue 47: at T = 1.2e-38 (the config accepts T >= 1.18e-38) logits / T overflowed to inf,
+  the log-sum-exp gave NaN and the run died blaming the data. The sampled token (the argmax at
+  such a temperature) has log-prob 0 there, as the sampler reports."""
+  x, table, _, w_logp, w_ent = _inputs("vd")
+  targets = jnp.argmax(jnp.einsum("btd,vd->btv", x, table), axis=-1)
+  kw = dict(table_axes="vd", temperature=temperature, chunk=chunk, entropy="loss")
+
+  def loss(x, w):
+    logp, ent = token_logprobs_and_entropy(x, w, targets, **kw)
+    return jnp.sum(w_logp * logp) + jnp.sum(w_ent * ent), (logp, ent)
+
+  (_, (logp, ent)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, table)
+  np.testing.assert_allclose(logp, 0.0, atol=1e-5)
+  np.testing.assert_allclose(ent, 0.0, atol=1e-5)
+  assert all(np.isfinite(g).all() for g in grads)
+  logits_btv = jnp.einsum("btd,vd->btv", x, table)
+  plain = losses.token_logprobs(logits_btv, targets, temperature=temperature)
+  np.testing.assert_allclose(plain, 0.0, atol=1e-5)
