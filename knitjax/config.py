@@ -259,8 +259,8 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   for key in config:
     if key in ("train", "runtime"):
       fields = config[key] if isinstance(config[key], Mapping) else {}
-      sentence = next((renamed(f"{key}.{f}") for f in fields if renamed(f"{key}.{f}")), None)
-      raise ValueError(sentence or renamed(key))
+      named = [f"{key}.{f}" for f in fields if f"{key}.{f}" in RENAMED]
+      raise ValueError(renamed(named[0] if named else key))
     if key not in known:
       raise ValueError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}.")
   for name in ("model", "vision"):  # merged with defaults below: a mapping or nothing

@@ -1,5 +1,7 @@
 """Config validation of PPO with a critic and of the KL as a reward (one sentence per error)."""
 
+import dataclasses
+
 import pytest
 
 from configs import arith_tiny, count_vlm_tiny
@@ -139,4 +141,4 @@ def test_every_old_field_has_a_home():
 
   for old, new in RENAMED.items():
     section, field = new.split(".")
-    assert field in {f.name for f in __import__("dataclasses").fields(SECTIONS[section])}, old
+    assert field in {f.name for f in dataclasses.fields(SECTIONS[section])}, old

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Callable
@@ -83,6 +84,7 @@ def declared_off() -> dict[tuple[str, str], dict[object, str]]:
   return out
 
 
+@functools.cache
 def accepted() -> dict[tuple[str, str], dict[object, str]]:
   """Every legal extreme: the declared off values and `LEGAL_EXTREMES`."""
   out = {k: dict(v) for k, v in declared_off().items()}
