@@ -143,9 +143,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def _renamed_override(arg: str) -> str | None:
   """The sentence naming the new name of an override of a renamed field
-  (``--config.train.lr=3e-4`` -> ``config.optimizer.lr``), else None."""
+  (``--config.train.lr=3e-4`` -> ``config.optimizer.lr``), or what replaced a retired one;
+  else None."""
   name = arg.lstrip("-").split("=", 1)[0]
-  if not name.startswith(("config.train.", "config.runtime.")):
+  if not name.startswith("config."):
     return None
   from knitjax.config import renamed
 

@@ -212,9 +212,6 @@ RENAMED = {
           "ray_address",
           "rollout_workers",
           "actor_restarts",
-          "rollout_hosts",
-          "rollout_listen",
-          "rollout_host_wait_s",
         ),
       ),
     )
@@ -232,9 +229,24 @@ RENAMED = {
 }
 
 
+# Fields that went with the feature they configured: old name -> what to use instead.
+_RAY_INSTEAD = (
+  "went with rollout hosts (2026-12): Ray is the one way to put the rollout on other machines "
+  "(config.topology.rollout_workers, config.topology.ray_address; docs/disaggregated.md)."
+)
+RETIRED = {
+  f"{section}.{f}": _RAY_INSTEAD
+  for section in ("topology", "runtime")
+  for f in ("rollout_hosts", "rollout_listen", "rollout_host_wait_s")
+}
+
+
 def renamed(old: str) -> str | None:
-  """One sentence naming the new name of an old ``section.field`` (or ``section``), else None."""
+  """One sentence naming the new name of an old ``section.field`` (or ``section``), or what
+  replaced a retired field; else None."""
   old = old.removeprefix("config.")
+  if old in RETIRED:
+    return f"config.{old} {RETIRED[old]}"
   if old in RENAMED:
     return f"config.{old} is now config.{RENAMED[old]}."
   if old in ("train", "runtime"):
@@ -259,8 +271,11 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   for key in config:
     if key in ("train", "runtime"):
       fields = config[key] if isinstance(config[key], Mapping) else {}
-      named = [f"{key}.{f}" for f in fields if f"{key}.{f}" in RENAMED]
+      named = [f"{key}.{f}" for f in fields if f"{key}.{f}" in RENAMED | RETIRED]
       raise ValueError(renamed(named[0] if named else key))
+    fields = config[key] if isinstance(config[key], Mapping) else {}
+    if retired := [f"{key}.{f}" for f in fields if f"{key}.{f}" in RETIRED]:
+      raise ValueError(renamed(retired[0]))
     if key not in known:
       raise ValueError(f"config.{key} is not a known section; known: {', '.join(sorted(known))}.")
   for name in ("model", "vision"):  # merged with defaults below: a mapping or nothing

@@ -1,8 +1,9 @@
 """The config sections of how a run goes: loop, topology, sync, pipeline.
 
-``loop``: how many train steps and how often to log. ``topology``: where rollout, storage and the
-trainer run (colocated on one device set, disaggregated on two, Ray rollout workers, rollout
-hosts); its fields only together choose a topology. ``sync``: how weights reach the rollout.
+``loop``: how many train steps and how often to log. ``topology``: where rollout, storage and
+the trainer run (colocated on one device set, disaggregated on two, Ray rollout workers on other
+machines); its fields only together choose a topology (`knitjax.distributed.topology`).
+``sync``: how weights reach the rollout.
 ``pipeline``: how far rollout runs ahead and how consumers fetch. Frozen, keyword-only dataclasses
 built by ``config_fields.build_section``, validated on their own; a field that can switch its
 feature off declares that value beside it (``config_fields.setting``).
@@ -11,7 +12,6 @@ feature off declares that value beside it (``config_fields.setting``).
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 from knitjax.config_fields import (
   MAX_CPU_DEVICES,
@@ -50,7 +50,7 @@ class LoopConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TopologyConfig:
   """Where things run: the fields that together choose colocated, disaggregated in process, with
-  Ray rollout workers (one or several trainer processes), or with rollout hosts."""
+  Ray rollout workers (one or several trainer processes)."""
 
   mode: str = "colocated"
   # Disaggregated only: the first `rollout_devices` devices form the rollout mesh; a trainer of
@@ -63,19 +63,10 @@ class TopologyConfig:
   # Generate in this many Ray actors (each writing to a Ray storage unit on its own node). A
   # disaggregated trainer of several processes (--distributed) needs them: process 0 runs the
   # admission index, every process trains on the one global mesh and fetches its own share
-  # (knitjax.runtime.trainer_processes).
+  # (knitjax.distributed.trainer_processes).
   rollout_workers: int = setting(0, off=0, meaning="generate in this process")
   # Ray actor deaths (rollout actors, storage units) a run survives; one more ends it.
   actor_restarts: int = setting(3, off=0, meaning="the first actor death ends the run")
-  # Disaggregated only: generate in this many rollout host processes (each `python -m
-  # knitjax.main --role=rollout` with the same --config and --workdir, on its own machine or
-  # devices; knitjax.rollout.remote); the trainer then trains on every device.
-  rollout_hosts: int = setting(0, off=0, meaning="no rollout hosts")
-  # Where the trainer listens for rollout hosts (host:port, port 0: a free one, written to
-  # WORKDIR/rollout_endpoint.json); use an address on the private network between hosts.
-  rollout_listen: str = "127.0.0.1:0"
-  # How long the trainer waits for its rollout hosts, and a host for the trainer (seconds).
-  rollout_host_wait_s: float = 600.0
 
   def __post_init__(self):
     s = TopologyConfig
@@ -96,48 +87,6 @@ class TopologyConfig:
       at_most=MAX_DEVICES,
       section=s,
     )
-    positive(
-      "config.topology.rollout_hosts",
-      self.rollout_hosts,
-      allow_zero=True,
-      at_most=MAX_CPU_DEVICES,
-      section=s,
-    )
-    positive("config.topology.rollout_host_wait_s", self.rollout_host_wait_s)
-    if self.rollout_hosts:
-      _check_rollout_hosts(self)
-
-
-def _check_rollout_hosts(topology: TopologyConfig) -> None:
-  """What ``topology.rollout_hosts > 0`` needs of the other topology fields."""
-  if topology.mode != "disaggregated":
-    raise ValueError(
-      f"config.topology.rollout_hosts={topology.rollout_hosts} needs config.topology.mode="
-      f"'disaggregated' (got {topology.mode!r}): colocated runs generate on the train devices."
-    )
-  if topology.rollout_workers or topology.storage != "in_process":
-    raise ValueError(
-      "config.topology.rollout_hosts is not accepted with rollout_workers or storage='ray': "
-      "rollout hosts keep the payloads in their own storage units; choose one of them."
-    )
-  host, sep, port = topology.rollout_listen.rpartition(":")
-  if not sep or not host or not port.lstrip("-").isdigit():
-    raise ValueError(
-      f"config.topology.rollout_listen={topology.rollout_listen!r} is not accepted; give "
-      "host:port, e.g. '127.0.0.1:0' or '10.0.0.2:7000' (port 0: a free one)."
-    )
-  if not 0 <= int(port) <= 65535:
-    raise ValueError(
-      f"config.topology.rollout_listen={topology.rollout_listen!r} is not accepted; its port "
-      f"{int(port)} is outside 0..65535 (0: a free one)."
-    )
-  try:  # a name that does not resolve fails here, not when the trainer binds after its compile
-    socket.getaddrinfo(host.strip("[]"), int(port), socket.AF_INET, socket.SOCK_STREAM)
-  except OSError as e:
-    raise ValueError(
-      f"config.topology.rollout_listen={topology.rollout_listen!r} is not accepted; host "
-      f"{host!r} does not resolve to an IPv4 address ({e.strerror or e})."
-    ) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,6 @@ POINTS = {
   "update": "an optimizer update was applied (before its metrics are logged)",
   "weight_sync": "new weights were published to the rollout",
   "checkpoint": "a checkpoint save was started (its files are being written)",
-  "rollout_host": "a rollout host reported a step to the trainer (in the host's process)",
 }
 
 _lock = threading.Lock()

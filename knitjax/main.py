@@ -1,7 +1,7 @@
 """Training entry: ``python -m knitjax.main --config configs/<x>.py --workdir DIR``.
 
 This file is intentionally kept short: it parses flags, optionally starts
-multi-host JAX, and calls :func:`knitjax.runtime.train.train`.
+multi-host JAX, and calls :func:`knitjax.run.train`.
 """
 
 import json
@@ -28,13 +28,6 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
   "process_id", None, "With --distributed: this process's index, 0..num_processes-1."
 )
-_ROLE = flags.DEFINE_enum(
-  "role",
-  "train",
-  ["train", "rollout"],
-  "train: run (or resume) training; rollout: serve as one of a disaggregated trainer's rollout "
-  "hosts (config.topology.rollout_hosts), same --config and --workdir as the trainer.",
-)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -47,8 +40,6 @@ def stopped(how: str) -> str:
   from knitjax.runtime.metrics import read_metrics
   from knitjax.runtime.preflight import checkpoint_steps
 
-  if _ROLE.value == "rollout":
-    return f"stopped by {how}; rerun the same command to serve the trainer again."
   steps = checkpoint_steps(_WORKDIR.value)
   rows = read_metrics(_WORKDIR.value)
   at = f"after step {rows[-1]['step']}" if rows else "before a step finished"
@@ -57,7 +48,7 @@ def stopped(how: str) -> str:
 
 
 def main(argv, *, on_batch=None):
-  """Runs the command line's job; ``on_batch`` reaches :func:`knitjax.runtime.train.train`."""
+  """Runs the command line's job; ``on_batch`` reaches :func:`knitjax.run.train`."""
   del argv
   cli.quiet_libraries()
   from knitjax.config import from_config_dict
@@ -69,24 +60,13 @@ def main(argv, *, on_batch=None):
   cli.request_cpu_devices(config.mesh.cpu_devices)
   import jax
 
-  if _ROLE.value == "rollout":
-    if _DISTRIBUTED.value:
-      sys.exit("error: --role=rollout runs one rollout host on its own; drop --distributed.")
-    from knitjax.runtime.rollout_hosts import serve
-
-    try:
-      serve(config, _WORKDIR.value)
-    except (ValueError, FileNotFoundError, TimeoutError) as e:
-      sys.exit(f"error: {e}")
-    return
   if _DISTRIBUTED.value:
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):  # older JAX: no default
       jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes need it
     jax.distributed.initialize(
       _COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value
     )
-  from knitjax.rollout.remote import HostError
-  from knitjax.runtime.train import train
+  from knitjax.run import train
 
   logging.info("devices: %s", jax.devices())
   try:
@@ -94,11 +74,6 @@ def main(argv, *, on_batch=None):
     final = train(config, _WORKDIR.value, on_batch=on_batch, config_name=config_name)
   except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
-  except RuntimeError as e:  # a rollout host gone (raised in the rollout thread or a fetch)
-    host = e if isinstance(e, HostError) else e.__cause__
-    if not isinstance(host, HostError):
-      raise
-    sys.exit(f"error: {host}")
   # Every process reports what it holds (param_norm is read from its own replica of the params).
   keys = ("step", "version", "loss", "param_norm", "weight_publish_bytes")
   summary = {k: final[k] for k in keys if k in final}

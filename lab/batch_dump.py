@@ -3,8 +3,8 @@
   python -m lab.batch_dump --dump_batches=DIR <the flags of knitjax.main>
 
 A test of a trainer of several processes replays the global batches in one process and checks it
-ends with the same parameters (tests/runtime/test_trainer_processes.py). The library passes each
-prepared mini-batch to a callback (``runtime.train(on_batch=)``); this is the callback.
+ends with the same parameters (tests/distributed/test_trainer_processes.py). The library passes each
+prepared mini-batch to a callback (``knitjax.run.train(on_batch=)``); this is the callback.
 """
 
 from __future__ import annotations

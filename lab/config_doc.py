@@ -84,6 +84,15 @@ def render() -> str:
     "| old | new |",
     "|---|---|",
     *(f"| `{old}` | `{new}` |" for old, new in renamed),
+    "",
+    "## Retired fields",
+    "",
+    "Fields that went with the feature they configured; each is refused in one sentence saying",
+    "what to use instead.",
+    "",
+    "| field | instead |",
+    "|---|---|",
+    *(f"| `{old}` | {why} |" for old, why in sorted(config.RETIRED.items())),
   ]
   return "\n".join(lines) + "\n"
 

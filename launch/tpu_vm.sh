@@ -113,7 +113,7 @@ ray_command() {
   local ip start steps=("set -e" "trap 'rm -f ~/$STAGED' EXIT")
   ip=$(printf '%q' "${2%:*}")
   if [[ $1 == --head ]]; then
-    # As knitjax.runtime.local_ray does: no dashboard, no unauthenticated metrics server.
+    # As knitjax.distributed.local_ray does: no dashboard, no unauthenticated metrics server.
     start="AUTOSCALER_METRIC_PORT=-1 ray start --head --port=$RAY_PORT --node-ip-address=$ip"
     start+=" --num-cpus=0 --include-dashboard=false --disable-usage-stats"
     start+=" --system-config='{\"enable_metrics_collection\": false}'"

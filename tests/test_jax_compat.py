@@ -72,7 +72,7 @@ def test_the_key_value_store_of_a_one_process_runtime():
     import time
     import jax
     from knitjax import jax_compat
-    from knitjax.runtime import coordination
+    from knitjax.distributed import coordination
 
     assert jax_compat.key_value_store() is None
     jax.distributed.initialize("127.0.0.1:{port}", num_processes=1, process_id=0)

@@ -30,8 +30,11 @@ PACKAGES = ("knitjax", "lab")
 #   5  config: typed views of the ConfigDict. Validation names the registries of the parts
 #      below, and only runtime and entry points receive a Config.
 #   6  the loops (runtime) and the simulator (sim), side by side; see FORBIDDEN.
-#   7  entry points: main, eval, export, chat, cli.
-#   8  the lab: benchmarks, the fault suite, the emulated cluster, local launchers, scripts.
+#   7  distribution: where things run (the topologies), Ray rollout actors and storage units,
+#      the trainer's processes, weights out of a mesh that spans processes. The loops take a
+#      topology as an argument and never import this layer.
+#   8  entry points: main, run (the one library call), eval, export, chat, cli.
+#   9  the lab: benchmarks, the fault suite, the emulated cluster, local launchers, scripts.
 LAYERS = (
   (
     "knitjax",
@@ -54,8 +57,10 @@ LAYERS = (
     "knitjax.config_checkpoint",
   ),
   ("knitjax.runtime.*", "knitjax.sim.*"),
+  ("knitjax.distributed.*",),
   (
     "knitjax.main",
+    "knitjax.run",
     "knitjax.eval",
     "knitjax.export",
     "knitjax.chat",

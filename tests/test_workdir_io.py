@@ -119,8 +119,8 @@ def test_a_dead_run_does_not_hold_the_workdir(tmp_path):
 def test_train_refuses_a_workdir_another_run_holds(tmp_path):
   from configs import arith_tiny
   from knitjax.config import from_config_dict
+  from knitjax.run import train
   from knitjax.runtime import workdir_lock
-  from knitjax.runtime.train import train
 
   config = from_config_dict(arith_tiny.get_config("quick"))
   with workdir_lock.hold(str(tmp_path)), pytest.raises(ValueError, match="in use by another"):
@@ -191,10 +191,10 @@ def test_read_rows_drops_a_torn_last_line_only(tmp_path, tail, caplog):
 
 def test_every_append_only_log_is_read_by_the_one_reader(tmp_path):
   """consumed, offered, fetched.p<k>, metrics and eval logs all drop a torn last line on resume."""
+  from knitjax.distributed.trainer_processes import PlanBook
   from knitjax.runtime.evaluation import read_eval
   from knitjax.runtime.metrics import read_metrics
   from knitjax.runtime.pipeline import _jsonl_log
-  from knitjax.runtime.trainer_processes import PlanBook
 
   torn = '{"step": 3, "group_ids": [4'
   for name in ["consumed.jsonl", "offered.jsonl"]:

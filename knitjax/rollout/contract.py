@@ -8,7 +8,7 @@ Every rollout implements :class:`Rollout`, whatever generates the samples:
   start as slots free up and finish out of order;
 - :class:`knitjax.rollout.multiturn.MultiTurnRollout`: model turns and environment turns (tool
   results) alternate inside each trajectory; one ``step`` is one model turn of every live one;
-- :class:`knitjax.rollout.ray_worker.RayRollout`: either of them inside Ray actors, one per
+- :class:`knitjax.distributed.ray_rollout.RayRollout`: either of them inside Ray actors, one per
   rollout host, each writing into a storage unit on its own node.
 
 A rollout writes each complete group's payload into one of its storage units (``storage``) —

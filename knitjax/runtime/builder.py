@@ -430,7 +430,7 @@ def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan
   """This consumer's access to released mini-batches: on demand (fetch its groups, lay out,
   place on the train mesh, one mini-batch at a time) or the centralized baseline (a whole step
   gathered by one driver). ``plan_for``: the announced consumer plan of a mini-batch (a trainer
-  of several processes, `knitjax.runtime.trainer_processes`); None: planned alike by every
+  of several processes, `knitjax.distributed.trainer_processes`); None: planned alike by every
   consumer."""
   layout = BatchLayout(
     estimator=config.loss.advantage,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 from absl import logging
@@ -25,10 +26,14 @@ from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.feed import exposed_transfer
 from knitjax.transfer.storage import release_groups
 
+if TYPE_CHECKING:
+  from knitjax.distributed.topology import Topology
+
 
 def run(
   config: Config,
   workdir: str,
+  topology: Topology,
   *,
   on_step: Callable[[int, dict], None] | None = None,
   config_name: str | None = None,
@@ -38,6 +43,7 @@ def run(
   Args:
     config: the validated run config.
     workdir: where checkpoints, ``metrics.jsonl``, TensorBoard files and plots go.
+    topology: where the rollout and its storage units are (`knitjax.distributed.topology`).
     on_step: called after each train step with ``(step, metrics)``.
     config_name: the config's file and variant (``configs/arith_tiny.py:quick``), for the title
       of ``reward.png``.
@@ -48,7 +54,7 @@ def run(
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
   graphdef, learner = builder.build_learner(config, mesh, workdir, prompt_len=prompts.prompt_len)
-  rollout = rollout_builder.build_rollout(config, graphdef, mesh, prompts)
+  rollout = topology.rollout(config, graphdef, mesh, prompts)
   admission = builder.build_admission(
     config, on_reject=lambda g: release_groups(rollout.storage, [g])
   )

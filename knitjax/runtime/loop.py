@@ -4,7 +4,7 @@ A `Pipe` is where a run's mini-batches come from and what surrounds each update:
 step source (`knitjax.runtime.colocated`) generates each step's groups in turn, the
 disaggregated leader (`knitjax.runtime.pipeline.Pipeline`) takes them from its rollout thread,
 and a follower of a trainer spread over processes
-(`knitjax.runtime.trainer_processes.FollowerPipe`) hears them from the leader. `run_steps`
+(`knitjax.distributed.trainer_processes.FollowerPipe`) hears them from the leader. `run_steps`
 drives any of them and holds, once, what follows each step: the metrics row, periodic
 evaluation, the checkpoint with the pipe's run state, ``on_step``, and the plots at the end.
 """

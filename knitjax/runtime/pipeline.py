@@ -18,7 +18,6 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from knitjax import sharding
 from knitjax import workdir as wd
 from knitjax.rollout.versions import VersionClock
 from knitjax.runtime import builder
@@ -26,7 +25,7 @@ from knitjax.runtime.learner import Learner, RunState
 from knitjax.runtime.metrics import fault_counters
 from knitjax.runtime.released import ReleasedQueue
 from knitjax.runtime.rollout_thread import RolloutThread
-from knitjax.runtime.weight_sync import WeightSync, resolve_sync_dtype
+from knitjax.runtime.weight_sync import WeightSync
 from knitjax.transfer.feed import Prepared, exposed_transfer
 from knitjax.transfer.snapshot import snapshot_groups
 from knitjax.transfer.storage import release_groups
@@ -67,9 +66,10 @@ class Pipeline:
 
   Args (beyond the parts it holds):
     prepare: the feed's preparer (`builder.build_preparer`'s).
-    mesh: the rollout mesh the versions are published to (None: Ray rollout actors).
-    weights, plans: a multi-process trainer's own publisher and plan book.
-    watch: a multi-process trainer's pulse watch, told when this process has finished.
+    weights: the publisher the topology chose (`WeightSync` onto a rollout mesh in this process,
+      `knitjax.distributed.weight_shards.ShardPublisher` to Ray rollout actors).
+    plans, watch: a multi-process trainer's plan book, and its pulse watch, told when this
+      process has finished.
   """
 
   def __init__(
@@ -80,11 +80,10 @@ class Pipeline:
     rollout,
     admission,
     prompts,
-    mesh,
     resumed,
     *,
     prepare,
-    weights=None,
+    weights,
     plans=None,
     watch=None,
   ):
@@ -108,13 +107,7 @@ class Pipeline:
       max_lag_steps=config.pipeline.max_lag_steps,
       lag_unit=config.pipeline.lag_unit,
     )
-    # A multi-process trainer passes its own (`weight_shards.ShardPublisher`) and plan book.
-    self.weights = weights or WeightSync(
-      sharding.state_shardings(learner.state.params, mesh),
-      base=self._rollout_base(mesh),
-      sync_dtype=resolve_sync_dtype(config.sync.dtype, config.model.dtype),
-      publish=config.sync.publish,
-    )
+    self.weights = weights
     self.plans = plans
     # The first version is complete before the rollout starts, so it never idles waiting for it.
     self.weights.publish(learner.state.params, learner.version, block=True)
@@ -139,16 +132,6 @@ class Pipeline:
     self.busy_s, self.idle_s, self.mb_seconds = 0.0, 0.0, []
     self.t_start = time.time()
     self._prev = _rollout_counters(self.thread, time.time())
-
-  def _rollout_base(self, mesh):
-    """With LoRA, the frozen base placed once on the rollout mesh: versions then carry only the
-    adapters. Ray rollout actors and rollout hosts hold their own base (built from the same
-    config) and load the published adapters into it, so none is placed here for them."""
-    frozen = self.learner.frozen
-    r = self.config.topology
-    if frozen is None or r.rollout_workers or r.rollout_hosts:
-      return None
-    return jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
 
   def _on_offer(self, meta, prompt, rejected: bool, started: float | None) -> None:
     self._seq += 1

@@ -1,6 +1,7 @@
 """Builds what generates in a run from a validated :class:`~knitjax.config.Config`: the rollout
-(batched sampler, continuous engine, multi-turn, Ray actors), a Ray actor's hosted rollout, the
-storage units it writes to, and the evaluators, which generate with the same samplers.
+in one process (batched sampler, continuous engine, multi-turn) over a given storage unit, and the
+evaluators, which generate with the same samplers. Where the rollout runs (this process or Ray
+actors) and where its storage units live is the topology's choice (`knitjax.distributed`).
 
 The rest of a run's parts (prompts, meshes, the model, the learner, admission and the feed) are
 built by `knitjax.runtime.builder`, which this module uses.
@@ -18,19 +19,17 @@ from knitjax import sharding
 from knitjax.config import Config
 from knitjax.models.vlm import make_prompt_embedder
 from knitjax.rollout.continuous import ContinuousEngine
-from knitjax.rollout.contract import Rollout
 from knitjax.rollout.multiturn import MultiTurnRollout, stop_ids
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.rollout.streaming import StreamingRollout
 from knitjax.rollout.worker import BatchedRollout, RolloutWorker
-from knitjax.runtime.builder import build_eval_prompts, build_mesh, build_model, build_prompts
+from knitjax.runtime.builder import build_eval_prompts
 from knitjax.runtime.evaluation import EvalLog, Evaluator, PeriodicEval
-from knitjax.runtime.local_ray import ensure_ray
 from knitjax.tasks.registry import make_environment
 from knitjax.tasks.rewards import get_reward_fn
 from knitjax.tasks.streams import ClassStreams
 from knitjax.train.reward_shaping import with_overlong_penalty
-from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits, StorageUnit
+from knitjax.transfer.storage import StorageLimits, StorageUnit
 
 
 def _sampling(config: Config) -> SamplingConfig:
@@ -153,7 +152,7 @@ def build_engine(config: Config, graphdef, mesh, prompts: ClassStreams) -> Conti
   )
 
 
-def _groups_per_call(config: Config) -> int | None:
+def groups_per_call(config: Config) -> int | None:
   """Groups one batched call generates: a colocated step starts all; disaggregated waves fill
   the slots."""
   if config.topology.mode == "colocated":
@@ -161,7 +160,7 @@ def _groups_per_call(config: Config) -> int | None:
   return max(1, config.rollout.slots // config.rollout.group_size)
 
 
-def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: StorageUnit):
+def local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: StorageUnit):
   """The in-process rollout of ``rollout.engine`` on ``mesh``, writing into ``unit``."""
   r = config.rollout
   if r.engine == "multiturn":
@@ -176,7 +175,7 @@ def _local_rollout(config: Config, graphdef, mesh, prompts: ClassStreams, unit: 
       budgets=r.class_max_new_tokens,
     )
   worker = build_worker(config, graphdef, mesh, prompts)
-  return BatchedRollout(worker, unit, max_groups=_groups_per_call(config))
+  return BatchedRollout(worker, unit, max_groups=groups_per_call(config))
 
 
 def build_multiturn(
@@ -206,59 +205,9 @@ def build_multiturn(
     prompt_len=prompts.prompt_len,
     max_new_tokens=r.max_new_tokens,
     max_turns=r.max_turns,
-    max_groups=_groups_per_call(config),
+    max_groups=groups_per_call(config),
     adoption=config.sync.adoption,
   )
-
-
-def hosted_rollout(config: Config, storage: StorageUnit):
-  """A Ray actor's rollout (`knitjax.rollout.ray_worker.RolloutFactory`): the model skeleton and
-  the configured rollout on the actor's local devices, writing into ``storage``."""
-  from knitjax.rollout.ray_worker import HostedRollout
-
-  devices = jax.local_devices()
-  config = dataclasses.replace(
-    config, mesh=dataclasses.replace(config.mesh, shape=(len(devices), 1, 1))
-  )
-  mesh = build_mesh(config, devices=devices)
-  prompts = build_prompts(config)
-  graphdef, params = build_model(config, mesh)
-  return HostedRollout(_local_rollout(config, graphdef, mesh, prompts, storage), params, mesh)
-
-
-def build_rollout(config: Config, graphdef, mesh, prompts: ClassStreams) -> Rollout:
-  """The run's rollout: in process on ``mesh``, or ``topology.rollout_workers`` Ray actors.
-
-  Either way it writes payloads into its storage units (``.storage``: unit id -> unit) and
-  returns ``GroupMeta``s (`knitjax.rollout.contract`).
-  """
-  n = config.topology.rollout_workers
-  if not n:
-    return _local_rollout(config, graphdef, mesh, prompts, build_storage(config, prompts))
-  _ensure_ray(config)
-  from knitjax.rollout.ray_worker import RayRollout
-
-  return RayRollout(
-    functools.partial(hosted_rollout, config),
-    build_storage_limits(config, prompts),
-    n,
-    groups_per_call=_groups_per_call(config),
-    max_restarts=config.topology.actor_restarts,
-  )
-
-
-def build_storage(config: Config, prompts: ClassStreams, *, unit_id: int = 0) -> StorageUnit:
-  """A storage unit sized for a few train steps of payload (float32 log-probs + int32 tokens).
-
-  ``topology.storage="ray"`` puts it in a Ray actor (starting or joining Ray if needed).
-  """
-  limits = build_storage_limits(config, prompts)
-  if config.topology.storage == "ray":
-    _ensure_ray(config)
-    from knitjax.transfer.ray_storage import RayStorageUnit
-
-    return RayStorageUnit(limits, unit_id=unit_id, max_restarts=config.topology.actor_restarts)
-  return InProcessStorageUnit(limits, unit_id=unit_id)
 
 
 def build_storage_limits(config: Config, prompts: ClassStreams) -> StorageLimits:
@@ -269,13 +218,4 @@ def build_storage_limits(config: Config, prompts: ClassStreams) -> StorageLimits
     groups_per_step=config.admission.groups_per_step,
     group_size=r.group_size,
     image_bytes=0 if v is None else v.image_size**2 * v.channels * 4,
-  )
-
-
-def _ensure_ray(config: Config) -> None:
-  """Joins ``topology.ray_address``, or starts a local Ray that only accepts authenticated calls
-  (`knitjax.runtime.local_ray`)."""
-  ensure_ray(
-    config.topology.ray_address,
-    needed_by="config.topology.storage='ray' / rollout_workers > 0",
   )

@@ -44,7 +44,7 @@ class MiniBatchPreparer:
       whole mini-batch's, from that plan. A `knitjax.train.prompt_sharing.ShareSpec` lays the
       rows out with shared prompts (packed or not) the same way; a VLM's too.
     plan_for: ``plan_for(minibatch)``, the consumer plan announced for a mini-batch (a
-      multi-process trainer's, `knitjax.runtime.trainer_processes`); None: every consumer plans
+      multi-process trainer's, `knitjax.distributed.trainer_processes`); None: every consumer plans
       alike (`knitjax.transfer.consumer.plan_consumers`).
   """
 

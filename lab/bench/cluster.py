@@ -44,7 +44,7 @@ TRAINER, STORAGE, CONTROLLER = 0, 1, 2
 
 def _ray_env(workdir: str) -> dict:
   """Every Ray process of the cluster authenticates with the run's own token (0600)."""
-  from knitjax.runtime.local_ray import private_ray_token
+  from knitjax.distributed.local_ray import private_ray_token
 
   path = os.path.join(os.path.abspath(workdir), "ray_token")
   saved = os.environ.get("RAY_AUTH_TOKEN_PATH")

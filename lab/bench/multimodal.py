@@ -187,7 +187,7 @@ def measure(config, w: Workload, mesh) -> dict:
   """Both modes on one workload; returns its JSON entry."""
   import ray
 
-  from knitjax.transfer.ray_storage import RayStorageUnit
+  from knitjax.distributed.ray_storage import RayStorageUnit
 
   model, vision = model_configs(config, w)
   flops = row_flops(model, vision, w)

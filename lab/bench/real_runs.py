@@ -5,7 +5,7 @@ in a fresh process (its own fake CPU devices, compile caches and memory), the ex
 anyone can re-run; the generated config file holds the run's whole ConfigDict. A config with
 ``topology.rollout_hosts = N`` also starts N rollout hosts (the same command with
 ``--role=rollout``) beside the trainer. ``in_process``
-runs call `knitjax.runtime.train.train` directly instead (tests, where the devices exist
+runs call `knitjax.run.train` directly instead (tests, where the devices exist
 already and compiled functions are shared between runs).
 """
 
@@ -71,7 +71,7 @@ def launch(
     )
   if in_process:
     from knitjax.config import from_config_dict
-    from knitjax.runtime.train import train
+    from knitjax.run import train
 
     train(from_config_dict(config), workdir)
   else:

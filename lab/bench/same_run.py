@@ -3,9 +3,9 @@
   python -m lab.bench.same_run DIR_A DIR_B [--rtol 1e-4] [--atol 1e-6] [--out FILE]
 
 reads both runs' ``metrics.jsonl`` and compares, at each step both logged, every numeric metric
-both hold except the clocks (``*_s``, ``tokens_per_s``, ``wall_s``...) and the layout's own
-accounting (``pack_*``, ``share_*``), which differ by design between, say, padded rows and
-shared prompts (docs/prompt_sharing.md). Prints the steps compared, the first step with a metric
+both hold except the clocks (``*_s``, ``tokens_per_s``, ``wall_s``, busy and idle fractions) and
+the layout's own accounting (``pack_*``, ``share_*``), which differ by design between, say,
+padded rows and shared prompts (docs/prompt_sharing.md). Prints the steps compared, the first step with a metric
 outside ``|a - b| <= atol + rtol |b|`` (and which metrics), the largest relative difference over
 the steps before it (of values above ``100 atol``), and both reward curves (``reward_mean``, a
 25-step moving average) at a few steps and at the end. ``--out`` writes the same as JSON.
@@ -28,7 +28,7 @@ from knitjax.runtime.metrics import read_metrics
 from lab.bench.learning import moving_average
 
 # Keys that are times, rates, or the layout's own bookkeeping: not part of what a run learns.
-_SKIP_SUFFIXES = ("_s", "_per_s")
+_SKIP_SUFFIXES = ("_s", "_per_s", "_busy_fraction", "_idle_fraction")  # clocks, as fractions
 _SKIP_PREFIXES = ("pack_", "share_")
 _SKIP = {"step", "version", "wall_s"}
 

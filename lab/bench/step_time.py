@@ -28,6 +28,7 @@ import subprocess
 import numpy as np
 
 from knitjax.config import from_config_dict
+from knitjax.distributed.topology import choose
 from knitjax.runtime import colocated
 from knitjax.runtime.metrics import read_metrics
 from lab.bench.report import format_table, write_json
@@ -35,7 +36,7 @@ from lab.bench.report import format_table, write_json
 
 def _time_knitjax(config, run_config, run_dir: str) -> dict:
   shutil.rmtree(run_dir, ignore_errors=True)  # always a fresh run: no resume
-  colocated.run(run_config, run_dir)
+  colocated.run(run_config, run_dir, choose(run_config))
   return step_times(read_metrics(run_dir), config.warmup_steps, run_config.loop.steps)
 
 

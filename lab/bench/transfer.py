@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from knitjax.distributed.topology import choose
 from knitjax.transfer.access import BatchLayout, consumer_batch, fetch_minibatch
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
@@ -232,7 +233,8 @@ def _real_runs(config, workdir: str) -> dict:
     c.pipeline.prefetch = prefetch
     run_dir = os.path.join(workdir, f"prefetch{prefetch}")
     shutil.rmtree(run_dir, ignore_errors=True)
-    disaggregated.run(from_config_dict(c), run_dir)
+    config = from_config_dict(c)
+    disaggregated.run(config, run_dir, choose(config))
     rows = read_metrics(run_dir)[config.real.skip_steps :]
     keys = ("data_wait_s", "exposed_fetch_s", "fetch_s", "release_to_compute_s", "step_s")
     runs.append({"prefetch": prefetch, **{k: float(np.mean([r[k] for r in rows])) for k in keys}})

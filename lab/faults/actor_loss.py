@@ -22,7 +22,7 @@ def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
   import ray
 
   from knitjax.config import from_config_dict
-  from knitjax.runtime.train import train
+  from knitjax.run import train
 
   c = _config(RUN)
   c.topology.rollout_workers = 2

@@ -7,7 +7,8 @@ train step logged once, quotas exact. ``rollout_hosts`` is a disaggregated run w
 a rollout host process: a kill in the trainer ends the host too (its connection closes); a kill
 in the host (``rollout_host`` point) ends the trainer with one sentence; either way a new
 trainer and a new host resume. ``trainer_processes`` is a disaggregated trainer of two processes
-(``--distributed``, `knitjax.runtime.trainer_processes`) with two Ray rollout actors: trials kill
+(``--distributed``, `knitjax.distributed.trainer_processes`) with two Ray rollout actors: trials
+kill
 trainer process 0 and 1 in turn (the other must stop with one sentence, and both resume), and
 one more kills a rollout actor's process mid-run (survived: Ray replaces it, its groups are
 generated again).
@@ -154,7 +155,7 @@ def _main(
 
 
 # How a surviving trainer process stops when another dies: a follower lost is noticed by the
-# others' pulse watch (`knitjax.runtime.coordination.PulseWatch`, one sentence, exit 1); process
+# others' pulse watch (`knitjax.distributed.coordination.PulseWatch`, one sentence, exit 1); process
 # 0 lost takes the coordination service with it, and JAX's runtime in the others aborts at once
 # with its own line (and a stack trace; jaxlib 0.10 gives Python no way to replace it).
 JAX_ABORT = "Terminating process because the JAX distributed service detected fatal errors"

@@ -2,7 +2,7 @@
 
   python -m lab.scripts.ray_footprint
 
-Starts Ray as a knitjax run does (`knitjax.runtime.local_ray.ensure_ray`: token auth, no
+Starts Ray as a knitjax run does (`knitjax.distributed.local_ray.ensure_ray`: token auth, no
 dashboard, no metrics), waits 5 s for its daemons to settle, and sums the resident memory of
 every process it started (this process's descendants). A rollout host (`--role=rollout`) starts
 none: docs/disaggregated.md compares the two.
@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from knitjax.runtime.local_ray import ensure_ray
+from knitjax.distributed.local_ray import ensure_ray
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from configs import arith_tiny, calc_tool_tiny
 from knitjax.config import from_config_dict
-from knitjax.runtime.train import train
+from knitjax.run import train
 
 
 def test_auto_picks_the_multiturn_rollout_for_a_task_with_an_environment():

@@ -13,9 +13,9 @@ from configs import arith_tiny
 from knitjax import records
 from knitjax.config import from_config_dict
 from knitjax.models.transformer import Transformer
+from knitjax.run import train
 from knitjax.runtime.learner import Learner, RunState
 from knitjax.runtime.metrics import read_metrics
-from knitjax.runtime.train import train
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.step import TrainState

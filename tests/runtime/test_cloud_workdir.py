@@ -24,10 +24,10 @@ from orbax.checkpoint._src.path import gcs_utils
 from configs import arith_tiny
 from knitjax import workdir as wd
 from knitjax.config import from_config_dict
+from knitjax.run import train
 from knitjax.runtime.evaluation import EvalLog, read_eval
 from knitjax.runtime.metrics import MetricsWriter, plot_reward, read_metrics
 from knitjax.runtime.preflight import check_workdir, checkpoint_steps
-from knitjax.runtime.train import train
 from knitjax.train.checkpoint import Checkpointer
 
 URL = "gs://bucket/runs/a"

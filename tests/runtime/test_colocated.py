@@ -11,7 +11,7 @@ import numpy as np
 
 from configs import arith_tiny
 from knitjax.config import from_config_dict
-from knitjax.runtime.train import train
+from knitjax.run import train
 from knitjax.train.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +73,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
       import os, signal, time
       from configs import arith_tiny
       from knitjax.config import from_config_dict
-      from knitjax.runtime.train import train
+      from knitjax.run import train
       c = arith_tiny.get_config()
       c.admission.quotas = {{"arith": 8}}; c.admission.minibatches = 2
       c.rollout.group_size = 4; c.loop.steps = 4; c.loop.log_every = 1

@@ -8,9 +8,9 @@ import pytest
 
 from configs import arith_disagg
 from knitjax.config import from_config_dict
+from knitjax.distributed.in_process import split_devices
 from knitjax.rollout import versions
-from knitjax.runtime.disaggregated import split_devices
-from knitjax.runtime.train import train
+from knitjax.run import train
 from lab.bench import group_times, rollout_summary
 from tests import tiny
 

@@ -88,7 +88,7 @@ def _eval_config(**eval_fields):
 
 def test_a_run_evaluates_before_during_and_after_and_the_cli_agrees(tmp_path):
   from knitjax.eval import evaluate
-  from knitjax.runtime.train import train
+  from knitjax.run import train
 
   config = _eval_config()
   workdir = str(tmp_path)

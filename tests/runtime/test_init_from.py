@@ -7,6 +7,7 @@ from flax import nnx
 
 from configs import arith_tiny
 from knitjax.config import from_config_dict
+from knitjax.distributed.topology import choose
 from knitjax.models import hf
 from knitjax.models.transformer import Transformer
 from knitjax.runtime import builder, colocated
@@ -38,7 +39,7 @@ def test_policy_starts_from_the_checkpoint_and_trains(checkpoint, tmp_path):
   _, params = builder.build_model(config, mesh)
   for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(params), strict=True):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
-  out = colocated.run(config, str(tmp_path / "run"))
+  out = colocated.run(config, str(tmp_path / "run"), choose(config))
   assert out["step"] == config.loop.steps
 
 

@@ -12,8 +12,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from configs import count_vlm_tiny
 from knitjax.config import from_config_dict
+from knitjax.run import train
 from knitjax.runtime import builder
-from knitjax.runtime.train import train
 from knitjax.tasks import count_images
 
 torch = pytest.importorskip("torch")

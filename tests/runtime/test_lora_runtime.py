@@ -13,8 +13,8 @@ from knitjax import sharding
 from knitjax.config import from_config_dict
 from knitjax.models import lora
 from knitjax.models.transformer import Transformer
+from knitjax.run import train
 from knitjax.runtime import builder
-from knitjax.runtime.train import train
 from knitjax.runtime.weight_sync import WeightSync
 from knitjax.train.checkpoint import Checkpointer
 from tests import tiny

@@ -6,6 +6,7 @@ import pytest
 
 from configs import arith_tiny
 from knitjax.config import from_config_dict
+from knitjax.distributed.topology import choose
 from knitjax.rollout.contract import generate
 from knitjax.runtime import builder, rollout_builder
 from knitjax.tasks.rewards import get_reward_fn
@@ -28,7 +29,7 @@ def test_training_rollouts_store_verifier_plus_penalty(engine):
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
   graphdef, params = builder.build_model(config, mesh)
-  rollout = rollout_builder.build_rollout(config, graphdef, mesh, prompts)
+  rollout = choose(config).rollout(config, graphdef, mesh, prompts)
   batch = prompts.next({"arith": 4})
   metas = generate(rollout, params, batch, version=0, rng=jax.random.key(1), first_group_id=0)
   verifier = get_reward_fn(config.task.reward)

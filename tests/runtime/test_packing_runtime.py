@@ -10,8 +10,8 @@ import pytest
 from configs import arith_disagg, arith_tiny
 from knitjax import sharding
 from knitjax.config import from_config_dict
+from knitjax.run import train
 from knitjax.runtime.builder import build_prompts
-from knitjax.runtime.train import train
 from knitjax.train.packing import PackSpec
 from knitjax.transfer.access import BatchLayout
 from knitjax.transfer.prepare import MiniBatchPreparer

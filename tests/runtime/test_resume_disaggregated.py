@@ -14,7 +14,7 @@ import textwrap
 
 from configs import arith_disagg
 from knitjax.config import from_config_dict
-from knitjax.runtime.train import train
+from knitjax.run import train
 from knitjax.train.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +37,7 @@ def test_sigkill_resume_loses_nothing_and_consumes_nothing_twice(tmp_path):
       import os, signal, time
       from configs import arith_disagg
       from knitjax.config import from_config_dict
-      from knitjax.runtime.train import train
+      from knitjax.run import train
       c = arith_disagg.get_config("quick")
       c.loop.steps = {STEPS}
       def on_step(step, metrics):

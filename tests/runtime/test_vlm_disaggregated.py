@@ -13,14 +13,16 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
 from configs import count_vlm_tiny
 from knitjax import records
 from knitjax.config import from_config_dict
-from knitjax.runtime import rollout_builder
-from knitjax.runtime.train import train
+from knitjax.distributed import ray_workers
+from knitjax.distributed.local_ray import ensure_ray
+from knitjax.run import train
 from knitjax.tasks import count_images
 from knitjax.tasks.prompts import Prompt
 from knitjax.train.checkpoint import Checkpointer
@@ -50,22 +52,25 @@ def expected_image(prompt_id: int) -> np.ndarray:
   return image
 
 
-def check_dedup_counters(rows) -> None:
+def check_dedup_counters(rows, *, train_devices: int = 4) -> None:
   # Each mini-batch's 4 groups bring 4 distinct images (prompts do not repeat within 1000 draws),
-  # each encoded once for G=8 samples, with one encoder backward. Rows average the 2 mini-batches.
+  # each encoded once for G=8 samples, with one encoder backward; the encoded count is padded up
+  # to a multiple of the train mesh's batch shards. Rows average the 2 mini-batches.
   for r in rows:
     assert r["unique_images"] == GROUPS_PER_MINIBATCH, r
-    assert r["encoder_images_encoded"] == GROUPS_PER_MINIBATCH, r
+    assert (
+      r["encoder_images_encoded"] == -(-GROUPS_PER_MINIBATCH // train_devices) * train_devices
+    ), r
     assert r["encoder_backward_passes"] == 1, r
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-  """Local Ray started exactly as a run starts it (as tests/runtime/test_ray_faults.py does)."""
+  """Local Ray started exactly as a run starts it (as tests/distributed/test_ray_faults.py does)."""
   ray = pytest.importorskip("ray")
   if ray.is_initialized():
     ray.shutdown()
-  rollout_builder._ensure_ray(from_config_dict(vlm_config(steps=1)))
+  ensure_ray("")
   yield
   ray.shutdown()
 
@@ -73,18 +78,18 @@ def local_ray():
 def test_vlm_with_ray_rollout_workers_stores_each_image_once(local_ray, tmp_path, monkeypatch):
   """Two Ray rollout actors, each writing to its own Ray storage unit: quotas, conservation and
   encoder dedup as in process; each unit holds one image per group, not one per sample."""
-  from knitjax.rollout.ray_worker import RayRollout
-  from knitjax.transfer.ray_storage import RayStorageUnit
+  from knitjax.distributed.ray_rollout import RayRollout
+  from knitjax.distributed.ray_storage import RayStorageUnit
 
   c = vlm_config(steps=2, rollout_workers=2)
   pools = []
-  build_rollout = rollout_builder.build_rollout
+  build_rollout = ray_workers.ray_rollout
 
   def capture(*args, **kwargs):
     pools.append(build_rollout(*args, **kwargs))
     return pools[-1]
 
-  monkeypatch.setattr(rollout_builder, "build_rollout", capture)
+  monkeypatch.setattr(ray_workers, "ray_rollout", capture)
   seen = {}
 
   def on_step(step, metrics):  # the units are actors, gone when the run ends: look now
@@ -99,7 +104,7 @@ def test_vlm_with_ray_rollout_workers_stores_each_image_once(local_ray, tmp_path
 
   train(from_config_dict(c), str(tmp_path), on_step=on_step)
   rows = check_run(str(tmp_path), c)
-  check_dedup_counters(rows)
+  check_dedup_counters(rows, train_devices=len(jax.devices()))  # the rollout is in Ray: all train
 
   (pool,) = pools
   assert isinstance(pool, RayRollout)
@@ -140,7 +145,7 @@ def test_vlm_sigkill_resume_keeps_the_images_of_pending_groups(tmp_path):
       import os, signal, time
       from knitjax.config import from_config_dict
       from knitjax.runtime import pipeline
-      from knitjax.runtime.train import train
+      from knitjax.run import train
       from tests.runtime.test_vlm_disaggregated import vlm_config
 
       snapshot = pipeline.Pipeline.snapshot

@@ -99,7 +99,7 @@ def test_count_vlm_tiny_trains_through_the_runtime(tmp_path, dedup):
 
   from configs import count_vlm_tiny
   from knitjax.config import from_config_dict
-  from knitjax.runtime.train import train
+  from knitjax.run import train
 
   c = count_vlm_tiny.get_config("quick")
   c.admission.quotas = {"count": 8}

@@ -43,7 +43,7 @@ try:
   from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError as e:  # pragma: no cover - exercised only without ray installed
   raise ImportError(
-    "knitjax.transfer.ray_storage needs Ray: pip install -e '.[ray]' (or pip install ray)."
+    "knitjax.distributed.ray_storage needs Ray: pip install -e '.[ray]' (or pip install ray)."
   ) from e
 
 

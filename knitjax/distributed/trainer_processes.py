@@ -13,8 +13,8 @@ A follower that hears nothing for ``PLAN_TIMEOUT_S`` stops with one sentence: it
 on a mini-batch the others do not. ``fetched.p<k>.jsonl`` records, per process and
 mini-batch, the announced plan, the groups this process fetched and their payload bytes.
 
-Every process publishes its own shards of each version (`knitjax.runtime.weight_shards`), and
-watches the others' pulse in the same store (`knitjax.runtime.coordination.PulseWatch`): a lost
+Every process publishes its own shards of each version (`knitjax.distributed.weight_shards`), and
+watches the others' pulse in the same store (`knitjax.distributed.coordination.PulseWatch`): a lost
 process ends the rest with one sentence, and a restart of all resumes from process 0's
 checkpoint of the run state.
 
@@ -26,21 +26,20 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import Callable
 
 import jax
 
 from knitjax import records
 from knitjax import workdir as wd
+from knitjax.distributed.coordination import PulseWatch, announce, forget, hear
+from knitjax.distributed.local_ray import ensure_ray
+from knitjax.distributed.ray_workers import new_run_id, ray_rollout, shard_publisher
+from knitjax.distributed.weight_shards import connect_board, create_board
 from knitjax.runtime.builder import build_feed, build_preparer
-from knitjax.runtime.coordination import announce, forget, hear
 from knitjax.runtime.learner import RunState
-from knitjax.runtime.local_ray import ensure_ray
 from knitjax.runtime.pipeline import Pipeline, publish_counters, publish_metrics
 from knitjax.runtime.rollout_builder import build_storage_limits
-from knitjax.runtime.weight_shards import ShardPublisher, connect_board, create_board
-from knitjax.runtime.weight_sync import resolve_sync_dtype
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
 from knitjax.transfer.feed import exposed_transfer
@@ -222,77 +221,97 @@ class FollowerPipe:
     self.plans.close()
 
 
-def join(
-  config,
-  workdir: str,
-  learner,
-  prompts,
-  mesh,
-  *,
-  rollout,
-  admission,
-  resumed,
-  watch,
-  on_batch=None,
-):
-  """This process's `knitjax.runtime.loop.Pipe` in a trainer spread over processes.
+def check_config(config) -> None:
+  """What a trainer spread over processes needs of the config (one sentence if not met)."""
+  if not config.topology.rollout_workers:
+    raise ValueError(
+      f"a disaggregated trainer of {jax.process_count()} processes takes its rollout from Ray "
+      "workers: set config.topology.rollout_workers > 0 (in-process rollout serves a "
+      "one-process trainer)."
+    )
+  if config.transfer.mode != "on_demand":
+    raise ValueError(
+      f"config.transfer.mode={config.transfer.mode!r} gathers whole steps on one driver; a "
+      "multi-process trainer fetches on demand (transfer.mode='on_demand')."
+    )
 
-  Process 0 (which built the Ray rollout and the admission index) creates the weights board and
-  announces how to reach the cluster (Ray's address, the board, the storage units' names);
-  the others hear it, join Ray and connect to the units by name. ``mesh`` is the train mesh the
-  feed prepares mini-batches on; ``watch`` the processes' pulse watch.
+
+class TrainerProcesses:
+  """`knitjax.distributed.topology.Topology`: a disaggregated trainer spread over processes.
+
+  Process 0 (the leader) builds the Ray rollout and the admission index, creates the weights
+  board and announces how to reach the cluster (Ray's address, the board, the storage units'
+  names); the others hear it, join Ray and connect to the units by name. Every process trains
+  on every device of the one global mesh. The pulse watch starts here, before anything is built:
+  a process lost at any point ends the others with one sentence.
   """
-  start = learner.version // config.admission.minibatches
-  plans = PlanBook(
-    workdir,
-    minibatches=config.admission.minibatches,
-    start_step=start,
-    locality_slack=config.pipeline.locality_slack,
-    on_batch=on_batch,
-  )
-  sync = {
-    "sync_dtype": resolve_sync_dtype(config.sync.dtype, config.model.dtype),
-    "publish": config.sync.publish,
-  }
-  if plans.leader:
-    import ray
 
-    run = uuid.uuid4().hex[:12]
-    board = create_board(run, plans.processes)
-    units = {str(i): name for i, name in rollout.unit_names.items()}
-    address = ray.get_runtime_context().gcs_address
-    local = not config.topology.ray_address  # the Ray process 0 started, token-authenticated
-    announce("ray", {"address": address, "local": local, "run": run, "units": units})
-    weights = ShardPublisher(board, **sync)
-    return Pipeline(
-      config,
+  def __init__(self, config, *, on_batch: Callable | None = None):
+    check_config(config)
+    self._n, self._on_batch = config.topology.rollout_workers, on_batch
+    self.watch = PulseWatch()
+    self.leader = jax.process_index() == 0
+
+  def split(self, devices: list) -> tuple[list, list]:
+    return [], list(devices)
+
+  def rollout(self, config, graphdef, mesh, prompts):
+    return ray_rollout(config, prompts) if self.leader else None
+
+  def pipe(self, config, workdir, learner, rollout, admission, prompts, train_mesh, resumed):
+    start = learner.version // config.admission.minibatches
+    plans = PlanBook(
       workdir,
-      learner,
-      rollout,
-      admission,
-      prompts,
-      None,
-      resumed,
-      prepare=build_preparer(config, rollout.storage, mesh, prompts, plan_for=plans.plan_for),
-      weights=weights,
-      plans=plans,
-      watch=watch,
+      minibatches=config.admission.minibatches,
+      start_step=start,
+      locality_slack=config.pipeline.locality_slack,
+      on_batch=self._on_batch,
     )
-  cluster = hear("ray", PLAN_TIMEOUT_S)
-  if cluster is None:
-    raise TimeoutError(
-      f"trainer process {plans.process} heard nothing from process 0 within "
-      f"{PLAN_TIMEOUT_S:.0f} s of starting: process 0 did not start its rollout."
-    )
-  if cluster["local"]:  # join it with the token process 0's Ray was started with (same user)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-  ensure_ray(cluster["address"], needed_by="a multi-process disaggregated trainer")
-  from knitjax.transfer.ray_storage import RayStorageUnit
+    if self.leader:
+      import ray
 
-  limits = build_storage_limits(config, prompts)
-  storage = {
-    int(i): RayStorageUnit.connect(name, limits, int(i)) for i, name in cluster["units"].items()
-  }
-  weights = ShardPublisher(connect_board(cluster["run"]), **sync)
-  prepare = build_preparer(config, storage, mesh, prompts, plan_for=plans.plan_for)
-  return FollowerPipe(config, learner, weights, plans, prepare=prepare, start=start, watch=watch)
+      run = new_run_id()
+      board = create_board(run, plans.processes)
+      units = {str(i): name for i, name in rollout.unit_names.items()}
+      address = ray.get_runtime_context().gcs_address
+      local = not config.topology.ray_address  # the Ray process 0 started, token-authenticated
+      announce("ray", {"address": address, "local": local, "run": run, "units": units})
+      prepare = build_preparer(
+        config, rollout.storage, train_mesh, prompts, plan_for=plans.plan_for
+      )
+      return Pipeline(
+        config,
+        workdir,
+        learner,
+        rollout,
+        admission,
+        prompts,
+        resumed,
+        prepare=prepare,
+        weights=shard_publisher(config, board),
+        plans=plans,
+        watch=self.watch,
+      )
+    cluster = hear("ray", PLAN_TIMEOUT_S)
+    if cluster is None:
+      raise TimeoutError(
+        f"trainer process {plans.process} heard nothing from process 0 within "
+        f"{PLAN_TIMEOUT_S:.0f} s of starting: process 0 did not start its rollout."
+      )
+    if cluster["local"]:  # join it with the token process 0's Ray was started with (same user)
+      os.environ.setdefault("RAY_AUTH_MODE", "token")
+    ensure_ray(cluster["address"], needed_by="a multi-process disaggregated trainer")
+    from knitjax.distributed.ray_storage import RayStorageUnit
+
+    limits = build_storage_limits(config, prompts)
+    storage = {
+      int(i): RayStorageUnit.connect(name, limits, int(i)) for i, name in cluster["units"].items()
+    }
+    weights = shard_publisher(config, connect_board(cluster["run"]))
+    prepare = build_preparer(config, storage, train_mesh, prompts, plan_for=plans.plan_for)
+    return FollowerPipe(
+      config, learner, weights, plans, prepare=prepare, start=start, watch=self.watch
+    )
+
+  def describe(self) -> str:
+    return f"{self._n} Ray workers, {jax.process_count()} trainer processes"

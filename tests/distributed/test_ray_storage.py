@@ -10,11 +10,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from knitjax.distributed.ray_storage import RayStorageUnit  # noqa: E402
+from knitjax.distributed.topology import choose  # noqa: E402
 from knitjax.transfer.access import BatchLayout, fetch_minibatch  # noqa: E402
 from knitjax.transfer.admission import MiniBatch  # noqa: E402
 from knitjax.transfer.group import GroupMeta  # noqa: E402
 from knitjax.transfer.payload import GroupPayload, synthetic_payload  # noqa: E402
-from knitjax.transfer.ray_storage import RayStorageUnit  # noqa: E402
 from knitjax.transfer.storage import StorageFull, StorageLimits  # noqa: E402
 from knitjax.transfer.validation import PayloadError  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
@@ -136,7 +137,8 @@ def test_colocated_run_with_ray_storage_units(ray_local, tmp_path):
     return set(glob.glob(f"{tmp}/knitjax-storage*")) | set(glob.glob(f"{tmp}/knitjax-storage/*"))
 
   before = spilled()
-  out = colocated.run(from_config_dict(c), str(tmp_path))
+  config = from_config_dict(c)
+  out = colocated.run(config, str(tmp_path), choose(config))
   assert out["step"] == c.loop.steps and out["version"] == 2 * c.admission.minibatches
   assert spilled() <= before  # the run's spill folder is gone with its unit
 
@@ -146,12 +148,12 @@ def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
   from configs import arith_tiny
   from knitjax.config import from_config_dict
   from knitjax.rollout import contract
-  from knitjax.runtime import builder, colocated, rollout_builder
+  from knitjax.runtime import builder, colocated
 
   c = arith_tiny.get_config("quick")
   c.topology.rollout_workers = 1
   config = from_config_dict(c)
-  out = colocated.run(config, str(tmp_path))
+  out = colocated.run(config, str(tmp_path), choose(config))
   assert out["step"] == c.loop.steps and out["version"] == 2 * c.admission.minibatches
   assert 0 <= out["reward_mean"] <= 1
 
@@ -159,7 +161,7 @@ def test_colocated_run_with_ray_rollout_workers(ray_local, tmp_path):
   prompts = builder.build_prompts(config)
   mesh = builder.build_mesh(config)
   graphdef, params = builder.build_model(config, mesh)
-  pool = rollout_builder.build_rollout(config, graphdef, mesh, prompts)
+  pool = choose(config).rollout(config, graphdef, mesh, prompts)
   metas = contract.generate(
     pool, params, prompts.next({"arith": 3}), version=0, rng=jax.random.key(0), first_group_id=10
   )
@@ -176,7 +178,7 @@ def test_disaggregated_run_with_ray_rollout_workers(ray_local, tmp_path):
   """Disaggregated mode drives Ray rollout actors through the same contract as in process:
   quotas per step, versions, conservation; payloads fetched from the actors' node-local units."""
   from knitjax.config import from_config_dict
-  from knitjax.runtime.train import train
+  from knitjax.run import train
   from tests.runtime.test_disaggregated import check_run, quick_config
 
   c = quick_config(rollout_workers=2)

@@ -7,13 +7,14 @@ in Ray's object store (one object per process and version) and posts the referen
 *board*, a small named Ray actor. Process 0 waits on the board until every process has posted
 the version, and only then makes it visible to ``take_newer``: the rollout adopts a
 `ShardedWeights` (a wire format and one reference per process), and each Ray rollout actor
-reassembles the leaves from the parts (`knitjax.rollout.weight_parts`). No process ever holds
+reassembles the leaves from the parts (`knitjax.distributed.weight_parts`). No process ever holds
 another's shards; the whole parameter set exists on a host only inside the rollout actors.
 
 Counters per process: versions published, seconds from dispatch to visible (process 0) or posted
 (the others), seconds the trainer's thread was held, and the bytes this process put on the wire:
 over the processes they add up to one copy of the params (a leaf replicated across processes is
-sent by the process holding its replica 0), which tests/runtime/test_trainer_processes.py checks.
+sent by the process holding its replica 0), which tests/distributed/test_trainer_processes.py
+checks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax
 from flax import nnx
 
 from knitjax import faultpoints
-from knitjax.rollout.weight_parts import ShardedWeights, own_parts, parts_bytes, wire_format_of
+from knitjax.distributed.weight_parts import ShardedWeights, own_parts, parts_bytes, wire_format_of
 from knitjax.runtime.weight_sync import SYNC_DTYPES, AsyncPublisher, wire_copy, wire_dtype
 
 COLLECT_TIMEOUT_S = 300.0  # process 0 waits this long for every process's part of a version
@@ -64,7 +65,7 @@ def create_board(run: str, processes: int):
   """Process 0: the run's board, named so the other trainer processes find it."""
   import ray
 
-  from knitjax.transfer.ray_storage import NAMESPACE
+  from knitjax.distributed.ray_storage import NAMESPACE
 
   return (
     ray.remote(_Board)
@@ -76,7 +77,7 @@ def create_board(run: str, processes: int):
 def connect_board(run: str):
   import ray
 
-  from knitjax.transfer.ray_storage import NAMESPACE
+  from knitjax.distributed.ray_storage import NAMESPACE
 
   return ray.get_actor(board_name(run), namespace=NAMESPACE)
 

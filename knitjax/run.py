@@ -1,4 +1,8 @@
-"""``runtime.train``: the one library call behind ``python -m knitjax.main`` and the notebooks."""
+"""``knitjax.run.train``: the one library call behind ``python -m knitjax.main`` and the notebooks.
+
+It chooses the run's topology once (`knitjax.distributed.topology.choose`) and hands it to the
+loop of ``config.topology.mode``.
+"""
 
 from __future__ import annotations
 
@@ -28,17 +32,17 @@ def train(
   """
   import jax
 
+  from knitjax.distributed.topology import choose
   from knitjax.runtime import workdir_lock
   from knitjax.runtime.preflight import check_workdir
 
   check_workdir(config, workdir)
   with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
+    topology = choose(config, on_batch=on_batch)
     if config.topology.mode == "colocated":
       from knitjax.runtime import colocated
 
-      return colocated.run(config, workdir, on_step=on_step, config_name=config_name)
+      return colocated.run(config, workdir, topology, on_step=on_step, config_name=config_name)
     from knitjax.runtime import disaggregated
 
-    return disaggregated.run(
-      config, workdir, on_step=on_step, on_batch=on_batch, config_name=config_name
-    )
+    return disaggregated.run(config, workdir, topology, on_step=on_step, config_name=config_name)

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from knitjax import records
-from knitjax.rollout.weight_parts import (
+from knitjax.distributed.weight_parts import (
   WireFormat,
   assemble,
   own_parts,

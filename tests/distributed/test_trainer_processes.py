@@ -1,4 +1,4 @@
-"""A disaggregated trainer spread over two processes (`knitjax.runtime.trainer_processes`).
+"""A disaggregated trainer spread over two processes (`knitjax.distributed.trainer_processes`).
 
 Two trainer processes (``--distributed``, 2 fake CPU devices each, one FSDP mesh over all 4) and
 two Ray rollout actors run ``configs/arith_disagg.py:quick``. Process 0 holds the one admission
@@ -21,7 +21,7 @@ from flax import nnx
 
 from configs import arith_disagg
 from knitjax.config import from_config_dict
-from knitjax.rollout.weight_parts import wire_format_of
+from knitjax.distributed.weight_parts import wire_format_of
 from knitjax.runtime import builder
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.step import batch_shardings

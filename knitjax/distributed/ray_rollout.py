@@ -2,7 +2,7 @@
 
 Each actor hosts a rollout built by a picklable ``factory`` on the actor's local devices (the
 runtime passes one; this module knows nothing of configs or builders), and a
-:class:`~knitjax.transfer.ray_storage.RayStorageUnit` placed on the actor's node, so a group's
+:class:`~knitjax.distributed.ray_storage.RayStorageUnit` placed on the actor's node, so a group's
 payload is written where it was generated and never passes through the driver: the actors return
 only the groups' :class:`GroupMeta`, which the driver offers to the admission index; consumers
 fetch the payloads from the units on demand.
@@ -17,7 +17,7 @@ by a new actor attached to the same storage unit and given the current weights; 
 actor had already stored of its share is discarded and the whole share is generated again under
 the same group ids, so every group id reaches the driver exactly once. After ``max_restarts``
 deaths in all, ``step`` raises one sentence. Storage units get the same ``max_restarts`` (they
-are restarted by Ray and replay their spill folder, see `knitjax.transfer.ray_storage`).
+are restarted by Ray and replay their spill folder, see `knitjax.distributed.ray_storage`).
 ``stats()`` counts ``actor_restarts`` and ``groups_regenerated``.
 
 Ray is optional (``pip install -e '.[ray]'``).
@@ -34,11 +34,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from knitjax.distributed.ray_storage import NodeAffinitySchedulingStrategy, RayStorageUnit, ray
+from knitjax.distributed.weight_parts import ShardedWeights, WireFormat, assemble
 from knitjax.rollout.contract import Rollout, RolloutStats
-from knitjax.rollout.weight_parts import ShardedWeights, WireFormat, assemble
 from knitjax.tasks.prompts import Prompt
 from knitjax.transfer.group import GroupMeta
-from knitjax.transfer.ray_storage import NodeAffinitySchedulingStrategy, RayStorageUnit, ray
 from knitjax.transfer.storage import StorageLimits, StorageUnit
 
 _WAIT_S = 0.5  # a step returns after this long even if no actor finished (the caller polls)

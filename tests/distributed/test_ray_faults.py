@@ -18,9 +18,11 @@ psutil = pytest.importorskip("psutil")
 
 from configs import arith_tiny  # noqa: E402
 from knitjax.config import from_config_dict  # noqa: E402
-from knitjax.runtime import builder, rollout_builder  # noqa: E402
+from knitjax.distributed.local_ray import ensure_ray  # noqa: E402
+from knitjax.distributed.ray_storage import RayStorageUnit  # noqa: E402
+from knitjax.distributed.topology import choose  # noqa: E402
+from knitjax.runtime import builder  # noqa: E402
 from knitjax.transfer.payload import synthetic_payload  # noqa: E402
-from knitjax.transfer.ray_storage import RayStorageUnit  # noqa: E402
 from knitjax.transfer.storage import StorageLimits  # noqa: E402
 
 LIMITS = StorageLimits(vocab_size=50, max_seq_len=10, max_bytes=1 << 20)
@@ -28,11 +30,11 @@ LIMITS = StorageLimits(vocab_size=50, max_seq_len=10, max_bytes=1 << 20)
 
 @pytest.fixture(scope="module")
 def local_ray():
-  """Local Ray started exactly as a run starts it (`rollout_builder._ensure_ray`)."""
+  """Local Ray started exactly as a run starts it (`local_ray.ensure_ray`)."""
   if ray.is_initialized():
     ray.shutdown()
   config = from_config_dict(arith_tiny.get_config("quick"))
-  rollout_builder._ensure_ray(config)
+  ensure_ray(config.topology.ray_address)
   yield
   ray.shutdown()
 
@@ -93,14 +95,14 @@ def test_local_ray_serves_nothing_over_http_without_its_token(local_ray):
 
 
 def test_local_ray_token_file_is_owner_only(local_ray):
-  from knitjax.runtime import local_ray as lr
+  from knitjax.distributed import local_ray as lr
 
   path = lr.ray_token_path()
   assert path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
 def test_ray_token_created_owner_only_and_tightened(tmp_path, monkeypatch, caplog):
-  from knitjax.runtime import local_ray as lr
+  from knitjax.distributed import local_ray as lr
 
   monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
   path = tmp_path / "ray" / "auth_token"
@@ -126,7 +128,7 @@ def test_local_ray_requires_token_authentication_and_has_no_dashboard(local_ray,
   monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
   monkeypatch.setattr(ray, "is_initialized", lambda: False)
   with pytest.raises(ValueError, match="RAY_AUTH_MODE=disabled would start a local Ray"):
-    rollout_builder._ensure_ray(from_config_dict(arith_tiny.get_config("quick")))
+    ensure_ray("")
 
 
 def _payload(seed):
@@ -180,7 +182,7 @@ def test_rollout_replaces_a_killed_actor_and_regenerates_its_groups(local_ray):
   prompts = builder.build_prompts(config)
   mesh = builder.build_mesh(config)
   graphdef, params = builder.build_model(config, mesh)
-  pool = rollout_builder.build_rollout(config, graphdef, mesh, prompts)
+  pool = choose(config).rollout(config, graphdef, mesh, prompts)
   pool.adopt(params, 0)
   ids = list(range(100, 108))
   for prompt, gid in zip(prompts.next({"arith": len(ids)}), ids, strict=True):

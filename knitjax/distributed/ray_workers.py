@@ -1,0 +1,106 @@
+"""The rollout in Ray actors (``topology.rollout_workers``), on this machine or across a cluster.
+
+Each actor generates on its node's devices into a Ray storage unit on that node
+(`knitjax.distributed.ray_rollout`); this process only offers the groups' metadata to the
+admission index, and its consumers fetch the payloads on demand. Every device of this process
+trains: each version is published as this process's own shards, put in Ray's object store
+(`knitjax.distributed.weight_shards.ShardPublisher`), the same way a trainer of several
+processes publishes (`knitjax.distributed.trainer_processes`).
+
+Ray is joined at ``topology.ray_address`` (a cluster someone manages) or started locally with
+token authentication (`knitjax.distributed.local_ray`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import uuid
+
+import jax
+
+from knitjax.config import Config
+from knitjax.distributed.local_ray import ensure_ray
+from knitjax.runtime import builder, rollout_builder
+from knitjax.runtime.pipeline import Pipeline
+from knitjax.runtime.weight_sync import resolve_sync_dtype
+from knitjax.transfer.storage import StorageUnit
+
+
+def hosted_rollout(config: Config, storage: StorageUnit):
+  """A Ray actor's rollout (`knitjax.distributed.ray_rollout.RolloutFactory`): the model skeleton
+  and the configured rollout on the actor's local devices, writing into ``storage``."""
+  from knitjax.distributed.ray_rollout import HostedRollout
+
+  devices = jax.local_devices()
+  config = dataclasses.replace(
+    config, mesh=dataclasses.replace(config.mesh, shape=(len(devices), 1, 1))
+  )
+  mesh = builder.build_mesh(config, devices=devices)
+  prompts = builder.build_prompts(config)
+  graphdef, params = builder.build_model(config, mesh)
+  rollout = rollout_builder.local_rollout(config, graphdef, mesh, prompts, storage)
+  return HostedRollout(rollout, params, mesh)
+
+
+def ray_rollout(config: Config, prompts):
+  """``topology.rollout_workers`` Ray actors generating the configured rollout."""
+  ensure_ray(config.topology.ray_address, needed_by="config.topology.rollout_workers > 0")
+  from knitjax.distributed.ray_rollout import RayRollout
+
+  return RayRollout(
+    functools.partial(hosted_rollout, config),
+    rollout_builder.build_storage_limits(config, prompts),
+    config.topology.rollout_workers,
+    groups_per_call=rollout_builder.groups_per_call(config),
+    max_restarts=config.topology.actor_restarts,
+  )
+
+
+def shard_publisher(config: Config, board):
+  """The publisher of this process's shards of each version to ``board``."""
+  from knitjax.distributed.weight_shards import ShardPublisher
+
+  return ShardPublisher(
+    board,
+    sync_dtype=resolve_sync_dtype(config.sync.dtype, config.model.dtype),
+    publish=config.sync.publish,
+  )
+
+
+def new_run_id() -> str:
+  """Names a run's Ray actors that others look up (its weights board)."""
+  return uuid.uuid4().hex[:12]
+
+
+class RayWorkers:
+  """`knitjax.distributed.topology.Topology`: one trainer process, the rollout in Ray actors."""
+
+  def __init__(self, config: Config):
+    self._n = config.topology.rollout_workers
+
+  def split(self, devices: list) -> tuple[list, list]:
+    return [], list(devices)
+
+  def rollout(self, config: Config, graphdef, mesh, prompts):
+    return ray_rollout(config, prompts)
+
+  def pipe(self, config, workdir, learner, rollout, admission, prompts, train_mesh, resumed):
+    from knitjax.distributed.weight_shards import create_board
+
+    prepare = builder.build_preparer(config, rollout.storage, train_mesh, prompts)
+    weights = shard_publisher(config, create_board(new_run_id(), 1))
+    return Pipeline(
+      config,
+      workdir,
+      learner,
+      rollout,
+      admission,
+      prompts,
+      resumed,
+      prepare=prepare,
+      weights=weights,
+    )
+
+  def describe(self) -> str:
+    return f"{self._n} Ray workers"

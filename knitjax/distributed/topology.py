@@ -1,0 +1,68 @@
+"""Where a run's parts run: one `Topology`, chosen once from the config's topology section.
+
+A topology hands the run loops (`knitjax.runtime.colocated`, `knitjax.runtime.disaggregated`)
+what depends on where things run, and nothing else does:
+
+- ``split``: which of this process's devices generate and which train;
+- ``rollout``: the rollout and the storage units it writes to (None in a process without one);
+- ``pipe``: a disaggregated run's `knitjax.runtime.loop.Pipe`, with the weight publisher that
+  reaches that rollout.
+
+The topologies, in the order `choose` tries them:
+
+- `TrainerProcesses` (`trainer_processes`): ``--distributed`` with several processes, and
+  ``topology.mode="disaggregated"``;
+- `RayWorkers` (`ray_workers`): ``topology.rollout_workers > 0``;
+- `InProcess` (`in_process`): otherwise (storage units in this process or in Ray actors).
+
+Adding one is a new module implementing `Topology` and one line in `choose`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+
+from knitjax.config import Config
+
+
+class Topology(Protocol):
+  """Where a run's rollout, storage units, weight publisher and trainer processes are."""
+
+  def split(self, devices: list) -> tuple[list, list]:
+    """``(rollout devices, train devices)`` of this process for a disaggregated run (rollout
+    devices empty: the rollout runs elsewhere and every device trains)."""
+
+  def rollout(self, config: Config, graphdef, mesh, prompts):
+    """The run's `knitjax.rollout.contract.Rollout` (its storage units in ``.storage``), or None
+    in a process that has no rollout. ``mesh``: the devices that generate in this process."""
+
+  def pipe(
+    self, config: Config, workdir: str, learner, rollout, admission, prompts, train_mesh, resumed
+  ):
+    """A disaggregated run's `knitjax.runtime.loop.Pipe` in this process, weights published to
+    where ``rollout`` generates."""
+
+  def describe(self) -> str:
+    """Where the rollout runs, for the run's first log line."""
+
+
+def choose(config: Config, *, on_batch=None) -> Topology:
+  """The topology ``config.topology`` (with ``jax.process_count()``) describes.
+
+  ``on_batch``: a trainer of several processes calls it in each process with ``(mini-batch,
+  train batch)`` for each mini-batch that process prepared (tests replay the global batch).
+  """
+  t = config.topology
+  if jax.process_count() > 1 and t.mode == "disaggregated":
+    from knitjax.distributed.trainer_processes import TrainerProcesses
+
+    return TrainerProcesses(config, on_batch=on_batch)
+  if t.rollout_workers:
+    from knitjax.distributed.ray_workers import RayWorkers
+
+    return RayWorkers(config)
+  from knitjax.distributed.in_process import InProcess
+
+  return InProcess(config)
