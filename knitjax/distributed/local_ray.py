@@ -18,6 +18,15 @@ What Ray 2.60 exposes when started with ``ray.init`` and what is done about it:
   collection is off (``enable_metrics_collection``); the dashboard is not started.
 - The runtime-env agent's HTTP server listens on the node address; it answers 401 without the
   token.
+
+A local Ray is also started lean: the raylet prestarts no idle Python workers (by default it asks
+for one per CPU when the driver registers, about 80 MiB each). knitjax runs only actors, each in a
+worker of its own, so the pool sits idle but for the workers actors take. ``local_init_kwargs``
+holds the settings; docs/disaggregated.md has the measured footprint
+(``python -m lab.scripts.ray_footprint``). The GCS server, raylet, its dashboard and runtime-env
+agents (the raylet exits without them), the autoscaler monitor, the log monitor (it carries the
+actors' output to the driver) and the API server started without its dashboard stay: ``ray.init``
+offers no switch for the last three.
 """
 
 from __future__ import annotations
@@ -57,12 +66,30 @@ def ensure_ray(address: str = "", *, needed_by: str = "this run") -> None:
   saved = os.environ.get(_MONITOR_PORT)
   os.environ[_MONITOR_PORT] = "-1"  # the monitor logs that its metrics server did not start
   try:
-    ray.init(include_dashboard=False, _system_config={"enable_metrics_collection": False})
+    ray.init(**local_init_kwargs())
   finally:
     if saved is None:
       os.environ.pop(_MONITOR_PORT)
     else:
       os.environ[_MONITOR_PORT] = saved
+
+
+def local_init_kwargs() -> dict:
+  """What ``ensure_ray`` passes to ``ray.init`` for a local start (Ray 2.60's names).
+
+  ``prestart_worker_first_driver`` is Ray's own switch (``ray_config_def.h``) for the workers the
+  raylet starts when the first driver registers; without them each actor's worker is started
+  when its lease asks for one, as for any actor once the pool is used up: an actor's first call
+  can wait about 0.4 s longer. Ray's other prestart (ahead of a backlog of tasks) is left on:
+  knitjax submits no tasks, so it never fires.
+  """
+  return {
+    "include_dashboard": False,
+    "_system_config": {
+      "enable_metrics_collection": False,  # nothing serves or exports metrics
+      "prestart_worker_first_driver": False,  # no idle worker per CPU at the first driver
+    },
+  }
 
 
 def ray_token_path() -> str | None:

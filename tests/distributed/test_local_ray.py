@@ -1,0 +1,52 @@
+"""A local Ray is started lean (no idle workers prestarted) and as guarded as before; what
+ensure_ray passes to ray.init, checked without starting Ray (tests/runtime/test_ray_faults.py
+starts it)."""
+
+import os
+import sys
+import types
+
+from knitjax.runtime import local_ray
+
+
+def test_local_start_prestarts_no_workers_and_keeps_its_guards():
+  kwargs = local_ray.local_init_kwargs()
+  assert kwargs == {
+    "include_dashboard": False,
+    "_system_config": {
+      "enable_metrics_collection": False,
+      "prestart_worker_first_driver": False,
+    },
+  }
+
+
+def _fake_ray(calls: list) -> types.ModuleType:
+  ray = types.ModuleType("ray")
+  ray.is_initialized = lambda: False
+
+  def init(**kwargs):
+    calls.append((kwargs, os.environ.get("AUTOSCALER_METRIC_PORT")))
+
+  ray.init = init
+  return ray
+
+
+def test_ensure_ray_passes_the_lean_settings_and_restores_the_monitor_port(tmp_path, monkeypatch):
+  calls = []
+  monkeypatch.setitem(sys.modules, "ray", _fake_ray(calls))
+  monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
+  monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+  monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+  monkeypatch.setenv("AUTOSCALER_METRIC_PORT", "44217")
+  local_ray.ensure_ray("")
+  assert calls == [(local_ray.local_init_kwargs(), "-1")]  # the monitor serves no metrics
+  assert os.environ["AUTOSCALER_METRIC_PORT"] == "44217"
+  assert (tmp_path / "auth_token").stat().st_mode & 0o077 == 0
+
+
+def test_joining_a_cluster_passes_none_of_the_local_settings(monkeypatch):
+  calls = []
+  monkeypatch.setitem(sys.modules, "ray", _fake_ray(calls))
+  monkeypatch.delenv("AUTOSCALER_METRIC_PORT", raising=False)
+  local_ray.ensure_ray("ray://head:10001")
+  assert calls == [({"address": "ray://head:10001", "include_dashboard": False}, None)]
