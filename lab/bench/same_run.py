@@ -5,8 +5,8 @@
 reads both runs' ``metrics.jsonl`` and compares, at each step both logged, every numeric metric
 both hold except the clocks (``*_s``, ``tokens_per_s``, ``wall_s``, busy and idle fractions) and
 the layout's own accounting (``pack_*``, ``share_*``), which differ by design between, say,
-padded rows and shared prompts (docs/prompt_sharing.md). Prints the steps compared, the first step with a metric
-outside ``|a - b| <= atol + rtol |b|`` (and which metrics), the largest relative difference over
+padded rows and shared prompts (docs/prompt_sharing.md). Prints the steps compared, the first
+step with a metric outside ``|a - b| <= atol + rtol |b|`` (and which metrics), the largest relative difference over
 the steps before it (of values above ``100 atol``), and both reward curves (``reward_mean``, a
 25-step moving average) at a few steps and at the end. ``--out`` writes the same as JSON.
 

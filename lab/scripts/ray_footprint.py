@@ -106,7 +106,7 @@ def measure(variant: str) -> dict:
   """Starts Ray as ``variant`` does in this process, measures it, shuts it down."""
   import ray
 
-  from knitjax.runtime import local_ray
+  from knitjax.distributed import local_ray
 
   old = mock.patch.object(local_ray, "local_init_kwargs", lambda: OLD_INIT_KWARGS)
   with old if variant == "old" else nullcontext():

@@ -6,7 +6,7 @@ import os
 import sys
 import types
 
-from knitjax.runtime import local_ray
+from knitjax.distributed import local_ray
 
 
 def test_local_start_prestarts_no_workers_and_keeps_its_guards():
