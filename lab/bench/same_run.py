@@ -3,12 +3,13 @@
   python -m lab.bench.same_run DIR_A DIR_B [--rtol 1e-4] [--atol 1e-6] [--out FILE]
 
 reads both runs' ``metrics.jsonl`` and compares, at each step both logged, every numeric metric
-both hold except the clocks (``*_s``, ``tokens_per_s``, ``wall_s``, busy and idle fractions) and
-the layout's own accounting (``pack_*``, ``share_*``), which differ by design between, say,
-padded rows and shared prompts (docs/prompt_sharing.md). Prints the steps compared, the first
-step with a metric outside ``|a - b| <= atol + rtol |b|`` (and which metrics), the largest relative difference over
-the steps before it (of values above ``100 atol``), and both reward curves (``reward_mean``, a
-25-step moving average) at a few steps and at the end. ``--out`` writes the same as JSON.
+both hold except the clocks (``*_s``, ``tokens_per_s``, ``wall_s``, busy and idle fractions)
+and the layout's own accounting (``pack_*``, ``share_*``), which differ by design between,
+say, padded rows and shared prompts (docs/prompt_sharing.md). Prints the steps compared, the
+first step with a metric outside ``|a - b| <= atol + rtol |b|`` (and which metrics), the
+largest relative difference over the steps before it (of values above ``100 atol``), and both
+reward curves (``reward_mean``, a 25-step moving average) at a few steps and at the end.
+``--out`` writes the same as JSON.
 
 Two runs of one seed that compute the same thing up to float summation order agree to that
 order while their rollouts sample the same tokens; a token whose sampling threshold falls
