@@ -142,3 +142,22 @@ def test_every_old_field_has_a_home():
   for old, new in RENAMED.items():
     section, field = new.split(".")
     assert field in {f.name for f in dataclasses.fields(SECTIONS[section])}, old
+
+
+@pytest.mark.parametrize("old", ["topology.rollout_hosts", "runtime.rollout_listen"])
+def test_a_retired_field_is_one_sentence_saying_what_replaced_it(old):
+  """Rollout hosts went (issue 45): their fields name Ray's, in the file and on the command line."""
+  from knitjax import cli
+  from knitjax.config import RETIRED, SECTIONS
+
+  section, field = old.split(".")
+  c = arith_tiny.get_config("quick").to_dict()
+  c[section] = {**c.get(section, {}), field: 1}
+  with pytest.raises(
+    ValueError, match=r"went with rollout hosts .*\(config.topology.rollout_workers"
+  ):
+    from_config_dict(c)
+  assert cli._renamed_override(f"--config.{old}=1").startswith(f"config.{old} went with")
+  for name in RETIRED:  # none of them is a field any more
+    s, f = name.split(".")
+    assert s not in SECTIONS or f not in {x.name for x in dataclasses.fields(SECTIONS[s])}

@@ -31,8 +31,8 @@ PACKAGES = ("knitjax", "lab")
 #      below, and only runtime and entry points receive a Config.
 #   6  the loops (runtime) and the simulator (sim), side by side; see FORBIDDEN.
 #   7  distribution: where things run (the topologies), Ray rollout actors and storage units,
-#      the trainer's processes, weights out of a mesh that spans processes. The loops take a
-#      topology as an argument and never import this layer.
+#      the trainer's processes, weights out of a mesh that spans processes. The loops declare
+#      the Topology protocol they take (runtime/loop.py) and never import this layer.
 #   8  entry points: main, run (the one library call), eval, export, chat, cli.
 #   9  the lab: benchmarks, the fault suite, the emulated cluster, local launchers, scripts.
 LAYERS = (

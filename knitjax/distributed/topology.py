@@ -1,7 +1,8 @@
-"""Where a run's parts run: one `Topology`, chosen once from the config's topology section.
+"""Where a run's parts run: one topology, chosen once from the config's topology section.
 
-A topology hands the run loops (`knitjax.runtime.colocated`, `knitjax.runtime.disaggregated`)
-what depends on where things run, and nothing else does:
+A topology (the `knitjax.runtime.loop.Topology` protocol, declared by the loops that use it)
+hands the run loops (`knitjax.runtime.colocated`, `knitjax.runtime.disaggregated`) what depends
+on where things run, and nothing else does:
 
 - ``split``: which of this process's devices generate and which train;
 - ``rollout``: the rollout and the storage units it writes to (None in a process without one);
@@ -20,32 +21,10 @@ Adding one is a new module implementing `Topology` and one line in `choose`.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import jax
 
 from knitjax.config import Config
-
-
-class Topology(Protocol):
-  """Where a run's rollout, storage units, weight publisher and trainer processes are."""
-
-  def split(self, devices: list) -> tuple[list, list]:
-    """``(rollout devices, train devices)`` of this process for a disaggregated run (rollout
-    devices empty: the rollout runs elsewhere and every device trains)."""
-
-  def rollout(self, config: Config, graphdef, mesh, prompts):
-    """The run's `knitjax.rollout.contract.Rollout` (its storage units in ``.storage``), or None
-    in a process that has no rollout. ``mesh``: the devices that generate in this process."""
-
-  def pipe(
-    self, config: Config, workdir: str, learner, rollout, admission, prompts, train_mesh, resumed
-  ):
-    """A disaggregated run's `knitjax.runtime.loop.Pipe` in this process, weights published to
-    where ``rollout`` generates."""
-
-  def describe(self) -> str:
-    """Where the rollout runs, for the run's first log line."""
+from knitjax.runtime.loop import Topology
 
 
 def choose(config: Config, *, on_batch=None) -> Topology:

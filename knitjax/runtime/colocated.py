@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 from absl import logging
@@ -26,14 +25,11 @@ from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.feed import exposed_transfer
 from knitjax.transfer.storage import release_groups
 
-if TYPE_CHECKING:
-  from knitjax.distributed.topology import Topology
-
 
 def run(
   config: Config,
   workdir: str,
-  topology: Topology,
+  topology: loop.Topology,
   *,
   on_step: Callable[[int, dict], None] | None = None,
   config_name: str | None = None,

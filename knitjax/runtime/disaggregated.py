@@ -21,7 +21,6 @@ lost and nothing consumed is consumed again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 from absl import logging
@@ -32,14 +31,11 @@ from knitjax.runtime import builder, loop, rollout_builder
 from knitjax.transfer.snapshot import restore_groups
 from knitjax.transfer.storage import release_groups
 
-if TYPE_CHECKING:
-  from knitjax.distributed.topology import Topology
-
 
 def run(
   config: Config,
   workdir: str,
-  topology: Topology,
+  topology: loop.Topology,
   *,
   on_step: Callable[[int, dict], None] | None = None,
   config_name: str | None = None,

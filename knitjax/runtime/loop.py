@@ -46,6 +46,28 @@ class Pipe(Protocol):
     """Releases what the pipe holds; after a finished run, also writes what it measured."""
 
 
+class Topology(Protocol):
+  """Where a run's rollout, storage units, weight publisher and trainer processes are; the
+  implementations, and the choice among them, are `knitjax.distributed`'s."""
+
+  def split(self, devices: list) -> tuple[list, list]:
+    """``(rollout devices, train devices)`` of this process for a disaggregated run (rollout
+    devices empty: the rollout runs elsewhere and every device trains)."""
+
+  def rollout(self, config: Config, graphdef, mesh, prompts):
+    """The run's `knitjax.rollout.contract.Rollout` (its storage units in ``.storage``), or None
+    in a process that has no rollout. ``mesh``: the devices that generate in this process."""
+
+  def pipe(
+    self, config: Config, workdir: str, learner, rollout, admission, prompts, train_mesh, resumed
+  ):
+    """A disaggregated run's `knitjax.runtime.loop.Pipe` in this process, weights published to
+    where ``rollout`` generates."""
+
+  def describe(self) -> str:
+    """Where the rollout runs, for the run's first log line."""
+
+
 def run_steps(
   config: Config,
   workdir: str,
