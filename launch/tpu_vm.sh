@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # Launch knitjax training on a Cloud TPU VM slice. Every worker runs the same command: the trainer
-# is one multi-host JAX program, started with --distributed. A disaggregated trainer takes its
-# rollout from other VMs in one of two ways:
-# - rollout hosts, for a one-process trainer (--config.topology.rollout_hosts=N, a single-host
-#   VM): `rollout` starts one on every worker of another TPU VM;
-# - Ray rollout workers, for a trainer of any number of processes
-#   (--config.topology.rollout_workers=N): `ray-head` starts a Ray cluster on the trainer VM,
-#   `ray-workers` joins every worker of a rollout VM to it (one rollout actor each), and `run`
-#   is given --config.topology.ray_address=HEAD_IP:6379.
+# is one multi-host JAX program, started with --distributed. A disaggregated trainer of any
+# number of processes takes its rollout from Ray rollout workers on other VMs
+# (--config.topology.rollout_workers=N): `ray-head` starts a Ray cluster on the trainer VM,
+# `ray-workers` joins every worker of a rollout VM to it (one rollout actor each), and `run` is
+# given --config.topology.ray_address=HEAD_IP:6379.
 #
 # Usage: launch/tpu_vm.sh [--dry-run] COMMAND NAME ZONE [ARGS...]
 #   up     NAME ZONE TYPE CONFIG WORKDIR [FLAGS...]   create (if missing), setup, run
@@ -16,9 +13,6 @@
 #                                          missing, pip install (safe to repeat)
 #   run    NAME ZONE CONFIG WORKDIR [FLAGS...]   start the trainer on every worker, detached
 #                                          (nohup), logging to ~/knitjax-run.log on each
-#   rollout NAME ZONE CONFIG WORKDIR [FLAGS...]  start a rollout host (--role=rollout) on every
-#                                          worker, detached, same log; give the trainer's config,
-#                                          workdir and flags (rollout_listen: its internal IP)
 #   ray-head NAME ZONE                     start a Ray head on worker 0 (no actors there: the
 #                                          trainer holds its TPU), join the other workers to it,
 #                                          print the address HEAD_IP:6379
@@ -45,7 +39,7 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-COMMANDS="up, create, setup, run, rollout, ray-head, ray-workers, ray-stop, logs, stop, delete"
+COMMANDS="up, create, setup, run, ray-head, ray-workers, ray-stop, logs, stop, delete"
 VERSION=${TPU_SOFTWARE_VERSION:-v2-alpha-tpuv5-lite}
 DRY_RUN=${DRY_RUN:-0}
 if [[ ${1:-} == --dry-run ]]; then
@@ -88,9 +82,9 @@ setup_command() {  # $1: the git URL to clone
 # ray_address (host:port) does not turn Ray's token authentication on by itself.
 RAY_TOKEN_MODE='if [ -s ~/.ray/auth_token ]; then export RAY_AUTH_MODE=token; fi'
 
-run_command() {  # $1: --distributed (trainer) or --role=rollout, $2: config, $3: workdir, flags
+run_command() {  # $1: config, $2: workdir, then flags
   local args
-  args=$(printf '%q ' "$1" --config "$2" --workdir "$3" --config.mesh.cpu_devices=0 "${@:4}")
+  args=$(printf '%q ' --distributed --config "$1" --workdir "$2" --config.mesh.cpu_devices=0 "${@:3}")
   join "set -e" "$LIVE" "$BUSY" 'cd ~/knitjax' '. .venv/bin/activate' "$RAY_TOKEN_MODE" \
     "nohup python -m knitjax.main $args>> ~/knitjax-run.log 2>&1 < /dev/null & echo \$! > ~/knitjax-run.pid" \
     'echo "knitjax started on $(hostname) (pid $!), log ~/knitjax-run.log"'
@@ -261,7 +255,7 @@ case $CMD in
     shift 3
     create
     setup
-    on_workers all "$(run_command --distributed "$@")"
+    on_workers all "$(run_command "$@")"
     ;;
   create)
     need 3 "create NAME ZONE TYPE" "$@"
@@ -277,13 +271,7 @@ case $CMD in
     need 4 "run NAME ZONE CONFIG WORKDIR [FLAGS...]" "$@"
     NAME=$1 ZONE=$2
     shift 2
-    on_workers all "$(run_command --distributed "$@")"
-    ;;
-  rollout)
-    need 4 "rollout NAME ZONE CONFIG WORKDIR [FLAGS...]" "$@"
-    NAME=$1 ZONE=$2
-    shift 2
-    on_workers all "$(run_command --role=rollout "$@")"
+    on_workers all "$(run_command "$@")"
     ;;
   ray-head)
     need 2 "ray-head NAME ZONE" "$@"

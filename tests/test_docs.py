@@ -74,14 +74,14 @@ def test_the_glossary_defines_the_words_the_readme_names():
 
 # The nouns a reader meets in docs/architecture.md (STYLE.md: every one in the glossary).
 ARCHITECTURE_NOUNS = (
-  "trajectory", "sample", "prompt stream", "rollout contract", "rollout host", "sampler",
+  "trajectory", "sample", "prompt stream", "rollout contract", "sampler",
   "continuous engine", "slot", "lane", "payload", "metadata", "storage unit", "storage limits",
   "admission index", "offer", "release", "consumer plan", "on-demand access", "feed", "preparer",
   "centralized baseline", "training layout", "padded row", "packed row", "shared-prompt unit",
   "fixed spans", "packed units", "tree mask", "encoder dedup", "Learner", "run state",
-  "weight sync", "adopt", "stage", "pull id", "wire format", "weight shards", "response mask",
+  "weight sync", "adopt", "stage", "wire format", "weight shards", "response mask",
   "colocated execution", "disaggregated execution", "rollout thread", "depth bound",
-  "version clock", "trainer processes", "leader", "follower", "announcement",
+  "version clock", "topology", "trainer processes", "leader", "follower", "announcement",
   "coordination service", "pulse", "layer", "simulator", "VLM", "evaluation", "record codec",
   "fault point", "adapter", "frozen base",
 )  # fmt: skip

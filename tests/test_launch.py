@@ -363,16 +363,6 @@ def test_readme_shows_what_the_dry_run_prints(tmp_path):
   assert block2 == "\n" + want2, "launch/README.md: the logs/stop/delete dry runs differ"
 
 
-def test_rollout_starts_a_rollout_host_on_every_worker(tmp_path):
-  (run,) = _commands(tmp_path, "rollout", *UP[:2], *UP[3:], *FLAGS)
-  assert run[len(SSH)] == "--worker=all"
-  (host,) = [words for words in _statements(_remote(run)) if words[:1] == ["nohup"]]
-  argv = [w for w in TRAINER_ARGV if w != "--distributed"]
-  assert host[:4] == ["nohup", "python", "-m", "knitjax.main"]
-  assert host[4:5] == ["--role=rollout"] and host[5 : 5 + len(argv) - 2] == argv[2:]
-  assert "--distributed" not in host
-
-
 # The Ray cluster: `ray-head` on the trainer VM, `ray-workers` on each rollout VM, `ray-stop`.
 HEAD = "10.164.0.5:6379"
 TOKEN = "5eb0a7c1d2e3f40516273849a0b1c2d3e4f5061728394a5b6c7d8e9f00112233"
