@@ -146,6 +146,10 @@ def _renamed_override(arg: str) -> str | None:
   (``--config.train.lr=3e-4`` -> ``config.optimizer.lr``), or what replaced a retired one;
   else None."""
   name = arg.lstrip("-").split("=", 1)[0]
+  if name == "role":
+    from knitjax.config import RETIRED
+
+    return f"--role {RETIRED['topology.rollout_hosts']}"
   if not name.startswith("config."):
     return None
   from knitjax.config import renamed
