@@ -4,6 +4,7 @@ import contextlib
 import logging as std_logging
 import os
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -256,3 +257,43 @@ def _exit_now(code: int) -> None:
   for stream in (sys.stdout, sys.stderr):
     stream.flush()
   os._exit(code)
+
+
+def distributed_flags_problem(address: str | None, processes: int | None, index: int | None):
+  """One sentence on what is wrong with ``--distributed``'s flags, else None.
+
+  Process 0 also checks that it can listen on ``address``: a port another program or another
+  run's coordinator holds is refused here, where JAX's coordinator would share it silently
+  (its socket reuses ports) and pair the processes of two runs.
+  """
+  if processes is not None and processes < 1:
+    return f"--num_processes={processes} is not accepted; give 1 or more."
+  if index is not None and (index < 0 or (processes is not None and index >= processes)):
+    top = "" if processes is None else f" (--num_processes={processes})"
+    return f"--process_id={index} is not accepted; give 0..{(processes or 1) - 1}{top}."
+  if not address:
+    return None
+  host, sep, port = address.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    return (
+      f"--coordinator_address={address!r} is not accepted; give host:port with a port in "
+      "1..65535, e.g. 127.0.0.1:12345."
+    )
+  try:
+    infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+  except OSError as e:
+    return f"--coordinator_address={address!r}: host {host!r} does not resolve ({e.strerror})."
+  if index != 0:
+    return None
+  family, _, _, _, sockaddr = infos[0]
+  with socket.socket(family, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is fine
+    try:
+      s.bind(sockaddr)
+    except OSError as e:
+      return (
+        f"--coordinator_address={address!r} cannot be listened on ({e.strerror}): another "
+        "run's coordinator or another program holds it, or it is not this machine's address; "
+        "choose a free port on this machine."
+      )
+  return None

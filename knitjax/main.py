@@ -61,11 +61,15 @@ def main(argv, *, on_batch=None):
   import jax
 
   if _DISTRIBUTED.value:
+    address, n, k = _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
+    if problem := cli.distributed_flags_problem(address, n, k):
+      sys.exit(f"error: {problem}")
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):  # older JAX: no default
       jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes need it
-    jax.distributed.initialize(
-      _COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value
-    )
+    # Process 0's coordinator listens on the address it was given (loopback stays loopback),
+    # not on every interface.
+    bind = {"coordinator_bind_address": address} if address and k == 0 else {}
+    jax.distributed.initialize(address, num_processes=n, process_id=k, **bind)
   from knitjax.run import train
 
   logging.info("devices: %s", jax.devices())

@@ -37,6 +37,10 @@ def train(
   from knitjax.runtime.preflight import check_workdir
 
   check_workdir(config, workdir)
+  if jax.process_count() > 1:  # every process holds the same run before anything is built
+    from knitjax.distributed.coordination import check_one_run
+
+    check_one_run(config, workdir)
   with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
     topology = choose(config, on_batch=on_batch)
     if config.topology.mode == "colocated":

@@ -341,3 +341,24 @@ def test_orbax_tracebacks_of_a_full_disk_are_dropped_other_errors_pass():
   )
   assert quiet.filter(record("absl", "Failed to run commit operations", OSError(13, "denied")))
   assert quiet.filter(record("absl", "No space left on device", pathname="knitjax/x.py"))
+
+
+def test_distributed_flags_are_checked_before_jax_starts():
+  """--distributed's flags: one sentence each, and process 0 refuses a port someone holds."""
+  import socket
+
+  from knitjax.cli import distributed_flags_problem as problem
+
+  assert problem("127.0.0.1:0", 2, 1) is not None  # port 0
+  assert "--num_processes=0" in problem(None, 0, 0)
+  assert "--process_id=2 is not accepted; give 0..1" in problem(None, 2, 2)
+  assert "--process_id=-1" in problem(None, 2, -1)
+  assert "host:port" in problem("127.0.0.1", 2, 0)
+  assert "does not resolve" in problem("no-such-host.invalid:1234", 2, 1)
+  with socket.socket() as held:  # another run's coordinator, or any program, on the port
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    assert "cannot be listened on" in problem(f"127.0.0.1:{port}", 2, 0)
+    assert problem(f"127.0.0.1:{port}", 2, 1) is None  # the others connect to it
+  assert problem(f"127.0.0.1:{port}", 2, 0) is None

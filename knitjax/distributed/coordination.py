@@ -8,6 +8,7 @@ process announces to the others (`announce`, `hear`, `forget`), and each process
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -117,3 +118,67 @@ def _die(sentence: str) -> None:
   sys.stderr.write(f"error: {sentence}\n")
   sys.stderr.flush()
   os._exit(1)
+
+
+IDENTITY_TIMEOUT_S = 120.0  # how long a process waits for another's identity at the start
+
+
+def flat_config(config) -> dict:
+  """``config`` (a frozen dataclass tree) as ``{"section.field": value}``, values as JSON has
+  them (tuples become lists), so two processes' configs compare field by field."""
+
+  def walk(prefix: str, value, out: dict) -> None:
+    if dataclasses.is_dataclass(value):
+      for f in dataclasses.fields(value):
+        walk(f"{prefix}{f.name}.", getattr(value, f.name), out)
+    else:
+      out[prefix[:-1]] = json.loads(json.dumps(value, default=repr))
+
+  out: dict = {}
+  walk("", config, out)
+  return out
+
+
+def first_difference(mine: dict, theirs: dict) -> tuple[str, object, object, int] | None:
+  """``(key, mine, theirs, how many keys differ)`` of the first key that differs, else None."""
+  keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+  if not keys:
+    return None
+  return keys[0], mine.get(keys[0]), theirs.get(keys[0]), len(keys)
+
+
+def check_one_run(config, workdir: str, *, timeout_s: float = IDENTITY_TIMEOUT_S) -> None:
+  """Every process of a ``--distributed`` run holds the same config and workdir.
+
+  Each process announces its identity (the workdir's absolute path and the config, field by
+  field) and compares every other process's with its own, so a difference is found, and named
+  in one sentence, on every process before anything is built. Without this, a process started
+  with another learning rate or seed trains "replicated" parameters that drift apart, and one
+  with fewer steps leaves the others waiting in a collective.
+
+  Raises:
+    ValueError: another process has another workdir or config (one sentence naming the field).
+    TimeoutError: a process announced nothing within ``timeout_s``.
+  """
+  k = jax.process_index()
+  mine = {"workdir": os.path.abspath(workdir), **flat_config(config)}
+  announce(f"identity/{k}", mine)
+  for j in range(jax.process_count()):
+    if j == k:
+      continue
+    theirs = hear(f"identity/{j}", timeout_s)
+    if theirs is None:
+      raise TimeoutError(
+        f"trainer process {k} heard nothing from process {j} within {timeout_s:.0f} s of "
+        "starting: start every process of the run."
+      )
+    diff = first_difference(mine, theirs)
+    if diff is not None:
+      key, here, there, n = diff
+      name = key if key == "workdir" else f"config.{key}"
+      more = f" (and {n - 1} more fields)" if n > 1 else ""
+      raise ValueError(
+        f"trainer processes {k} and {j} were started differently: {name} is {here!r} here and "
+        f"{there!r} in process {j}{more}; start every process with the same --config, flags "
+        "and --workdir."
+      )

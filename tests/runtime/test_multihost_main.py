@@ -120,3 +120,38 @@ def test_two_process_packed_gae_with_kl_reward(tmp_path):
     assert r["pack_rows"] * r["pack_segments_mean"] == pytest.approx(256)
     assert r["pack_rows"] % 2 == 0
     assert r["pack_segments_max"] >= 2 and 0 < r["pack_fill"] <= 1
+
+
+def test_processes_started_differently_stop_naming_the_difference(tmp_path):
+  """Process 1 with another learning rate: both stop before building anything, each with one
+  sentence naming the field (without the check both finished with diverged "replicas")."""
+  if not _gloo_available():
+    pytest.skip("this jaxlib has no gloo CPU collectives")
+  port = _free_port()
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  env["JAX_PLATFORMS"] = "cpu"
+  cmd = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_tiny.py:quick"]
+  cmd += ["--workdir", str(tmp_path / "run"), "--distributed", "--num_processes=2"]
+  cmd += [f"--coordinator_address=127.0.0.1:{port}", "--config.mesh.cpu_devices=1"]
+  extra = ([], ["--config.optimizer.lr=0.5"])
+  procs = [
+    subprocess.Popen(
+      [*cmd, f"--process_id={k}", *extra[k]],
+      cwd=REPO,
+      env=env,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for k in (0, 1)
+  ]
+  try:
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for k, (p, err) in enumerate(zip(procs, errs, strict=True)):
+    last = err.strip().splitlines()[-1]
+    assert p.returncode == 1, (k, err[-2000:])
+    assert last.startswith("error: trainer processes") and "config.optimizer.lr" in last, last
