@@ -78,6 +78,12 @@ def main(argv, *, on_batch=None):
     final = train(config, _WORKDIR.value, on_batch=on_batch, config_name=config_name)
   except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
+  except Exception:
+    from knitjax.distributed.coordination import peer_left, said
+
+    if sentence := peer_left():  # a collective failed because another process stopped
+      sys.exit(f"error: {said(sentence)}")
+    raise
   # Every process reports what it holds (param_norm is read from its own replica of the params).
   keys = ("step", "version", "loss", "param_norm", "weight_publish_bytes")
   summary = {k: final[k] for k in keys if k in final}

@@ -62,8 +62,9 @@ class PulseWatch:
   gone (process 0, which holds it, died), writes one line to stderr and exits the process with
   status 1: the survivors may be blocked inside a collective that never returns, and JAX's own
   heartbeat check would only abort them later with a stack trace. Nothing is lost: the run
-  resumes from its last checkpoint, whose logs are cut back to what it covers. ``done()`` marks
-  a process that finished, so its silence is not a death.
+  resumes from its last checkpoint, whose logs are cut back to what it covers. ``end()`` marks
+  a process that finished, so its silence is not a death, or one that stopped early (SIGTERM,
+  Ctrl-C, an error), which the others then name within a pulse.
   """
 
   def __init__(self, *, silence_s: float = SILENCE_S):
@@ -85,11 +86,15 @@ class PulseWatch:
           if store.try_get(f"{_PREFIX}done/{k}") is not None:
             del seen[k]
             continue
+          if store.try_get(f"{_PREFIX}left/{k}") is not None:
+            self._leave()
+            _die(_left_sentence(k))
           pulse = store.try_get(f"{_PREFIX}pulse/{k}")
           now = time.monotonic()
           if pulse != last:
             seen[k] = (pulse, now)
           elif now - since > self._silence:
+            self._leave()
             _die(
               f"trainer process {k} sent no pulse for {self._silence:.0f} s (killed, or its host "
               "was lost); this process stops too. Restart every trainer process to resume "
@@ -104,19 +109,73 @@ class PulseWatch:
           "process to resume from the last checkpoint."
         )
 
-  def done(self) -> None:
-    """This process finished its steps: the others stop watching it."""
+  def _leave(self) -> None:
+    """Marks this process as stopping early, for the others (and process 0's wait)."""
+    with contextlib.suppress(Exception):
+      _store().set(f"{_PREFIX}left/{self.process}", "1", overwrite=True)
+
+  def end(self, *, finished: bool) -> None:
+    """This process ends: after its last step (``finished``: the others stop watching it), or
+    before it (stopped by a signal or an error: the others stop within a pulse, naming it,
+    instead of waiting ``silence_s`` or failing inside a collective)."""
+    if not finished:  # keep watching: a close that then waits on a lost peer still ends
+      self._leave()
+      if self.process == 0:  # it holds the service: the others stop first, or JAX aborts them
+        others = [k for k in range(self.processes) if k != self.process]
+        deadline = time.monotonic() + 3 * PULSE_S
+        while time.monotonic() < deadline and not all(map(_ended, others)):
+          time.sleep(0.05)
+      return
     self._stop.set()
     self._thread.join(timeout=10)
     with contextlib.suppress(Exception):
       _store().set(f"{_PREFIX}done/{self.process}", "1", overwrite=True)
 
 
+def _ended(k: int) -> bool:
+  with contextlib.suppress(Exception):
+    store = _store()
+    return any(store.try_get(f"{_PREFIX}{w}/{k}") is not None for w in ("done", "left"))
+  return True  # the store is gone: nobody is waiting for this process any more
+
+
+def _left_sentence(k: int) -> str:
+  return (
+    f"trainer process {k} stopped before the last step (interrupted, or it failed: its own "
+    "log says why); this process stops too. Restart every trainer process to resume from the "
+    "last checkpoint."
+  )
+
+
+def peer_left() -> str | None:
+  """The sentence naming another process of this run that stopped before its last step, else
+  None: an error of this process's (a collective whose peer went away) is then that, and the
+  entry point says so instead of a stack trace."""
+  if jax.process_count() < 2:
+    return None
+  store = jax_compat.key_value_store()
+  for k in range(jax.process_count()):
+    if k != jax.process_index() and store is not None:
+      with contextlib.suppress(Exception):
+        if store.try_get(f"{_PREFIX}left/{k}") is not None:
+          return _left_sentence(k)
+  return None
+
+
+_said: set[str] = set()  # sentences the entry point already printed (not printed twice)
+
+
+def said(sentence: str) -> str:
+  _said.add(sentence)
+  return sentence
+
+
 def _die(sentence: str) -> None:
   import sys
 
-  sys.stderr.write(f"error: {sentence}\n")
-  sys.stderr.flush()
+  if sentence not in _said:
+    sys.stderr.write(f"error: {sentence}\n")
+    sys.stderr.flush()
   os._exit(1)
 
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import stat
+import threading
 
 from absl import logging
 
@@ -54,6 +56,31 @@ def ensure_ray(address: str = "", *, needed_by: str = "this run") -> None:
     raise ValueError(f"{needed_by} needs Ray: pip install -e '.[ray]'.") from None
   if ray.is_initialized():
     return
+  with _our_signals():
+    _init(ray, address)
+
+
+@contextlib.contextmanager
+def _our_signals():
+  """Keeps this process's SIGTERM and SIGINT handlers across ``ray.init``.
+
+  ``ray.init`` replaces SIGTERM's with ``sys.exit`` and its core worker installs a native
+  failure handler that prints a stack and aborts; the run's own handlers (`knitjax.cli`: one
+  line, exit 143 or 130, nothing lost) are put back once Ray has started.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for s, handler in saved.items():
+      if handler is not None:
+        signal.signal(s, handler)
+
+
+def _init(ray, address: str) -> None:
   if address:
     ray.init(address=address, include_dashboard=False)
     return

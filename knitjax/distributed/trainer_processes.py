@@ -214,8 +214,7 @@ class FollowerPipe:
     return RunState()
 
   def close(self) -> None:
-    if self.finished:
-      self.watch.done()  # before closing: the leader may end (and the store with it) first
+    self.watch.end(finished=self.finished)  # first: the leader may end (and the store) meanwhile
     self.feed.close()
     self.weights.close()
     self.plans.close()

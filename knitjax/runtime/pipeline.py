@@ -250,8 +250,8 @@ class Pipeline:
       self.thread.join(timeout=60)
 
   def close(self) -> None:
-    if self.finished and self.watch is not None:
-      self.watch.done()  # before closing: the others may end (and the store with them) first
+    if self.watch is not None:  # first: the others may end (and the store with them) meanwhile
+      self.watch.end(finished=self.finished)
     if self.feed is not None:
       self.feed.close()
     self._stop()

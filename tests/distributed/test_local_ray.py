@@ -50,3 +50,26 @@ def test_joining_a_cluster_passes_none_of_the_local_settings(monkeypatch):
   monkeypatch.delenv("AUTOSCALER_METRIC_PORT", raising=False)
   local_ray.ensure_ray("ray://head:10001")
   assert calls == [({"address": "ray://head:10001", "include_dashboard": False}, None)]
+
+
+def test_the_run_keeps_its_own_sigterm_and_sigint_handlers_across_ray_init(monkeypatch):
+  """ray.init sets SIGTERM to sys.exit (and its core worker a native handler that aborts with a
+  stack); a run's handlers, which stop it in one line, are put back once Ray has started."""
+  import signal
+
+  ray = types.ModuleType("ray")
+  ray.is_initialized = lambda: False
+  ray.init = lambda **kwargs: [signal.signal(s, lambda *a: None) for s in (15, 2)]
+  monkeypatch.setitem(sys.modules, "ray", ray)
+
+  def ours(signum, frame):
+    raise AssertionError("never called here")
+
+  saved = {s: signal.signal(s, ours) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    local_ray.ensure_ray("ray://head:10001")
+    assert signal.getsignal(signal.SIGTERM) is ours
+    assert signal.getsignal(signal.SIGINT) is ours
+  finally:
+    for s, handler in saved.items():
+      signal.signal(s, handler)
