@@ -5,6 +5,7 @@ multi-host JAX, and calls :func:`knitjax.run.train`.
 """
 
 import json
+import os
 import sys
 
 from absl import flags, logging
@@ -28,6 +29,11 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
   "process_id", None, "With --distributed: this process's index, 0..num_processes-1."
 )
+_JOIN_TIMEOUT = flags.DEFINE_integer(
+  "join_timeout_s",
+  300,
+  "With --distributed: how long a process waits for the run's other processes to start.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -45,6 +51,45 @@ def stopped(how: str) -> str:
   at = f"after step {rows[-1]['step']}" if rows else "before a step finished"
   then = f"resume from checkpoint {steps[-1]}" if steps else "start (no checkpoint was written)"
   return f"stopped by {how} {at}; rerun the same command to {then}."
+
+
+def _join(address: str | None, processes: int | None, index: int | None, bind: dict) -> None:
+  """``jax.distributed.initialize``, ended in one sentence if the others do not come.
+
+  JAX's own limit ends a process that waited too long with a native stack trace (process 0)
+  or an unexplained error; a timer a little shorter says which process waited for whom.
+  """
+  import threading
+
+  import jax
+
+  wait_s = _JOIN_TIMEOUT.value
+  if wait_s < 1:
+    sys.exit(f"error: --join_timeout_s={wait_s} is not accepted; give 1 or more seconds.")
+
+  def never_joined():
+    who = "the coordinator of process 0" if index else "the run's other processes"
+    sys.stderr.write(
+      f"error: trainer process {index} waited {wait_s} s for {who} at {address} "
+      f"({processes} processes in all) and stops; start every process with the same "
+      "--coordinator_address and --num_processes (and process 0 first).\n"
+    )
+    sys.stderr.flush()
+    os._exit(1)
+
+  timer = threading.Timer(wait_s, never_joined)
+  timer.daemon = True
+  timer.start()
+  try:
+    jax.distributed.initialize(
+      address,
+      num_processes=processes,
+      process_id=index,
+      initialization_timeout=wait_s + 30,
+      **bind,
+    )
+  finally:
+    timer.cancel()
 
 
 def main(argv, *, on_batch=None):
@@ -69,7 +114,7 @@ def main(argv, *, on_batch=None):
     # Process 0's coordinator listens on the address it was given (loopback stays loopback),
     # not on every interface.
     bind = {"coordinator_bind_address": address} if address and k == 0 else {}
-    jax.distributed.initialize(address, num_processes=n, process_id=k, **bind)
+    _join(address, n, k, bind)
   from knitjax.run import train
 
   logging.info("devices: %s", jax.devices())

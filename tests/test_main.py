@@ -362,3 +362,20 @@ def test_distributed_flags_are_checked_before_jax_starts():
     assert "cannot be listened on" in problem(f"127.0.0.1:{port}", 2, 0)
     assert problem(f"127.0.0.1:{port}", 2, 1) is None  # the others connect to it
   assert problem(f"127.0.0.1:{port}", 2, 0) is None
+
+
+def test_a_process_whose_partners_never_start_stops_in_one_sentence(tmp_path):
+  """Process 1 with no process 0: JAX would wait 300 s and end without a word on who was
+  missing; --join_timeout_s bounds the wait and the last line names what it waited for."""
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  cmd = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_tiny.py:quick"]
+  cmd += ["--workdir", str(tmp_path / "w"), "--distributed", "--num_processes=2"]
+  cmd += ["--process_id=1", f"--coordinator_address=127.0.0.1:{port}", "--join_timeout_s=3"]
+  p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+  last = p.stderr.strip().splitlines()[-1]
+  assert p.returncode == 1, p.stderr[-2000:]
+  assert last.startswith("error: trainer process 1 waited 3 s for the coordinator"), last
