@@ -341,6 +341,7 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   model = _with_value_head(model, sections["loss"], vision)
   _check_class_budgets(sections)
   _check_micro_batches(sections)
+  _check_group_estimator(sections)
   return Config(
     seed=seed,
     model=model,
@@ -454,6 +455,18 @@ def _check_class_budgets(sections: dict) -> None:
     raise ValueError(
       f"config.rollout.class_max_new_tokens names {unknown}, which are not quota classes "
       f"{sorted(quotas)}."
+    )
+
+
+def _check_group_estimator(sections: dict) -> None:
+  """A group estimator compares a group's responses with each other: one response a group
+  gives every advantage 0, and the run would train on nothing without a word."""
+  advantage, g = sections["loss"].advantage, sections["rollout"].group_size
+  if advantage != "gae" and g < 2:
+    raise ValueError(
+      f"config.rollout.group_size={g} gives every response an advantage of 0 under "
+      f"config.loss.advantage={advantage!r}, which compares the responses of a group; give 2 "
+      "or more, or loss.advantage='gae' (a critic)."
     )
 
 

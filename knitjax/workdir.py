@@ -133,6 +133,7 @@ def replace_atomically(file: epath.Path, text: str) -> None:
   """Replaces a local ``file`` with ``text`` whole or not at all: a temp file beside it, fsynced,
   then renamed over it, so a kill (or a full disk) mid-write leaves the previous version."""
   tmp = file.parent / f".{file.name}.tmp-{os.getpid()}"
+  _remove_stale_temps(file)
   try:
     with open(tmp, "w") as f:
       f.write(text)
@@ -142,6 +143,25 @@ def replace_atomically(file: epath.Path, text: str) -> None:
   except BaseException:
     tmp.unlink(missing_ok=True)
     raise
+
+
+def _remove_stale_temps(file: epath.Path) -> None:
+  """Removes the temp files of ``file`` that a killed process left (``.NAME.tmp-PID`` whose
+  process is gone): a kill -9 mid-replace skips the cleanup, and each would stay forever."""
+  for tmp in file.parent.glob(f".{file.name}.tmp-*"):
+    pid = tmp.name.rpartition("-")[2]
+    if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+      tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
 
 
 class JsonlFile:

@@ -161,3 +161,13 @@ def test_a_retired_field_is_one_sentence_saying_what_replaced_it(old):
   for name in RETIRED:  # none of them is a field any more
     s, f = name.split(".")
     assert s not in SECTIONS or f not in {x.name for x in dataclasses.fields(SECTIONS[s])}
+
+
+def test_a_group_estimator_with_one_response_a_group_is_refused():
+  """group_size=1 under GRPO trained on all-zero advantages without a word (issue 47)."""
+  c = arith_tiny.get_config("quick")
+  c.rollout.group_size = 1
+  c.admission.quotas = {"arith": 8}
+  c.admission.minibatches = 1
+  with pytest.raises(ValueError, match=r"config.rollout.group_size=1 gives every response"):
+    from_config_dict(c)

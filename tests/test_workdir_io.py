@@ -235,3 +235,22 @@ def test_a_flush_is_one_write_so_a_kill_tears_at_most_one_line(tmp_path, monkeyp
   monkeypatch.setattr(wd, "open", lambda *a, **k: _Counting(open(*a, **k)), raising=False)  # noqa: SIM115
   f.flush()
   assert writes == ['{"step": 0}\n{"step": 1}\n{"step": 2}\n']
+
+
+def test_a_replace_removes_the_temp_files_killed_writers_left(tmp_path):
+  """A kill -9 during a metrics rewrite left ``.metrics.jsonl.tmp-PID`` for good (issue 47)."""
+  import os
+  import subprocess
+
+  from knitjax.workdir import replace_atomically
+
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  target = tmp_path / "metrics.jsonl"
+  stale = tmp_path / f".metrics.jsonl.tmp-{dead.pid}"
+  stale.write_text("half a rewrite")
+  live = tmp_path / f".metrics.jsonl.tmp-{os.getppid()}"  # a live writer's: kept
+  live.write_text("in progress")
+  replace_atomically(epath.Path(target), '{"step": 1}\n')
+  assert target.read_text() == '{"step": 1}\n'
+  assert not stale.exists() and live.exists()

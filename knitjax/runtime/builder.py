@@ -11,6 +11,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
 from knitjax import sharding
@@ -161,6 +162,17 @@ def build_eval_prompts(config: Config, prompts: ClassStreams) -> list[Prompt]:
     source, _ = make_prompt_source(
       config.task.name, seed=_EVAL_SEED + config.seed + i, shuffle=not path, **kwargs
     )
+    if path and source.num_examples < n:
+      logging.warning(
+        "config.eval.prompts=%d asks for %d held-out prompts of class %r, but %s holds %d: "
+        "evaluating those %d.",
+        config.eval.prompts,
+        n,
+        cls,
+        path,
+        source.num_examples,
+        source.num_examples,
+      )
     out += source.next(min(n, source.num_examples) if path else n)
   return out
 
