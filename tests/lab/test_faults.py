@@ -46,17 +46,6 @@ def test_backpressure_holds_the_byte_budget_without_deadlock():
   assert out["consume_rate_groups_per_s"] < out["produce_rate_groups_per_s"]
 
 
-def test_hostile_peers_at_the_rollout_endpoint_are_refused_and_named():
-  from lab.faults import handshake
-
-  report = handshake.run(trials=4, seed=3, log=lambda *a: None)
-  counts = report["counts"]
-  assert counts["trials"] == 4
-  assert counts["attached"] + counts["refused"] == 4, report
-  for bad in ("tracebacks", "code_ran", "hangs", "not_named"):
-    assert counts[bad] == 0, report
-
-
 @pytest.mark.parametrize(
   ("rc", "stderr", "outcome"),
   [
