@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 from lab import REPO
 from lab.cluster import net
@@ -60,18 +61,21 @@ def start(
   temp_dir: str,
   *,
   head: int = 0,
+  nodes: Sequence[int] | None = None,
   head_cpus: int = 1,
   node_cpus: int = 1,
   log=print,
 ) -> str:
-  """A Ray head on host ``head`` and one node on every other host; returns ``address:port``.
+  """A Ray head on host ``head`` and one node on each of ``nodes`` (None: every other host);
+  returns the head's ``address:port``.
 
   Raises:
     RuntimeError: a ``ray start`` failed (its output's tail).
   """
   ray = os.path.join(os.path.dirname(sys.executable), "ray")
   address = cluster.hosts[head].address
-  order = [cluster.hosts[head]] + [h for h in cluster.hosts if h.index != head]
+  others = [i for i in range(len(cluster.hosts)) if i != head] if nodes is None else nodes
+  order = [cluster.hosts[head]] + [cluster.hosts[i] for i in others if i != head]
   for h in order:
     if h.index == head:
       argv = [ray, "start", "--head", f"--port={RAY_PORT}", "--include-dashboard=false"]

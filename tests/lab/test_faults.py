@@ -61,3 +61,53 @@ def test_entry_point_outcomes(rc, stderr, outcome):
   from lab.faults import entry_points
 
   assert entry_points.classify(rc, stderr, ("/w",)) == outcome
+
+
+def _bound_inputs():
+  from knitjax.config import from_config_dict
+  from lab.faults import kill_resume
+
+  config = from_config_dict(kill_resume._config(kill_resume.RUNS["disaggregated"]))
+  # B = 8 (4 arith, 4 think), M = 2, max_lag_steps = 1: 16 groups may start at versions 0-1,
+  # 24 at versions 2-3, ...
+  consumed, offered = [], []
+  for step in range(3):
+    for index in range(2):
+      ids = list(range(8 * step + 4 * index, 8 * step + 4 * index + 4))
+      consumed.append(
+        {
+          "step": step,
+          "index": index,
+          "consume_version": 2 * step + index,
+          "group_ids": ids,
+          "classes": ["arith", "arith", "think", "think"],
+          "gen_versions": [max(0, 2 * step - 2)] * 4,
+        }
+      )
+      offered += [
+        {"group_id": g, "gen_version": max(0, 2 * step - 2), "rejected": False} for g in ids
+      ]
+  return consumed, offered, config
+
+
+def test_check_bounds_passes_a_run_within_its_quotas_and_depth():
+  from lab.faults import kill_resume
+
+  consumed, offered, config = _bound_inputs()
+  assert kill_resume.check_bounds(consumed, offered, config.admission, config.pipeline) == []
+  assert kill_resume.staleness(consumed) == {"max_staleness": 3, "max_arch_staleness": 2}
+
+
+def test_check_bounds_names_a_group_started_too_far_ahead_and_a_broken_quota():
+  from lab.faults import kill_resume
+
+  consumed, offered, config = _bound_inputs()
+  offered[16]["gen_version"] = 1  # the 17th group started on weights of version 1: limit 16
+  consumed[5]["classes"] = ["arith"] * 4
+  problems = kill_resume.check_bounds(consumed, offered, config.admission, config.pipeline)
+  assert problems == [
+    "step 2 mini-batch 1 holds 0 think groups, outside 1..4",
+    "step 2 consumed {'arith': 6, 'think': 2}, quotas {'arith': 4, 'think': 4}",
+    "1 groups started beyond the pipeline-depth bound (max_lag_steps=1.0): group 16 (started "
+    "17th, gen version 1, limit 16)",
+  ]
