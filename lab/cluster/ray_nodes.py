@@ -64,6 +64,7 @@ def start(
   nodes: Sequence[int] | None = None,
   head_cpus: int = 1,
   node_cpus: int = 1,
+  port: int = RAY_PORT,
   log=print,
 ) -> str:
   """A Ray head on host ``head`` and one node on each of ``nodes`` (None: every other host);
@@ -78,17 +79,17 @@ def start(
   order = [cluster.hosts[head]] + [cluster.hosts[i] for i in others if i != head]
   for h in order:
     if h.index == head:
-      argv = [ray, "start", "--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
+      argv = [ray, "start", "--head", f"--port={port}", "--include-dashboard=false"]
       argv += [f"--temp-dir={temp_dir}", f"--num-cpus={head_cpus}"]
     else:
-      argv = [ray, "start", f"--address={address}:{RAY_PORT}", f"--num-cpus={node_cpus}"]
+      argv = [ray, "start", f"--address={address}:{port}", f"--num-cpus={node_cpus}"]
     argv += [f"--node-ip-address={h.address}", "--disable-usage-stats"]
     p = cluster.spawn(h.index, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out = p.communicate(timeout=180)[0].decode(errors="replace")
     if p.returncode != 0:
       raise RuntimeError(f"`ray start` on host {h.index} failed: {out.strip()[-600:]}")
     log(f"cluster: Ray {'head' if h.index == head else 'node'} on host {h.index} ({h.address})")
-  return f"{address}:{RAY_PORT}"
+  return f"{address}:{port}"
 
 
 def stop(cluster: Cluster, index: int, *, grace_s: float = 3.0) -> None:

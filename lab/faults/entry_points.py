@@ -1,11 +1,10 @@
 """Part of the fault suite: every command-line entry point fed what a hurried or hostile user types.
 
 Each case runs one command (``knitjax.main``, ``knitjax.eval``, ``knitjax.export``,
-``knitjax.chat``, ``knitjax.main --role=rollout``) as its own process, with a time limit, on
-input that must be refused: a workdir that is a file, mistyped or read-only; an output folder
-that holds something else; absurd sizes (``10**12`` slots, a model config of 100,000 layers, a
-billion new tokens); a rollout token that is empty, short or readable by others; a listen address
-that cannot be bound. A case is counted as
+``knitjax.chat``) as its own process, with a time limit, on input that must be refused: a
+workdir that is a file, mistyped or read-only; an output folder that holds something else; absurd
+sizes (``10**12`` slots, a model config of 100,000 layers, a billion new tokens). A case is
+counted as
 
 - rejected: a non-zero exit whose last stderr line is one sentence starting ``error:``; it should
   also name the field, file or flag (else ``not_named`` too);
@@ -180,13 +179,6 @@ def _hf_folder(path: str, **config_changes) -> str:
   return path
 
 
-def _endpoint(workdir: str) -> None:
-  """A trainer's endpoint file (nothing listens there): the host reads its token next."""
-  os.makedirs(workdir, exist_ok=True)
-  record = {"address": "127.0.0.1:9", "pid": 1, "time": time.time()}
-  _write(os.path.join(workdir, "rollout_endpoint.json"), json.dumps(record))
-
-
 def _read(path: str) -> str | None:
   try:
     with open(path) as f:
@@ -238,22 +230,6 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
         timeout_s=60.0,
       )
     )
-  for listen, what in (("no-such-host.invalid:0", "unresolvable"), ("127.0.0.1:70000", "port")):
-    out.append(
-      Case(
-        f"main/rollout_listen_{what}",
-        main(
-          "--workdir",
-          s("w", f"listen_{what}"),
-          "--config.topology.rollout_hosts=1",
-          f"--config.topology.rollout_listen={listen}",
-          config="configs/arith_disagg.py:quick",
-        ),
-        ("rollout_listen", listen),
-        timeout_s=60.0,
-      )
-    )
-
   # knitjax.eval and knitjax.export: workdirs that hold no run, outputs that hold something else
   missing = s("w", "mistyped_workdir")
   no_run = lambda: not os.path.exists(missing)
@@ -311,36 +287,6 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
       "chat/init_from_missing",
       _python("knitjax.chat", f"--init_from={s('models', 'missing')}"),
       (s("models", "missing"),),
-    )
-  )
-
-  # knitjax.main --role=rollout: tokens that must not authenticate anyone
-  rollout = lambda w: main(
-    "--role=rollout",
-    "--workdir",
-    w,
-    "--config.topology.rollout_hosts=1",
-    config="configs/arith_disagg.py:quick",
-  )
-  for what, token, mode in (
-    ("empty", "", 0o600),
-    ("short", "abc", 0o600),
-    ("world_readable", "f" * 64, 0o644),
-  ):
-    w = s("w", f"token_{what}")
-    os.makedirs(w, exist_ok=True)
-    token_file = _write(os.path.join(w, "rollout_token"), token, mode)
-    _endpoint(w)
-    names = (token_file, "rollout_token")
-    out.append(Case(f"rollout/token_{what}", rollout(w), names, timeout_s=60))
-  _endpoint(s("w", "token_env"))
-  out.append(
-    Case(
-      "rollout/env_token_short",
-      rollout(s("w", "token_env")),
-      ("KNITJAX_ROLLOUT_TOKEN",),
-      env={"KNITJAX_ROLLOUT_TOKEN": "short"},
-      timeout_s=60,
     )
   )
   return out

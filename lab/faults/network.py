@@ -124,46 +124,49 @@ def _stop(proc: subprocess.Popen) -> str:
     return "SIGKILL"
 
 
-def _attempt(specs, workdir: str, fault=None, *, delay: dict, log) -> dict:
-  """One start of a fresh Ray cluster and the trainer (``fault`` in a thread beside them)."""
+def _attempt(cluster: Cluster, workdir: str, k: int, fault=None) -> dict:
+  """One start of a fresh Ray cluster and the trainer (``fault`` in a thread beside them); the
+  hosts' processes are ended afterwards, whatever state the fault left them in."""
   out: dict = {}
   t0 = time.monotonic()
-  with Cluster(specs, log=lambda m: None, **delay) as cluster:
-    temp_dir = f"/tmp/ray_{cluster.tag}"
-    env = ray_nodes.ray_env(os.path.join(os.path.dirname(workdir), "ray"))
-    try:
-      address = ray_nodes.start(cluster, env, temp_dir, head_cpus=0, log=lambda m: None)
-      cmd = [
-        sys.executable,
-        "-m",
-        "knitjax.main",
-        *kill_resume._argv(_run(address)),
-        f"--workdir={workdir}",
-      ]
-      err_path = f"{workdir}.attempt{time.time_ns()}.log"
-      os.makedirs(os.path.dirname(err_path), exist_ok=True)
-      with open(err_path, "w") as err:
-        trainer = cluster.spawn(
-          TRAINER, cmd, cwd=kill_resume.REPO, env=env, stdout=subprocess.DEVNULL, stderr=err
+  temp_dir = f"/tmp/ray_{cluster.tag}_{k}"
+  env = ray_nodes.ray_env(os.path.join(os.path.dirname(workdir), "ray"))
+  err_path = f"{workdir}.attempt{k}.log"
+  os.makedirs(os.path.dirname(err_path), exist_ok=True)
+  try:
+    port = ray_nodes.RAY_PORT + k  # a fresh port: the last head's may linger in TIME_WAIT
+    address = ray_nodes.start(cluster, env, temp_dir, head_cpus=0, port=port, log=lambda m: None)
+    cmd = [sys.executable, "-m", "knitjax.main", *kill_resume._argv(_run(address))]
+    with open(err_path, "w") as err:
+      trainer = cluster.spawn(
+        TRAINER,
+        [*cmd, f"--workdir={workdir}"],
+        cwd=kill_resume.REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+      )
+      threads = [threading.Thread(target=_placement, args=(cluster, trainer, out), daemon=True)]
+      if fault is not None:
+        threads.append(
+          threading.Thread(target=fault, args=(cluster, workdir, trainer, out), daemon=True)
         )
-        threads = [threading.Thread(target=_placement, args=(cluster, trainer, out), daemon=True)]
-        if fault is not None:
-          threads.append(
-            threading.Thread(target=fault, args=(cluster, workdir, trainer, out), daemon=True)
-          )
-        for t in threads:
-          t.start()
-        try:
-          trainer.wait(timeout=DEADLINE_S)
-        except subprocess.TimeoutExpired:
-          out["hung_after_s"] = time.monotonic() - t0
-          out["stopped_by"] = _stop(trainer)
-        for t in threads:
-          t.join(timeout=DOWN_S + 5)
-      with open(err_path) as f:
-        text = f.read()
-    finally:
-      shutil.rmtree(temp_dir, ignore_errors=True)
+      for t in threads:
+        t.start()
+      try:
+        trainer.wait(timeout=DEADLINE_S)
+      except subprocess.TimeoutExpired:
+        out["hung_after_s"] = time.monotonic() - t0
+        out["stopped_by"] = _stop(trainer)
+      out["exit_s"] = time.time()
+      for t in threads:
+        t.join(timeout=DOWN_S + 5)
+  finally:
+    for h in cluster.hosts:
+      ray_nodes.stop(cluster, h.index)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+  with open(err_path) as f:
+    text = f.read()
   lines = [line for line in text.strip().splitlines() if line.strip()]
   tb = text.rfind("Traceback (most recent call last)")
   out.update(
@@ -173,8 +176,9 @@ def _attempt(specs, workdir: str, fault=None, *, delay: dict, log) -> dict:
     log=err_path,
     seconds=time.monotonic() - t0,
   )
-  if fault is not None and "fault_at_s" in out:
-    out["stopped_after_fault_s"] = time.time() - out["fault_at_s"]
+  if "fault_at_s" in out:
+    out["stopped_after_fault_s"] = out.pop("exit_s") - out["fault_at_s"]
+  out.pop("exit_s", None)
   return out
 
 
@@ -220,9 +224,10 @@ def run(workdir: str, *, trials=TRIALS, log=print) -> dict:
     wd = os.path.join(workdir, trial, "run")
     t0 = time.time()
     delay = {"jitter_ms": JITTER_MS} if trial == "loss" and jitter else {}
-    attempts = [_attempt(specs, wd, _faults(trial), delay=delay, log=log)]
-    while attempts[-1]["trainer_code"] != 0 and len(attempts) < 3:
-      attempts.append(_attempt(specs, wd, delay={}, log=log))
+    with Cluster(specs, log=lambda m: None, **delay) as cluster:
+      attempts = [_attempt(cluster, wd, 0, _faults(trial))]
+      while attempts[-1]["trainer_code"] != 0 and len(attempts) < 3:
+        attempts.append(_attempt(cluster, wd, len(attempts)))
     first = attempts[0]
     problems = _judge(first, attempts[-1], wd)
     outcome = (
