@@ -262,9 +262,11 @@ def _cluster(config: mc.ConfigDict, workdir: str):
       shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _spawn(cluster, env: dict, address: str, host: int, argv, **popen):
-  """Starts a run's trainer on ``host`` of the cluster, joined to its Ray cluster."""
-  popen["env"] = env  # the run's Ray token, no inherited RAY_* settings or XLA_FLAGS
+def _spawn(cluster, ray_env: dict, address: str, host: int, argv, **popen):
+  """Starts a run's trainer on ``host`` of the cluster, joined to its Ray cluster (``address``,
+  "" for none) with ``ray_env`` (the run's Ray token, no inherited RAY_* settings or XLA_FLAGS)
+  in place of the environment `real_runs.launch` gives."""
+  popen["env"] = ray_env
   flags = [f"--config.topology.ray_address={address}"] if address else []
   return cluster.spawn(host, [*argv, *flags], **popen)
 
