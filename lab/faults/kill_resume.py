@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -121,14 +122,25 @@ def _last_line(text: str) -> str:
   return lines[-1] if lines else ""
 
 
-def actor_pids(kind: str) -> list[int]:
-  """Processes of Ray actors of class ``kind`` (Ray titles them ``ray::<Class>...``)."""
+def actor_pids(kind: str, within: Callable[[int], bool] | None = None) -> list[int]:
+  """Processes of Ray actors of class ``kind`` (Ray titles them ``ray::<Class>...``) for which
+  ``within(pid)`` holds; by default those descended from this process (the Ray it started), so
+  that another Ray on the machine (someone else's tests) is never touched."""
   import psutil
+
+  if within is None:
+    me = os.getpid()
+
+    def within(pid: int) -> bool:
+      try:
+        return any(p.pid == me for p in psutil.Process(pid).parents())
+      except psutil.Error:
+        return False
 
   out = []
   for p in psutil.process_iter(["pid", "cmdline"]):
     cmd = " ".join(p.info["cmdline"] or [])
-    if cmd.startswith(f"ray::{kind}"):
+    if cmd.startswith(f"ray::{kind}") and within(p.info["pid"]):
       out.append(p.info["pid"])
   return sorted(out)
 

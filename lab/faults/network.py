@@ -76,13 +76,11 @@ def _first_step_logged(workdir: str, proc: subprocess.Popen, timeout_s: float = 
 def _placement(cluster: Cluster, proc: subprocess.Popen, out: dict) -> None:
   """A thread: records the host each Ray actor kind first ran on."""
   seen = out.setdefault("placement", {})
+  ours = lambda pid: ray_nodes.host_of(cluster, pid) is not None  # noqa: E731
   while proc.poll() is None and len(seen) < len(ACTORS):
     for kind in ACTORS:
-      if kind not in seen:
-        pids = kill_resume.actor_pids(kind)
-        hosts = [ray_nodes.host_of(cluster, p) for p in pids]
-        if pids:
-          seen[kind] = hosts
+      if kind not in seen and (pids := kill_resume.actor_pids(kind, ours)):
+        seen[kind] = [ray_nodes.host_of(cluster, p) for p in pids]
     time.sleep(0.3)
 
 

@@ -144,7 +144,8 @@ def test_trainer_and_a_ray_node_run_two_steps_across_two_shaped_hosts(tmp_path):
       deadline = time.monotonic() + 300
       while proc.poll() is None and time.monotonic() < deadline:
         for kind in ("_RolloutActor", "_StorageActor"):
-          if kind not in placed and (pids := kill_resume.actor_pids(kind)):
+          ours = lambda pid: ray_nodes.host_of(cluster, pid) is not None  # noqa: E731
+          if kind not in placed and (pids := kill_resume.actor_pids(kind, ours)):
             placed[kind] = [ray_nodes.host_of(cluster, p) for p in pids]
         time.sleep(0.2)
       code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
