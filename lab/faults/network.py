@@ -43,7 +43,7 @@ LINK_MBIT = 1000.0
 DOWN_S = 10.0
 LOSS = 0.01
 JITTER_MS = 50.0
-DEADLINE_S = 240.0  # per attempt; the run alone takes about a minute here
+DEADLINE_S = 360.0  # per attempt: an undisturbed run takes about 90 s, a partition about 240 s
 TRAINER, NODE = 0, 1
 ACTORS = ("_RolloutActor", "_StorageActor")
 
@@ -240,6 +240,7 @@ def run(workdir: str, *, trials=TRIALS, log=print) -> dict:
       "outcome": outcome,
       "problems": problems,
       "attempts": attempts,
+      **kill_resume.staleness(kill_resume._jsonl(os.path.join(wd, "consumed.jsonl"))),
       "seconds": time.time() - t0,
     }
     shown = first["last_line"][:160] if first["trainer_code"] else "exit 0"
