@@ -111,3 +111,27 @@ def test_check_bounds_names_a_group_started_too_far_ahead_and_a_broken_quota():
     "1 groups started beyond the pipeline-depth bound (max_lag_steps=1.0): group 16 (started "
     "17th, gen version 1, limit 16)",
   ]
+
+
+def test_a_network_trial_is_judged_on_placement_hangs_and_how_the_trainer_stopped():
+  from lab.faults import network
+
+  placed = {"placement": {"_RolloutActor": [1], "_StorageActor": [1]}}
+  failed = {"trainer_code": 1, "last_line": "error: x", "traceback": None}
+
+  def judge(**first):
+    return network._judge({**placed, **failed, **first}, failed, "/nonexistent")
+
+  resumed_failed = "the resumed run failed: 'error: x'"
+  assert judge() == [resumed_failed]  # stopped with one sentence: fine
+  assert judge(traceback="Traceback ...", last_line="ray.exceptions.X: y") == [
+    "the faulted run ended in a traceback: 'ray.exceptions.X: y'",
+    resumed_failed,
+  ]
+  hung = judge(hung_after_s=360.4, stopped_by="SIGTERM", trainer_code=143)
+  assert hung[0].startswith("the faulted trainer hung: still running 360 s after its start")
+  elsewhere = judge(placement={"_RolloutActor": [0]})
+  assert elsewhere[:2] == [
+    "_RolloutActor ran on hosts [0], not on the Ray node's host 1",
+    "_StorageActor ran on hosts None, not on the Ray node's host 1",
+  ]
