@@ -48,12 +48,10 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   c.sim_seeds = 3
   c.tolerance = 0.2
   c.in_process = False
-  # > 0: disaggregated runs generate in that many rollout host processes (`--role=rollout`,
-  # config.topology.rollout_hosts) instead of a thread of the trainer's process.
-  c.rollout_hosts = 0
-  # > 0: every run in an emulated cluster (lab/cluster, needs root and iproute2): the trainer
-  # and the rollout host each on a host of its own core, a colocated run on a host of both cores,
-  # links shaped at this rate. Needs rollout_hosts=1.
+  # > 0: every run in an emulated cluster (lab/cluster, needs root and iproute2) joined as one
+  # Ray cluster, links shaped at this rate: the trainer on a host of one core (the Ray head), a
+  # disaggregated run's rollout in one Ray rollout actor (topology.rollout_workers=1) and its
+  # storage unit on the Ray node of a host of the other core, a colocated run on a host of both.
   c.cluster_link_mbit = 0.0
   # Reuse finished runs of the same config already in the workdir (judge recorded runs again,
   # e.g. after a calibration change) instead of running them again.

@@ -15,9 +15,10 @@ baseline's driver), joined as one Ray cluster over their own addresses. Then:
    -> trainer host (centralized).
 
 3. **Staleness**: the real staleness benchmark (configs/bench/staleness_real.py,
-   ``staleness_variant``), each run in a cluster of its own: the trainer and the rollout host on
-   hosts of one core each, a colocated run on a host of both cores, links at the dilated rate.
-   The simulator predicts each of its points.
+   ``staleness_variant``) in a cluster of its own: the trainer (a Ray head with no CPUs) and a
+   Ray node holding the rollout actor and its storage unit on hosts of one core each, a
+   colocated run on a host of both cores, links at the dilated rate. The simulator predicts
+   each of its points.
 
 Writes ``DIR/cluster.json`` (the dilation and its inputs, each run, the headline figures; the
 claims not measured yet are null with the reason) and ``DIR/cluster.png``.
@@ -35,56 +36,10 @@ import time
 
 from lab import REPO
 from lab.bench.report import format_table, write_json
-from lab.cluster import net, scale
+from lab.cluster import net, ray_nodes, scale
 from lab.cluster.hosts import Cluster, HostSpec
 
-RAY_PORT = 6379
 TRAINER, STORAGE, CONTROLLER = 0, 1, 2
-
-
-def _ray_env(workdir: str) -> dict:
-  """Every Ray process of the cluster authenticates with the run's own token (0600)."""
-  from knitjax.distributed.local_ray import private_ray_token
-
-  path = os.path.join(os.path.abspath(workdir), "ray_token")
-  saved = os.environ.get("RAY_AUTH_TOKEN_PATH")
-  os.environ["RAY_AUTH_TOKEN_PATH"] = path
-  try:
-    private_ray_token()
-  finally:
-    if saved is None:
-      os.environ.pop("RAY_AUTH_TOKEN_PATH")
-    else:
-      os.environ["RAY_AUTH_TOKEN_PATH"] = saved
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "XLA_FLAGS"))}
-  env.update(
-    RAY_AUTH_MODE="token",
-    RAY_AUTH_TOKEN_PATH=path,
-    RAY_USAGE_STATS_ENABLED="0",
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=REPO,
-  )
-  return env
-
-
-def _start_ray(cluster: Cluster, env: dict, temp_dir: str, log) -> str:
-  """A Ray head on the trainer host and one node on every other host; returns its address."""
-  ray = os.path.join(os.path.dirname(sys.executable), "ray")
-  head = cluster.hosts[TRAINER].address
-  common = ["--num-cpus=1", "--disable-usage-stats"]
-  for h in cluster.hosts:
-    if h.index == TRAINER:
-      argv = [ray, "start", "--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
-      argv.append(f"--temp-dir={temp_dir}")
-    else:
-      argv = [ray, "start", f"--address={head}:{RAY_PORT}"]
-    argv += [f"--node-ip-address={h.address}", *common]
-    p = cluster.spawn(h.index, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = p.communicate(timeout=120)[0].decode(errors="replace")
-    if p.returncode != 0:
-      raise RuntimeError(f"`ray start` on host {h.index} failed: {out.strip()[-600:]}")
-    log(f"cluster: Ray node on host {h.index} ({h.address}) started")
-  return f"{head}:{RAY_PORT}"
 
 
 def _multimodal(cluster: Cluster, config, env, address: str, workdir: str, log) -> dict:
@@ -145,14 +100,15 @@ def _die_with_parent() -> None:
 
 def _staleness(config, rate_mbit: float, workdir: str, log) -> dict | None:
   """The real staleness benchmark (configs/bench/staleness_real.py, ``staleness_variant``) with
-  every run in an emulated cluster of its own (trainer, rollout host, colocated: one host each,
-  links at ``rate_mbit``); returns its headline figures and learning, or None when not asked."""
+  its runs in an emulated cluster of their own (trainer, Ray node of the rollout actor,
+  colocated: one host each, links at ``rate_mbit``); returns its headline figures and learning,
+  or None when not asked."""
   if not config.staleness_variant:
     return None
   argv = [sys.executable, "-m", "lab.bench"]
   argv += ["--config", f"configs/bench/staleness_real.py:{config.staleness_variant}"]
   argv += ["--workdir", workdir, f"--config.cluster_link_mbit={rate_mbit}"]
-  argv += ["--config.rollout_hosts=1", f"--config.reuse_runs={config.reuse_runs}"]
+  argv += [f"--config.reuse_runs={config.reuse_runs}"]
   argv += list(config.staleness_flags)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = REPO
@@ -185,15 +141,23 @@ def _staleness(config, rate_mbit: float, workdir: str, log) -> dict | None:
 
 
 def _weight_sync(runs_dir: str) -> dict | None:
-  """Seconds and bytes per version each rollout host pulled across its link (its counters)."""
+  """Seconds and bytes per published version of each disaggregated run (its ``timings.json``).
+
+  With Ray rollout actors the run times the publish on the trainer's side (dispatch to the copy
+  complete, ``weight_publish_s_mean``); the actor's pull of the version from Ray's object store
+  across the link is not timed, so the figure is a lower bound on the link's share.
+  """
   per_run = {}
   for name in sorted(os.listdir(runs_dir)):
-    path = os.path.join(runs_dir, name, "rollout_host0.json")
+    path = os.path.join(runs_dir, name, "timings.json")
     if os.path.exists(path):
       with open(path) as f:
-        h = json.load(f)
-      if h["versions"]:
-        per_run[name] = {"seconds": h["pull_s"] / h["versions"], "bytes": h["version_bytes"]}
+        t = json.load(f)
+      if t.get("weight_publish_bytes_mean"):
+        per_run[name] = {
+          "seconds": t["weight_publish_s_mean"],
+          "bytes": t["weight_publish_bytes_mean"],
+        }
   if not per_run:
     return None
   seconds = sorted(r["seconds"] for r in per_run.values())
@@ -201,6 +165,7 @@ def _weight_sync(runs_dir: str) -> dict | None:
     "seconds": seconds[len(seconds) // 2],
     "bytes": next(iter(per_run.values()))["bytes"],
     "per_run": per_run,
+    "timed": "the trainer's publish (dispatch to copy complete); the actor's pull is not timed",
   }
 
 
@@ -216,13 +181,13 @@ def run(config, workdir: str) -> dict:
   workdir = os.path.abspath(workdir)
   real = scale.RealWorkload(**dict(config.real))
   log = lambda m: print(m, flush=True)  # noqa: E731
-  env = _ray_env(workdir)
+  env = ray_nodes.ray_env(workdir)
   specs = [HostSpec(cores=tuple(cores)) for cores in config.host_cores]
   t0 = time.time()
   with Cluster(specs, log=log) as cluster:
     temp_dir = f"/tmp/ray_{cluster.tag}"
     try:
-      address = _start_ray(cluster, env, temp_dir, log)
+      address = ray_nodes.start(cluster, env, temp_dir, head=TRAINER, log=log)
       calib = _multimodal(cluster, config, env, address, os.path.join(workdir, "calibrate"), log)
       d = scale.dilation(real, _naive_s_per_row(calib))
       log(

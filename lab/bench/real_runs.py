@@ -2,9 +2,7 @@
 
 A run is ``python -m knitjax.main --config DIR/configs/<name>.py --workdir DIR/runs/<name>``
 in a fresh process (its own fake CPU devices, compile caches and memory), the exact command
-anyone can re-run; the generated config file holds the run's whole ConfigDict. A config with
-``topology.rollout_hosts = N`` also starts N rollout hosts (the same command with
-``--role=rollout``) beside the trainer. ``in_process``
+anyone can re-run; the generated config file holds the run's whole ConfigDict. ``in_process``
 runs call `knitjax.run.train` directly instead (tests, where the devices exist
 already and compiled functions are shared between runs).
 """
@@ -49,8 +47,8 @@ def launch(
 
   ``write_only``: only writes the config file (``root/configs/<name>.py``) and clears the
   workdir, for a caller that starts the run itself (e.g. as several processes).
-  ``spawn(role, argv, **popen) -> Popen`` starts each process (``role``: ``"train"`` or
-  ``"rollout"``), e.g. inside an emulated cluster's hosts; default: here.
+  ``spawn(argv, **popen) -> Popen`` starts the run's process, e.g. inside an emulated cluster's
+  host; default: here.
 
   Raises:
     RuntimeError: the run failed (its last output lines are in the message).
@@ -64,11 +62,6 @@ def launch(
   command = [sys.executable, "-m", "knitjax.main", "--config", path, "--workdir", workdir]
   if write_only:
     return {"workdir": workdir, "command": " ".join(command)}
-  if in_process and config.topology.get("rollout_hosts", 0):
-    raise ValueError(
-      f"run {name!r} has config.topology.rollout_hosts > 0, which needs its runs as processes: "
-      "set in_process=False."
-    )
   if in_process:
     from knitjax.config import from_config_dict
     from knitjax.run import train
@@ -77,38 +70,14 @@ def launch(
   else:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("XLA_FLAGS", None)  # knitjax.main sets the run's own device count
-    # topology.rollout_hosts: the rollout runs in that many more processes beside the trainer
-    spawn = spawn or (lambda role, argv, **popen: subprocess.Popen(argv, **popen))
-    hosts = [
-      spawn(
-        "rollout",
-        [*command, "--role=rollout"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-      )
-      for _ in range(config.topology.get("rollout_hosts", 0))
-    ]
+    spawn = spawn or subprocess.Popen
     trainer = spawn(
-      "train", command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+      command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     out, err = trainer.communicate()
-    proc = subprocess.CompletedProcess(command, trainer.returncode, out, err)
-    host_errors = []
-    for h in hosts:
-      try:
-        err = h.communicate(timeout=120)[1]
-      except subprocess.TimeoutExpired:
-        h.kill()
-        err = h.communicate()[1]
-      if h.returncode:
-        host_errors.append("\n".join(err.splitlines()[-15:]))
-    if proc.returncode or host_errors:
-      tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-      hosts_tail = "".join(f"\n--- rollout host:\n{e}" for e in host_errors)
-      raise RuntimeError(f"run {name!r} failed ({' '.join(command)}):\n{tail}{hosts_tail}")
+    if trainer.returncode:
+      tail = "\n".join((out + err).splitlines()[-15:])
+      raise RuntimeError(f"run {name!r} failed ({' '.join(command)}):\n{tail}")
   return {"workdir": workdir, "command": " ".join(command)}
 
 

@@ -23,9 +23,12 @@ as the simulated benchmark, plus ``predicted`` and ``rel_error``), ``staleness_r
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import math
 import os
+import shutil
 
 import ml_collections as mc
 import numpy as np
@@ -42,9 +45,7 @@ from lab.bench.report import format_table, write_json
 POLICIES = ("train_batch", "minibatch")
 
 
-def _variant(
-  config: mc.ConfigDict, *, mode, policy, depth, steps, lr, listen: str = ""
-) -> mc.ConfigDict:
+def _variant(config: mc.ConfigDict, *, mode, policy, depth, steps, lr) -> mc.ConfigDict:
   c = copy.deepcopy(config.train)
   c.topology.mode = mode
   c.loop.steps = steps
@@ -54,12 +55,11 @@ def _variant(
   c.admission.policy = policy
   c.optimizer.lr = lr
   c.checkpoint.every_steps = steps  # one checkpoint, at the end: no saves inside the window
-  if mode == "disaggregated" and config.get("rollout_hosts", 0):
-    # The rollout in its own process(es): each side keeps the device count it had in one process.
-    c.topology.rollout_hosts = config.rollout_hosts
-    c.mesh.cpu_devices = c.topology.rollout_devices or max(1, c.mesh.cpu_devices // 2)
-    if listen:
-      c.topology.rollout_listen = f"{listen}:0"
+  if mode == "disaggregated" and config.get("cluster_link_mbit", 0):
+    # The rollout in one Ray actor on the rollout host's node (its one core, one device); the
+    # trainer keeps the devices it had in one process (the rollout side of them sits idle). The
+    # Ray address is given on the command line: it changes with each cluster.
+    c.topology.rollout_workers = 1
   return c
 
 
@@ -75,11 +75,11 @@ def _key(policy: str, depth: float) -> str:
 def _runs(config: mc.ConfigDict, workdir: str, cluster=None) -> dict:
   """Launches every run; returns name -> {config, command, run, policy, depth, key}.
 
-  ``cluster``: an emulated cluster of 3 hosts (`_cluster`) to run them in: the trainer on host 0,
-  the rollout host on host 1, a colocated run on host 2 (host 0's and 1's cores together).
+  ``cluster``: an emulated cluster of 3 hosts joined as one Ray cluster (`_cluster`) to run them
+  in: ``(cluster, env, address)``, the trainer on host 0 (the Ray head, no CPUs), the rollout
+  actor on host 1's Ray node, a colocated run on host 2 (host 0's and 1's cores together).
   """
   out = {}
-  listen = cluster.hosts[0].address if cluster else ""
 
   def go(name, policy, depth, steps, lr, seed=None):
     mode = "colocated" if policy == "colocated" else "disaggregated"
@@ -90,7 +90,6 @@ def _runs(config: mc.ConfigDict, workdir: str, cluster=None) -> dict:
       depth=depth,
       steps=steps,
       lr=lr,
-      listen=listen,
     )
     if seed is not None:
       cfg.seed = seed
@@ -98,8 +97,11 @@ def _runs(config: mc.ConfigDict, workdir: str, cluster=None) -> dict:
     if launched is None:
       spawn = None
       if cluster is not None:
-        host = {"rollout": 1, "train": 0 if mode == "disaggregated" else 2}
-        spawn = lambda role, argv, **popen: cluster.spawn(host[role], argv, **popen)  # noqa: E731
+        hosts, env, address = cluster
+        if mode == "disaggregated":
+          spawn = functools.partial(_spawn, hosts, env, address, 0)
+        else:  # no Ray: the rollout takes turns with training on the same devices
+          spawn = functools.partial(_spawn, hosts, env, "", 2)
       launched = launch(cfg, workdir, name, in_process=config.in_process, spawn=spawn)
     run_ = read_run(launched["workdir"])
     out[name] = {**launched, "config": cfg, "policy": policy, "depth": depth, "run": run_}
@@ -232,22 +234,41 @@ def _by_policy(points: dict) -> dict:
   return out
 
 
-def _cluster(config: mc.ConfigDict):
-  """Hosts for the runs: the trainer on core 0, the rollout host on core 1, a colocated run on
-  both, each link shaped at ``config.cluster_link_mbit`` (`lab.cluster.hosts`)."""
-  from lab.cluster import net
+@contextlib.contextmanager
+def _cluster(config: mc.ConfigDict, workdir: str):
+  """Hosts for the runs, each link shaped at ``config.cluster_link_mbit`` (`lab.cluster.hosts`):
+  the trainer on core 0 (a Ray head offering no CPUs), the rollout on core 1 (a Ray node of one
+  CPU, where the rollout actor and its storage unit land), a colocated run on both. Yields
+  ``(cluster, env, address)``: the hosts, the Ray processes' environment, the head's address."""
+  from lab.cluster import net, ray_nodes
   from lab.cluster.hosts import Cluster, HostSpec
 
   if problem := net.missing_tools():
     raise ValueError(problem)
-  if config.in_process or not config.get("rollout_hosts", 0):
+  if config.in_process:
     raise ValueError(
-      "config.cluster_link_mbit > 0 runs the rollout in a rollout host on its own host: set "
-      "config.rollout_hosts=1 and config.in_process=False."
+      "config.cluster_link_mbit > 0 runs the rollout in a Ray actor on a host of its own: set "
+      "config.in_process=False."
     )
   rate = float(config.cluster_link_mbit)
   cores = ((0,), (1,), (0, 1))
-  return Cluster([HostSpec(cores=c, rate_mbit=rate) for c in cores])
+  env = ray_nodes.ray_env(workdir)
+  with Cluster([HostSpec(cores=c, rate_mbit=rate) for c in cores]) as cluster:
+    temp_dir = f"/tmp/ray_{cluster.tag}"
+    try:
+      address = ray_nodes.start(cluster, env, temp_dir, nodes=(1,), head_cpus=0)
+      yield cluster, env, address
+    finally:
+      shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _spawn(cluster, ray_env: dict, address: str, host: int, argv, **popen):
+  """Starts a run's trainer on ``host`` of the cluster, joined to its Ray cluster (``address``,
+  "" for none) with ``ray_env`` (the run's Ray token, no inherited RAY_* settings or XLA_FLAGS)
+  in place of the environment `real_runs.launch` gives."""
+  popen["env"] = ray_env
+  flags = [f"--config.topology.ray_address={address}"] if address else []
+  return cluster.spawn(host, [*argv, *flags], **popen)
 
 
 def run(config: mc.ConfigDict, workdir: str) -> dict:
@@ -255,7 +276,7 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
   if config.reference_depth not in config.depths:
     raise ValueError(f"config.reference_depth={config.reference_depth} is not in {config.depths}.")
   if config.get("cluster_link_mbit", 0):
-    with _cluster(config) as cluster:
+    with _cluster(config, workdir) as cluster:
       runs = _runs(config, workdir, cluster)
   else:
     runs = _runs(config, workdir)

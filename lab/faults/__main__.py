@@ -4,9 +4,9 @@ Parts (``--parts``): ``kill`` (SIGKILL at fault points and resume, both runtime 
 (a Ray storage unit and a rollout actor killed mid-run), ``inputs`` (generated bad inputs: configs
 and their extremes, payloads, records, prompt files, checkpoints, hostile model folders),
 ``entry_points`` (every command fed a hostile command line), ``workdir`` (two runs on one workdir,
-SIGINT / SIGTERM, SIGKILL during a resume, a full disk), ``handshake`` (hostile peers at the
-rollout endpoint), ``backpressure`` (10x over-production against the storage byte budget), and
-``network`` (a link down, packet loss, a partition, across an emulated cluster; needs root).
+SIGINT / SIGTERM, SIGKILL during a resume, a full disk), ``backpressure`` (10x over-production
+against the storage byte budget), and ``network`` (a link down, packet loss, a partition between
+the trainer and the Ray node of its rollout actor, across an emulated cluster; needs root).
 The ``entry_points`` and ``workdir`` parts mount (a read-only bind, a small tmpfs) when run as
 root and skip those cases otherwise. See docs/reliability.md.
 """
@@ -29,7 +29,6 @@ PARTS = (
   "inputs",
   "entry_points",
   "workdir",
-  "handshake",
   "backpressure",
   "network",
 )
@@ -39,9 +38,9 @@ _PARTS = flags.DEFINE_list("parts", list(PARTS), "Parts to run.")
 _KILLS = flags.DEFINE_integer("kills", 10, "Kill-resume trials per runtime mode.")
 _KILL_MODES = flags.DEFINE_list(
   "kill_modes",
-  ["colocated", "disaggregated", "rollout_hosts", "trainer_processes"],
-  "Runtime modes of the kill-resume part (rollout_hosts: a trainer and a rollout host process; "
-  "trainer_processes: two trainer processes and two Ray rollout actors).",
+  ["colocated", "disaggregated", "trainer_processes"],
+  "Runtime modes of the kill-resume part (trainer_processes: two trainer processes and two Ray "
+  "rollout actors).",
 )
 _EXAMPLES = flags.DEFINE_integer(
   "examples", 10_000, "Generated bad inputs (at least one per case of each kind is generated)."
@@ -78,13 +77,6 @@ def _table(results: dict) -> str:
     for name, c in results["workdir"]["cases"].items():
       result = "skipped" if c["skipped"] else "ok" if c["ok"] else "; ".join(c["problems"])[:160]
       lines.append(f"workdir        | {name}: {result}")
-  if "handshake" in results:
-    c = results["handshake"]["counts"]
-    lines.append(
-      f"handshake      | {c['trials']} trials: {c['attached']} attached, {c['refused']} refused, "
-      f"{c['tracebacks']} tracebacks, {c['code_ran']} code ran, {c['hangs']} hangs, "
-      f"{c['not_named']} unnamed"
-    )
   if "backpressure" in results:
     r = results["backpressure"]
     lines.append(
@@ -174,10 +166,6 @@ def main(argv):
       from lab.faults import workdir_faults
 
       results["workdir"] = workdir_faults.run(os.path.join(workdir, "workdir"))
-    elif part == "handshake":
-      from lab.faults import handshake
-
-      results["handshake"] = handshake.run(seed=_SEED.value)
     elif part == "backpressure":
       from lab.faults import backpressure
 

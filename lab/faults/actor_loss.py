@@ -1,9 +1,11 @@
 """Kill a Ray storage unit and a Ray rollout actor in the middle of a disaggregated run.
 
 The run (`configs/arith_disagg.py:quick` with two Ray rollout actors, each writing into a storage
-unit on its node, on a local cluster) must finish every step with exact quotas, lose no group
-and consume none twice; the rollout actor is replaced (its groups generated again) and the storage
-unit restarted by Ray (its groups replayed from its spill folder).
+unit on its node, on a local cluster) must finish every step with exact quotas per step and
+mini-batch, lose no group, consume none twice and start none deeper ahead of the trainer than
+``pipeline.max_lag_steps`` allows, across the replacement (`kill_resume.check_disaggregated`);
+the rollout actor is replaced (its groups generated again) and the storage unit restarted by Ray
+(its groups replayed from its spill folder).
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ import os
 import signal
 import time
 
-from lab.faults.kill_resume import _config, actor_pids, check_disaggregated
+from lab.faults.kill_resume import _config, _jsonl, actor_pids, check_disaggregated, staleness
 
-RUN = ("configs/arith_disagg.py", "quick", {"loop.steps": 4, "checkpoint.every_steps": 1})
+RUN = (
+  "configs/arith_disagg.py",
+  "quick",
+  {"loop.steps": 4, "checkpoint.every_steps": 1, "topology.rollout_workers": 2},
+)
 
 
 def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
@@ -24,9 +30,7 @@ def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
   from knitjax.config import from_config_dict
   from knitjax.run import train
 
-  c = _config(RUN)
-  c.topology.rollout_workers = 2
-  config = from_config_dict(c)
+  config = from_config_dict(_config(RUN))
   killed: dict[str, int] = {}
 
   def on_step(step: int, metrics: dict) -> None:
@@ -49,7 +53,7 @@ def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
       ray.shutdown()
   problems = [] if error is None else [error]
   if error is None:
-    problems += check_disaggregated(workdir, config.loop.steps)
+    problems += check_disaggregated(workdir, config.loop.steps, RUN)
   kinds = {"storage_unit": "_StorageActor" in killed, "rollout_actor": "_RolloutActor" in killed}
   for kind, was_killed in kinds.items():
     if not was_killed:
@@ -59,6 +63,7 @@ def run(workdir: str, *, kill_after_step: int = 1, log=print) -> dict:
     "survived": {k: v and not problems for k, v in kinds.items()},
     "actor_restarts": last.get("actor_restarts"),
     "groups_regenerated": last.get("groups_regenerated"),
+    **staleness(_jsonl(os.path.join(workdir, "consumed.jsonl"))),
     "problems": problems,
     "seconds": time.time() - t0,
   }

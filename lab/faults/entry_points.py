@@ -304,7 +304,6 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
       (s("models", "missing"),),
     )
   )
-
   return out
 
 

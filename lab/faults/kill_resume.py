@@ -3,15 +3,12 @@
 Colocated runs are deterministic: the resumed run must end with exactly the parameters of an
 uninterrupted run. Disaggregated runs are not (two threads race), so the check is conservation:
 offered = consumed + rejected + pending as sets of group ids, no group consumed twice, every
-train step logged once, quotas exact. ``rollout_hosts`` is a disaggregated run whose rollout is
-a rollout host process: a kill in the trainer ends the host too (its connection closes); a kill
-in the host (``rollout_host`` point) ends the trainer with one sentence; either way a new
-trainer and a new host resume. ``trainer_processes`` is a disaggregated trainer of two processes
-(``--distributed``, `knitjax.distributed.trainer_processes`) with two Ray rollout actors: trials
-kill
-trainer process 0 and 1 in turn (the other must stop with one sentence, and both resume), and
-one more kills a rollout actor's process mid-run (survived: Ray replaces it, its groups are
-generated again).
+train step logged once, quotas exact per step and mini-batch, and no group started deeper ahead
+of the trainer than ``pipeline.max_lag_steps`` allows (`check_bounds`). ``trainer_processes`` is
+a disaggregated trainer of two processes (``--distributed``,
+`knitjax.distributed.trainer_processes`) with two Ray rollout actors: trials kill trainer process 0
+and 1 in turn (the other must stop with one sentence, and both resume), and one more kills a
+rollout actor's process mid-run (survived: Ray replaces it, its groups are generated again).
 """
 
 from __future__ import annotations
@@ -23,6 +20,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,17 +48,6 @@ RUNS = {
     "quick",
     {"loop.steps": 4, "checkpoint.every_steps": 1},
   ),
-  "rollout_hosts": (
-    "configs/arith_disagg.py",
-    "quick",
-    {
-      "loop.steps": 4,
-      "checkpoint.every_steps": 1,
-      "topology.rollout_hosts": 1,
-      "mesh.cpu_devices": 2,
-      "topology.rollout_host_wait_s": 120,
-    },
-  ),
   "trainer_processes": (
     "configs/arith_disagg.py",
     "quick",
@@ -72,9 +60,6 @@ RUNS = {
   ),
 }
 PROCESSES = {"trainer_processes": 2}  # trainer processes per run (--distributed); others: 1
-
-# Where each point is passed: the trainer's process, or (rollout_hosts) the host's.
-HOST_POINTS = ("rollout_host",)
 
 
 def _argv(run) -> list[str]:
@@ -99,59 +84,20 @@ def _config(run):
   return c
 
 
-def _env(env: dict[str, str], *, own_devices: bool) -> dict[str, str]:
+def _env(env: dict[str, str]) -> dict[str, str]:
   env = {**os.environ, "PYTHONPATH": REPO, **env}
   for key in ("KNITJAX_KILL_AT", "KNITJAX_FAULT_COUNTS"):
     if key not in env or not env[key]:
       env.pop(key, None)
-  if own_devices:  # trainer and hosts: each process gets the config's cpu_devices
-    env.pop("XLA_FLAGS", None)
   return env
 
 
-def _main(
-  args: list[str],
-  workdir: str,
-  env: dict[str, str],
-  timeout: float = 900,
-  *,
-  hosts: int = 0,
-  host_env: dict[str, str] | None = None,
-):
-  """Runs the trainer (and ``hosts`` rollout hosts beside it); returns the trainer's result and
-  the hosts' exit codes."""
+def _main(args: list[str], workdir: str, env: dict[str, str], timeout: float = 900):
+  """Runs the trainer; returns its completed process."""
   cmd = [sys.executable, "-m", "knitjax.main", *args, f"--workdir={workdir}"]
-  started = [
-    subprocess.Popen(
-      [*cmd, "--role=rollout"],
-      cwd=REPO,
-      env=_env(host_env or {}, own_devices=True),
-      stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL,
-    )
-    for _ in range(hosts)
-  ]
-  try:
-    proc = subprocess.run(
-      cmd,
-      cwd=REPO,
-      env=_env(env, own_devices=hosts > 0),
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-    )
-    codes = []
-    for h in started:
-      try:
-        codes.append(h.wait(timeout=60))
-      except subprocess.TimeoutExpired:
-        codes.append(None)
-  finally:
-    for h in started:
-      if h.poll() is None:
-        h.kill()
-  proc.host_codes = codes
-  return proc
+  return subprocess.run(
+    cmd, cwd=REPO, env=_env(env), capture_output=True, text=True, timeout=timeout
+  )
 
 
 # How a surviving trainer process stops when another dies: a follower lost is noticed by the
@@ -176,14 +122,25 @@ def _last_line(text: str) -> str:
   return lines[-1] if lines else ""
 
 
-def actor_pids(kind: str) -> list[int]:
-  """Processes of Ray actors of class ``kind`` (Ray titles them ``ray::<Class>...``)."""
+def actor_pids(kind: str, within: Callable[[int], bool] | None = None) -> list[int]:
+  """Processes of Ray actors of class ``kind`` (Ray titles them ``ray::<Class>...``) for which
+  ``within(pid)`` holds; by default those descended from this process (the Ray it started), so
+  that another Ray on the machine (someone else's tests) is never touched."""
   import psutil
+
+  if within is None:
+    me = os.getpid()
+
+    def within(pid: int) -> bool:
+      try:
+        return any(p.pid == me for p in psutil.Process(pid).parents())
+      except psutil.Error:
+        return False
 
   out = []
   for p in psutil.process_iter(["pid", "cmdline"]):
     cmd = " ".join(p.info["cmdline"] or [])
-    if cmd.startswith(f"ray::{kind}"):
+    if cmd.startswith(f"ray::{kind}") and within(p.info["pid"]):
       out.append(p.info["pid"])
   return sorted(out)
 
@@ -238,10 +195,10 @@ def run_processes(workdir: str, mode: str, *, kills: int, rng, log=print) -> dic
       if any(code != 0 for code, _ in first):
         problems.append(f"the run did not survive it: {[_last_line(e) for _, e in first]}")
       else:
-        problems += check_disaggregated(wd, steps)
+        problems += check_disaggregated(wd, steps, RUNS[mode])
     else:
       target = k % n
-      points = [p for p in faultpoints.POINTS if counts[target].get(p) and p not in HOST_POINTS]
+      points = [p for p in faultpoints.POINTS if counts[target].get(p)]
       point = points[(k // n) % len(points)]
       # The first half of the passes: a rerun passes the rollout's points a varying number of times.
       n_at = int(rng.integers(1, max(1, counts[target][point] // 2) + 1))
@@ -258,7 +215,7 @@ def run_processes(workdir: str, mode: str, *, kills: int, rng, log=print) -> dic
       if any(code != 0 for code, _ in second):
         problems.append(f"resume failed: {[_last_line(e) for _, e in second]}")
       else:
-        problems += check_disaggregated(wd, steps)
+        problems += check_disaggregated(wd, steps, RUNS[mode])
     ok = not problems
     trials.append(
       {
@@ -318,7 +275,12 @@ def check_colocated(workdir: str, reference: str, run, steps: int) -> list[str]:
   return problems
 
 
-def check_disaggregated(workdir: str, steps: int) -> list[str]:
+def check_disaggregated(workdir: str, steps: int, run=None) -> list[str]:
+  """What a disaggregated run must end with, however often it was stopped and resumed: every
+  train step logged once, no group consumed twice, offered = consumed + rejected + pending as
+  sets of group ids, no quota violation or lost group in the metrics; and, given its ``run``
+  (a `RUNS` entry), the quotas of every step and mini-batch and the pipeline-depth bound
+  (`check_bounds`)."""
   problems = []
   rows = _jsonl(os.path.join(workdir, "metrics.jsonl"))
   if [r["step"] for r in rows] != list(range(1, steps + 1)):
@@ -337,7 +299,75 @@ def check_disaggregated(workdir: str, steps: int) -> list[str]:
     problems.append("offered != consumed + rejected + pending as sets of group ids")
   if any(r.get("quota_violations", 0) for r in rows) or rows and rows[-1].get("groups_lost", 0):
     problems.append("quota violations or lost groups in metrics")
+  if run is not None:
+    from knitjax.config import from_config_dict
+
+    config = from_config_dict(_config(run))
+    problems += check_bounds(consumed, offered, config.admission, config.pipeline)
   return problems
+
+
+def check_bounds(consumed: list[dict], offered: list[dict], admission, pipeline) -> list[str]:
+  """The quotas of every train step and mini-batch (``consumed.jsonl``), and the pipeline-depth
+  bound of `knitjax.rollout.versions` at every group's start (``offered.jsonl``).
+
+  Group ids are given in start order, so a group's id ranks it among the groups started before
+  it; counting only those never rejected gives at most the count the bound was checked against
+  (started minus rejected so far). The rollout starts a group only on weights at least as new as
+  the version its limit was computed from, so the group's gen version (the oldest it used) gives
+  the limit: ``rank < start_limit(gen_version)``, else the group started deeper ahead of the
+  trainer than ``pipeline.max_lag_steps`` allows.
+  """
+  from knitjax.rollout import versions
+
+  problems = []
+  b, m = admission.groups_per_step, admission.minibatches
+  steps: dict[int, Counter] = {}
+  for mb in consumed:
+    counts = Counter(mb["classes"])
+    steps.setdefault(mb["step"], Counter()).update(counts)
+    for cls in admission.quotas:
+      low = admission.min_per_minibatch.get(cls, 0)
+      high = admission.max_per_minibatch.get(cls, b // m)
+      if not low <= counts[cls] <= high:
+        problems.append(
+          f"step {mb['step']} mini-batch {mb['index']} holds {counts[cls]} {cls} groups, "
+          f"outside {low}..{high}"
+        )
+    if len(mb["classes"]) != b // m:
+      problems.append(
+        f"step {mb['step']} mini-batch {mb['index']} holds {len(mb['classes'])} groups"
+      )
+  for step, counts in sorted(steps.items()):
+    if dict(counts) != {c: q for c, q in admission.quotas.items() if q}:
+      problems.append(f"step {step} consumed {dict(counts)}, quotas {dict(admission.quotas)}")
+  lag = versions.lag_groups(pipeline.max_lag_steps, groups_per_step=b, minibatches=m)
+  latest = {o["group_id"]: o for o in offered}  # a resumed run offers a group once more at most
+  accepted = sorted(g for g, o in latest.items() if not o["rejected"])
+  over = []
+  for rank, gid in enumerate(accepted):
+    version = latest[gid]["gen_version"]
+    limit = versions.start_limit(
+      version, groups_per_step=b, minibatches=m, lag_groups=lag, lag_unit=pipeline.lag_unit
+    )
+    if rank >= limit:
+      over.append(f"group {gid} (started {rank + 1}th, gen version {version}, limit {limit})")
+  if over:
+    problems.append(
+      f"{len(over)} groups started beyond the pipeline-depth bound (max_lag_steps="
+      f"{pipeline.max_lag_steps}): {', '.join(over[:3])}"
+    )
+  return problems
+
+
+def staleness(consumed: list[dict]) -> dict:
+  """The largest staleness and architectural staleness (staleness minus the mini-batch index)
+  of the consumed groups."""
+  gaps = [(c["consume_version"] - g, c["index"]) for c in consumed for g in c["gen_versions"]]
+  return {
+    "max_staleness": max((s for s, _ in gaps), default=None),
+    "max_arch_staleness": max((max(0, s - j) for s, j in gaps), default=None),
+  }
 
 
 def run(
@@ -345,7 +375,7 @@ def run(
   *,
   kills: int = 10,
   seed: int = 0,
-  modes=("colocated", "disaggregated", "rollout_hosts"),
+  modes=("colocated", "disaggregated"),
   log=print,
 ) -> dict:
   """``kills`` kill-resume trials per mode; returns per-trial records and k/``kills`` per mode."""
@@ -356,26 +386,15 @@ def run(
       out[mode] = run_processes(workdir, mode, kills=kills, rng=rng, log=log)
       continue
     args, steps = _argv(RUNS[mode]), RUNS[mode][2]["loop.steps"]
-    hosts = RUNS[mode][2].get("topology.rollout_hosts", 0)
     ref = os.path.join(workdir, mode, "reference")
     counts_file = os.path.join(workdir, mode, "counts.json")
-    host_counts_file = os.path.join(workdir, mode, "host_counts.json")
     os.makedirs(ref, exist_ok=True)
     t0 = time.time()
-    proc = _main(
-      args,
-      ref,
-      {"KNITJAX_FAULT_COUNTS": counts_file},
-      hosts=hosts,
-      host_env={"KNITJAX_FAULT_COUNTS": host_counts_file},
-    )
+    proc = _main(args, ref, {"KNITJAX_FAULT_COUNTS": counts_file})
     if proc.returncode != 0:
       raise RuntimeError(f"the {mode} reference run failed: {proc.stderr[-2000:]}")
     with open(counts_file) as f:
       counts = json.load(f)
-    if hosts:
-      with open(host_counts_file) as f:
-        counts.update({p: n for p, n in json.load(f).items() if p in HOST_POINTS})
     log(f"[kill-resume] {mode}: reference run {time.time() - t0:.0f} s, points passed {counts}")
     points = [p for p in faultpoints.POINTS if counts.get(p)]
     trials = []
@@ -384,31 +403,20 @@ def run(
       n = int(rng.integers(1, counts[point] + 1))
       wd = os.path.join(workdir, mode, f"kill{k}")
       t0 = time.time()
-      kill = {"KNITJAX_KILL_AT": f"{point}:{n}"}
-      in_host = point in HOST_POINTS
-      first = _main(
-        args, wd, {} if in_host else kill, hosts=hosts, host_env=kill if in_host else None
-      )
-      if in_host:  # the host dies; the trainer must stop with one sentence naming it
-        killed = first.host_codes == [-signal.SIGKILL] and first.returncode == 1
-        killed = killed and "rollout host 0" in first.stderr.strip().splitlines()[-1]
-      else:
-        killed = first.returncode == -signal.SIGKILL
-      second = _main(args, wd, {}, hosts=hosts)
+      first = _main(args, wd, {"KNITJAX_KILL_AT": f"{point}:{n}"})
+      killed = first.returncode == -signal.SIGKILL
+      second = _main(args, wd, {})
       problems = []
       if not killed:
         tail = first.stderr.strip().splitlines()[-1:]
-        problems.append(
-          f"the run was not killed as planned (exit {first.returncode}, hosts "
-          f"{getattr(first, 'host_codes', [])}, {tail})"
-        )
+        problems.append(f"the run was not killed as planned (exit {first.returncode}, {tail})")
       if second.returncode != 0:
         problems.append(f"resume failed: {second.stderr.strip().splitlines()[-1:]}")
       else:
         problems += (
           check_colocated(wd, ref, RUNS[mode], steps)
           if mode == "colocated"
-          else check_disaggregated(wd, steps)
+          else check_disaggregated(wd, steps, RUNS[mode])
         )
       ok = not problems
       trials.append(

@@ -1,132 +1,211 @@
-"""Network faults across an emulated cluster: a trainer host and a rollout host whose link fails.
+"""Network faults across an emulated cluster: a trainer host and a Ray node whose link fails.
 
-The run is kill_resume's ``rollout_hosts`` run (a trainer process and a rollout host process,
-the host holding the storage unit the trainer fetches from), each on a host of its own core in
-a `lab.cluster.hosts.Cluster`, the trainer listening on its host's address. Trials:
+Two hosts of a `lab.cluster.hosts.Cluster`, one core each, joined as one Ray cluster
+(`lab.cluster.ray_nodes`): host 0 runs the Ray head (no CPUs to offer) and the trainer
+(`configs/arith_disagg.py:quick`, ``topology.rollout_workers=1``, ``topology.ray_address`` the
+head), host 1 a Ray node, where the rollout actor (it asks for a CPU) and its storage unit land;
+the trainer fetches its payloads across the link and publishes weights across it. Where the two
+actors ran is recorded (``placement``). Trials:
 
-- ``link_down``: once the first train step is logged, the rollout host's link goes down for
-  10 s, then up again (TCP retransmits; the connections outlive it);
-- ``loss``: every link drops 1% of the packets it sends, for the whole first attempt;
-- ``partition``: once the first train step is logged, the trainer host and the rollout host
-  (the storage unit) stop reaching each other, with fetches and reports in flight, until the
-  trainer has stopped; both sides must notice (`knitjax.rollout.remote.tuned`: within about
-  ``DEAD_PEER_S``) and the trainer must stop with one sentence.
+- ``link_down``: once the first train step is logged, host 1's link goes down for ``DOWN_S``,
+  then up again;
+- ``loss``: every link drops ``LOSS`` of the packets it sends, for the whole first attempt;
+- ``partition``: once the first train step is logged, the two hosts stop reaching each other,
+  with fetches and weights in flight, until the trainer has stopped.
 
-A trial's run either finishes, or stops with one sentence and is resumed (trainer and host
-again, the network healed) until it finishes; then `kill_resume.check_disaggregated`: train
-steps logged once each, no group consumed twice, offered = consumed + rejected + pending, quotas
-exact. Delay and jitter need the kernel's netem, which some kernels lack; the JSON says whether
-they were applied.
+The trainer gets ``DEADLINE_S`` per attempt: one still running then is recorded as a hang (a
+problem), stopped with SIGTERM (SIGKILL if that does not end it) and the network healed. A
+trial's run either finishes, or stops (one sentence wanted; a traceback is recorded as a
+problem with its last line) and is resumed in a fresh Ray cluster until it finishes; then
+`kill_resume.check_disaggregated`: train steps logged once each, no group consumed twice,
+offered = consumed + rejected + pending, quotas exact per mini-batch, the version bound held.
+Delay and jitter need the kernel's netem, which some kernels lack; the JSON says whether they
+were applied.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 
-from knitjax.rollout.remote import DEAD_PEER_S
-from lab.cluster import net
+from lab.cluster import net, ray_nodes
 from lab.cluster.hosts import Cluster, HostSpec
 from lab.faults import kill_resume
 
 TRIALS = ("link_down", "loss", "partition")
-STEPS = 6
+STEPS = 40
 LINK_MBIT = 1000.0
 DOWN_S = 10.0
 LOSS = 0.01
 JITTER_MS = 50.0
+DEADLINE_S = 360.0  # per attempt: an undisturbed run takes about 90 s, a partition about 240 s
+TRAINER, NODE = 0, 1
+ACTORS = ("_RolloutActor", "_StorageActor")
 
 
-def _argv(listen: str) -> list[str]:
-  config, variant, overrides = kill_resume.RUNS["rollout_hosts"]
-  overrides = {**overrides, "loop.steps": STEPS, "mesh.cpu_devices": 1}
-  overrides["topology.rollout_listen"] = f"{listen}:0"
-  return kill_resume._argv((config, variant, overrides))
+def _run(address: str) -> tuple:
+  """kill_resume's disaggregated run, its rollout in one Ray actor of the cluster at ``address``."""
+  config, variant, overrides = kill_resume.RUNS["disaggregated"]
+  overrides = {
+    **overrides,
+    "loop.steps": STEPS,
+    # the rollout is in the actor: one device trains, one is the (unused) rollout side
+    "mesh.cpu_devices": 2,
+    "topology.rollout_devices": 1,
+    "topology.rollout_workers": 1,
+    "topology.ray_address": address,
+  }
+  return config, variant, overrides
 
 
-def _first_step_logged(workdir: str, timeout_s: float = 300) -> bool:
+def _first_step_logged(workdir: str, proc: subprocess.Popen, timeout_s: float = 300) -> bool:
   path = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + timeout_s
-  while time.monotonic() < deadline:
+  while time.monotonic() < deadline and proc.poll() is None:
     if os.path.exists(path) and os.path.getsize(path) > 0:
       return True
     time.sleep(0.05)
   return False
 
 
-def _attempt(cluster: Cluster, args: list[str], workdir: str, fault=None) -> dict:
-  """One start of trainer and host (``fault(workdir)`` in a thread beside them)."""
-  env = kill_resume._env({}, own_devices=True)
-  cmd = [sys.executable, "-m", "knitjax.main", *args, f"--workdir={workdir}"]
-  out = {}
-  host = cluster.spawn(
-    1,
-    [*cmd, "--role=rollout"],
-    cwd=kill_resume.REPO,
-    env=env,
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
-  trainer = cluster.spawn(
-    0,
-    cmd,
-    cwd=kill_resume.REPO,
-    env=env,
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
-  thread = None
-  if fault is not None:
-    thread = threading.Thread(target=fault, args=(workdir, trainer, out), daemon=True)
-    thread.start()
-  t0 = time.monotonic()
-  try:
-    err = trainer.communicate(timeout=900)[1]
-    host_err = host.communicate(timeout=DEAD_PEER_S + 60)[1]
-  finally:
-    for p in (trainer, host):
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  if thread is not None:
-    thread.join()
-  lines = err.strip().splitlines()
-  return {
-    **out,
-    "trainer_code": trainer.returncode,
-    "host_code": host.returncode,
-    "last_line": lines[-1] if lines else "",
-    "host_last_line": (host_err.strip().splitlines() or [""])[-1],
-    "seconds": time.monotonic() - t0,
-  }
+def _placement(cluster: Cluster, proc: subprocess.Popen, out: dict) -> None:
+  """A thread: records the host each Ray actor kind first ran on."""
+  seen = out.setdefault("placement", {})
+  ours = lambda pid: ray_nodes.host_of(cluster, pid) is not None  # noqa: E731
+  while proc.poll() is None and len(seen) < len(ACTORS):
+    for kind in ACTORS:
+      if kind not in seen and (pids := kill_resume.actor_pids(kind, ours)):
+        seen[kind] = [ray_nodes.host_of(cluster, p) for p in pids]
+    time.sleep(0.3)
 
 
-def _faults(cluster: Cluster, trial: str):
-  def link_down(workdir, trainer, out):
-    if _first_step_logged(workdir):
-      cluster.set_link(1, False)
+def _faults(trial: str):
+  def link_down(cluster, workdir, trainer, out):
+    if _first_step_logged(workdir, trainer):
+      cluster.set_link(NODE, False)
       out["fault_at_s"] = time.time()
       time.sleep(DOWN_S)
-      cluster.set_link(1, True)
+      cluster.set_link(NODE, True)
 
-  def partition(workdir, trainer, out):
-    if _first_step_logged(workdir):
-      cluster.partition(0, 1)
+  def loss(cluster, workdir, trainer, out):
+    cluster.lossy(LOSS)
+    out["fault_at_s"] = time.time()
+    while trainer.poll() is None:
+      time.sleep(0.1)
+    cluster.lossy(LOSS, on=False)
+
+  def partition(cluster, workdir, trainer, out):
+    if _first_step_logged(workdir, trainer):
+      cluster.partition(TRAINER, NODE)
       out["fault_at_s"] = time.time()
       while trainer.poll() is None:  # healed once the trainer has stopped
         time.sleep(0.1)
-      cluster.partition(0, 1, on=False)
+      cluster.partition(TRAINER, NODE, on=False)
 
-  return {"link_down": link_down, "partition": partition, "loss": None}[trial]
+  return {"link_down": link_down, "loss": loss, "partition": partition}[trial]
+
+
+def _stop(proc: subprocess.Popen) -> str:
+  """SIGTERM (the trainer checkpoints and says where to resume), SIGKILL after 60 s."""
+  proc.send_signal(signal.SIGTERM)
+  try:
+    proc.wait(timeout=60)
+    return "SIGTERM"
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+    return "SIGKILL"
+
+
+def _attempt(cluster: Cluster, workdir: str, k: int, fault=None) -> dict:
+  """One start of a fresh Ray cluster and the trainer (``fault`` in a thread beside them); the
+  hosts' processes are ended afterwards, whatever state the fault left them in."""
+  out: dict = {}
+  t0 = time.monotonic()
+  temp_dir = f"/tmp/ray_{cluster.tag}_{k}"
+  env = ray_nodes.ray_env(os.path.join(os.path.dirname(workdir), "ray"))
+  err_path = f"{workdir}.attempt{k}.log"
+  os.makedirs(os.path.dirname(err_path), exist_ok=True)
+  try:
+    port = ray_nodes.RAY_PORT + k  # a fresh port: the last head's may linger in TIME_WAIT
+    address = ray_nodes.start(cluster, env, temp_dir, head_cpus=0, port=port, log=lambda m: None)
+    cmd = [sys.executable, "-m", "knitjax.main", *kill_resume._argv(_run(address))]
+    with open(err_path, "w") as err:
+      trainer = cluster.spawn(
+        TRAINER,
+        [*cmd, f"--workdir={workdir}"],
+        cwd=kill_resume.REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+      )
+      threads = [threading.Thread(target=_placement, args=(cluster, trainer, out), daemon=True)]
+      if fault is not None:
+        threads.append(
+          threading.Thread(target=fault, args=(cluster, workdir, trainer, out), daemon=True)
+        )
+      for t in threads:
+        t.start()
+      try:
+        trainer.wait(timeout=DEADLINE_S)
+      except subprocess.TimeoutExpired:
+        out["hung_after_s"] = time.monotonic() - t0
+        out["stopped_by"] = _stop(trainer)
+      out["exit_s"] = time.time()
+      for t in threads:
+        t.join(timeout=DOWN_S + 5)
+  finally:
+    for h in cluster.hosts:
+      ray_nodes.stop(cluster, h.index)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+  with open(err_path) as f:
+    text = f.read()
+  lines = [line for line in text.strip().splitlines() if line.strip()]
+  tb = text.rfind("Traceback (most recent call last)")
+  out.update(
+    trainer_code=trainer.returncode,
+    last_line=lines[-1] if lines else "",
+    traceback=text[tb:][-3000:] if tb >= 0 else None,
+    log=err_path,
+    seconds=time.monotonic() - t0,
+  )
+  if "fault_at_s" in out:
+    out["stopped_after_fault_s"] = out.pop("exit_s") - out["fault_at_s"]
+  out.pop("exit_s", None)
+  return out
+
+
+def _judge(first: dict, last: dict, wd: str) -> list[str]:
+  problems = []
+  placed = first.get("placement", {})
+  for kind in ACTORS:
+    if placed.get(kind) != [NODE]:
+      problems.append(f"{kind} ran on hosts {placed.get(kind)}, not on the Ray node's host {NODE}")
+  if "hung_after_s" in first:
+    problems.append(
+      f"the faulted trainer hung: still running {first['hung_after_s']:.0f} s after its start, "
+      f"stopped by {first['stopped_by']} (last line {first['last_line'][:200]!r})"
+    )
+  elif first["trainer_code"] not in (0, 1):
+    problems.append(f"the faulted run exited {first['trainer_code']}: {first['last_line']!r}")
+  elif first["trainer_code"] == 1 and (
+    first["traceback"] is not None or not first["last_line"].startswith("error:")
+  ):
+    problems.append(f"the faulted run ended in a traceback: {first['last_line'][:300]!r}")
+  if last["trainer_code"] != 0:
+    problems.append(f"the resumed run failed: {last['last_line']!r}")
+  else:
+    problems += kill_resume.check_disaggregated(wd, STEPS, _run(""))
+  return problems
 
 
 def run(workdir: str, *, trials=TRIALS, log=print) -> dict:
-  """Each trial in a fresh 2-host cluster; returns per trial its attempts and the checks."""
+  """Each trial in fresh 2-host clusters; returns per trial its attempts and the checks."""
   if problem := net.missing_tools(need_iptables=True):
     return {"skipped": problem}
   jitter = net.netem_available()
@@ -135,43 +214,36 @@ def run(workdir: str, *, trials=TRIALS, log=print) -> dict:
     "jitter_note": None
     if jitter
     else "not applied: this kernel lacks the netem qdisc (delay and jitter need it)",
+    "deadline_s": DEADLINE_S,
     "trials": {},
   }
+  specs = [HostSpec(cores=(0,), rate_mbit=LINK_MBIT), HostSpec(cores=(1,), rate_mbit=LINK_MBIT)]
   for trial in trials:
-    hosts = [HostSpec(cores=(0,), rate_mbit=LINK_MBIT), HostSpec(cores=(1,), rate_mbit=LINK_MBIT)]
-    wd = os.path.join(workdir, trial)
+    wd = os.path.join(workdir, trial, "run")
     t0 = time.time()
     delay = {"jitter_ms": JITTER_MS} if trial == "loss" and jitter else {}
-    with Cluster(hosts, log=lambda m: None, **delay) as cluster:
-      args = _argv(cluster.hosts[0].address)
-      if trial == "loss":
-        cluster.lossy(LOSS)
-      attempts = [_attempt(cluster, args, wd, _faults(cluster, trial))]
-      if trial == "loss":
-        cluster.lossy(LOSS, on=False)
+    with Cluster(specs, log=lambda m: None, **delay) as cluster:
+      attempts = [_attempt(cluster, wd, 0, _faults(trial))]
       while attempts[-1]["trainer_code"] != 0 and len(attempts) < 3:
-        attempts.append(_attempt(cluster, args, wd))
+        attempts.append(_attempt(cluster, wd, len(attempts)))
     first = attempts[0]
-    problems = []
-    if first["trainer_code"] not in (0, 1):
-      problems.append(f"the faulted run exited {first['trainer_code']}: {first['last_line']!r}")
-    if first["trainer_code"] == 1 and "rollout host 0" not in first["last_line"]:
-      problems.append(f"the trainer's last line does not name the host: {first['last_line']!r}")
-    if attempts[-1]["trainer_code"] != 0:
-      problems.append(f"the resumed run failed: {attempts[-1]['last_line']!r}")
-    else:
-      problems += kill_resume.check_disaggregated(wd, STEPS)
+    problems = _judge(first, attempts[-1], wd)
+    outcome = (
+      "finished"
+      if first["trainer_code"] == 0
+      else "hung, stopped, resumed"
+      if "hung_after_s" in first
+      else "stopped, resumed"
+    )
     out["trials"][trial] = {
       "ok": not problems,
-      "outcome": "finished" if first["trainer_code"] == 0 else "stopped, resumed",
+      "outcome": outcome,
       "problems": problems,
       "attempts": attempts,
+      **kill_resume.staleness(kill_resume._jsonl(os.path.join(wd, "consumed.jsonl"))),
       "seconds": time.time() - t0,
     }
-    log(
-      f"[network] {trial}: {out['trials'][trial]['outcome']} "
-      f"({first['last_line'][:160] if first['trainer_code'] else 'exit 0'}) -> "
-      f"{problems or 'ok'}"
-    )
+    shown = first["last_line"][:160] if first["trainer_code"] else "exit 0"
+    log(f"[network] {trial}: {outcome} ({shown}) -> {problems or 'ok'}")
   out["ok"] = sum(t["ok"] for t in out["trials"].values())
   return out

@@ -42,7 +42,7 @@ def _start(workdir: str, env: dict | None = None) -> subprocess.Popen:
   return subprocess.Popen(
     cmd,
     cwd=kill_resume.REPO,
-    env=kill_resume._env(env or {}, own_devices=False),
+    env=kill_resume._env(env or {}),
     stdout=subprocess.DEVNULL,
     stderr=subprocess.PIPE,
     text=True,

@@ -46,17 +46,6 @@ def test_backpressure_holds_the_byte_budget_without_deadlock():
   assert out["consume_rate_groups_per_s"] < out["produce_rate_groups_per_s"]
 
 
-def test_hostile_peers_at_the_rollout_endpoint_are_refused_and_named():
-  from lab.faults import handshake
-
-  report = handshake.run(trials=4, seed=3, log=lambda *a: None)
-  counts = report["counts"]
-  assert counts["trials"] == 4
-  assert counts["attached"] + counts["refused"] == 4, report
-  for bad in ("tracebacks", "code_ran", "hangs", "not_named"):
-    assert counts[bad] == 0, report
-
-
 @pytest.mark.parametrize(
   ("rc", "stderr", "outcome"),
   [
@@ -72,3 +61,77 @@ def test_entry_point_outcomes(rc, stderr, outcome):
   from lab.faults import entry_points
 
   assert entry_points.classify(rc, stderr, ("/w",)) == outcome
+
+
+def _bound_inputs():
+  from knitjax.config import from_config_dict
+  from lab.faults import kill_resume
+
+  config = from_config_dict(kill_resume._config(kill_resume.RUNS["disaggregated"]))
+  # B = 8 (4 arith, 4 think), M = 2, max_lag_steps = 1: 16 groups may start at versions 0-1,
+  # 24 at versions 2-3, ...
+  consumed, offered = [], []
+  for step in range(3):
+    for index in range(2):
+      ids = list(range(8 * step + 4 * index, 8 * step + 4 * index + 4))
+      consumed.append(
+        {
+          "step": step,
+          "index": index,
+          "consume_version": 2 * step + index,
+          "group_ids": ids,
+          "classes": ["arith", "arith", "think", "think"],
+          "gen_versions": [max(0, 2 * step - 2)] * 4,
+        }
+      )
+      offered += [
+        {"group_id": g, "gen_version": max(0, 2 * step - 2), "rejected": False} for g in ids
+      ]
+  return consumed, offered, config
+
+
+def test_check_bounds_passes_a_run_within_its_quotas_and_depth():
+  from lab.faults import kill_resume
+
+  consumed, offered, config = _bound_inputs()
+  assert kill_resume.check_bounds(consumed, offered, config.admission, config.pipeline) == []
+  assert kill_resume.staleness(consumed) == {"max_staleness": 3, "max_arch_staleness": 2}
+
+
+def test_check_bounds_names_a_group_started_too_far_ahead_and_a_broken_quota():
+  from lab.faults import kill_resume
+
+  consumed, offered, config = _bound_inputs()
+  offered[16]["gen_version"] = 1  # the 17th group started on weights of version 1: limit 16
+  consumed[5]["classes"] = ["arith"] * 4
+  problems = kill_resume.check_bounds(consumed, offered, config.admission, config.pipeline)
+  assert problems == [
+    "step 2 mini-batch 1 holds 0 think groups, outside 1..4",
+    "step 2 consumed {'arith': 6, 'think': 2}, quotas {'arith': 4, 'think': 4}",
+    "1 groups started beyond the pipeline-depth bound (max_lag_steps=1.0): group 16 (started "
+    "17th, gen version 1, limit 16)",
+  ]
+
+
+def test_a_network_trial_is_judged_on_placement_hangs_and_how_the_trainer_stopped():
+  from lab.faults import network
+
+  placed = {"placement": {"_RolloutActor": [1], "_StorageActor": [1]}}
+  failed = {"trainer_code": 1, "last_line": "error: x", "traceback": None}
+
+  def judge(**first):
+    return network._judge({**placed, **failed, **first}, failed, "/nonexistent")
+
+  resumed_failed = "the resumed run failed: 'error: x'"
+  assert judge() == [resumed_failed]  # stopped with one sentence: fine
+  assert judge(traceback="Traceback ...", last_line="ray.exceptions.X: y") == [
+    "the faulted run ended in a traceback: 'ray.exceptions.X: y'",
+    resumed_failed,
+  ]
+  hung = judge(hung_after_s=360.4, stopped_by="SIGTERM", trainer_code=143)
+  assert hung[0].startswith("the faulted trainer hung: still running 360 s after its start")
+  elsewhere = judge(placement={"_RolloutActor": [0]})
+  assert elsewhere[:2] == [
+    "_RolloutActor ran on hosts [0], not on the Ray node's host 1",
+    "_StorageActor ran on hosts None, not on the Ray node's host 1",
+  ]

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KILL_MODES = "colocated, disaggregated, rollout_hosts, trainer_processes"
-PARTS = "kill, actors, inputs, entry_points, workdir, handshake, backpressure, network"
+KILL_MODES = "colocated, disaggregated, trainer_processes"
+PARTS = "kill, actors, inputs, entry_points, workdir, backpressure, network"
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ PARTS = "kill, actors, inputs, entry_points, workdir, handshake, backpressure, n
       "--examples -5 is not accepted; give a count of at least 1.",
     ),
     (
-      ["--parts=handshake", "--seed=-1"],
+      ["--parts=backpressure", "--seed=-1"],
       "--seed -1 is not accepted; give an integer of at least 0.",
     ),
   ],

@@ -62,8 +62,6 @@ LEGAL_EXTREMES: dict[tuple[str, str], dict[object, str]] = {
   ("topology", "actor_restarts"): {
     _HUGE: "actors restarted without limit",
   },
-  ("topology", "rollout_listen"): {"": "read only with topology.rollout_hosts > 0, checked there"},
-  ("topology", "rollout_host_wait_s"): {_BIG: "wait for the hosts without a time limit"},
   ("model", "rope_theta"): {_BIG: "a RoPE base: any positive finite value is a valid one"},
   ("model", "norm_eps"): {_BIG: "a finite epsilon: the norm nearly scales by 1/sqrt(eps)"},
   ("model", "lora_rank"): {0: "no LoRA: full fine-tuning"},

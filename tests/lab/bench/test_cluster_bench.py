@@ -30,19 +30,20 @@ def test_without_root_the_bench_stops_with_one_sentence(monkeypatch, tmp_path):
     bench.run(cluster_config.get_config("quick"), str(tmp_path))
 
 
-def test_weight_sync_reads_each_rollout_hosts_counters(tmp_path):
-  for name, pulls, seconds in (("a", 10, 0.5), ("b", 4, 0.4), ("c", 0, 0.0)):
+def test_weight_sync_reads_each_disaggregated_runs_publish_timings(tmp_path):
+  for name, seconds, nbytes in (("a", 0.05, 300544.0), ("b", 0.1, 300544.0), ("c", 0.0, 0.0)):
     (tmp_path / name).mkdir()
-    counters = {"versions": pulls, "pull_s": seconds, "version_bytes": 300544}
-    (tmp_path / name / "rollout_host0.json").write_text(json.dumps(counters))
+    timings = {"weight_publish_s_mean": seconds, "weight_publish_bytes_mean": nbytes}
+    (tmp_path / name / "timings.json").write_text(json.dumps(timings))
   (tmp_path / "colocated").mkdir()
+  (tmp_path / "colocated" / "timings.json").write_text(json.dumps({"slots": 32}))
   ws = bench._weight_sync(str(tmp_path))
   assert ws["bytes"] == 300544
   assert ws["per_run"] == {
     "a": {"seconds": 0.05, "bytes": 300544},
     "b": {"seconds": 0.1, "bytes": 300544},
   }
-  assert ws["seconds"] == 0.1  # the median of the runs that pulled
+  assert ws["seconds"] == 0.1  # the median of the runs that published
   assert bench._weight_sync(str(tmp_path / "colocated")) is None
 
 

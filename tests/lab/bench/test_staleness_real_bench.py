@@ -146,3 +146,31 @@ def test_paper_variant_is_the_papers_regime_on_the_full_grid():
   assert config.depths == tuple(k / 16 for k in range(17))
   assert config.reference_depth in config.depths and config.learning_depth in config.depths
   assert staleness_real_config.get_config().depths == (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def test_in_a_cluster_a_disaggregated_run_generates_in_one_ray_actor_on_the_rollout_host():
+  from knitjax.config import from_config_dict
+
+  config = staleness_real_config.get_config("paper")
+  config.cluster_link_mbit = 250.0
+  args = dict(policy="minibatch", depth=1.0, steps=8, lr=1e-7)
+  disagg = staleness_real._variant(config, mode="disaggregated", **args)
+  colocated = staleness_real._variant(config, mode="colocated", **args)
+  assert disagg.topology.rollout_workers == 1 and disagg.topology.ray_address == ""
+  assert colocated.topology.rollout_workers == 0
+  assert from_config_dict(disagg).topology.rollout_workers == 1  # a valid run
+  config.cluster_link_mbit = 0.0  # no cluster: the rollout thread of the trainer's process
+  assert staleness_real._variant(config, mode="disaggregated", **args).topology.rollout_workers == 0
+
+  class Hosts:
+    def spawn(self, host, argv, **popen):
+      return host, argv, popen
+
+  env = {"RAY_AUTH_MODE": "token"}
+  host, argv, popen = staleness_real._spawn(Hosts(), env, "10.0.0.10:6379", 0, ["main"], env={})
+  assert (host, argv, popen) == (
+    0,
+    ["main", "--config.topology.ray_address=10.0.0.10:6379"],
+    {"env": env},
+  )
+  assert staleness_real._spawn(Hosts(), env, "", 2, ["main"])[:2] == (2, ["main"])
