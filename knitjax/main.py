@@ -92,6 +92,15 @@ def _join(address: str | None, processes: int | None, index: int | None, bind: d
     timer.cancel()
 
 
+def stopped_how() -> str:
+  """What to do after a run stopped on an error: rerun, from which checkpoint."""
+  from knitjax.runtime.preflight import checkpoint_steps
+
+  steps = checkpoint_steps(_WORKDIR.value)
+  then = f"resume from checkpoint {steps[-1]}" if steps else "start again (no checkpoint yet)"
+  return f"Rerun the same command to {then}."
+
+
 def main(argv, *, on_batch=None):
   """Runs the command line's job; ``on_batch`` reaches :func:`knitjax.run.train`."""
   del argv
@@ -123,11 +132,14 @@ def main(argv, *, on_batch=None):
     final = train(config, _WORKDIR.value, on_batch=on_batch, config_name=config_name)
   except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
-  except Exception:
+  except Exception as e:
     from knitjax.distributed.coordination import peer_left, said
+    from knitjax.distributed.local_ray import ray_failure
 
     if sentence := peer_left():  # a collective failed because another process stopped
       sys.exit(f"error: {said(sentence)}")
+    if sentence := ray_failure(e):  # an actor or node of the run's Ray cluster is gone
+      sys.exit(f"error: {sentence} {stopped_how()}")
     raise
   # Every process reports what it holds (param_norm is read from its own replica of the params).
   keys = ("step", "version", "loss", "param_norm", "weight_publish_bytes")

@@ -167,3 +167,21 @@ def private_ray_token() -> None:
     path,
     mode,
   )
+
+
+def ray_failure(error: BaseException) -> str | None:
+  """One sentence for an error of the run's Ray cluster (an actor that died past its restarts,
+  a node that became unreachable: Ray marks it dead after about a minute of failed health
+  checks, and an actor pinned to it cannot be rescheduled), else None. The error or one it was
+  raised from must be Ray's."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if type(error).__module__.startswith("ray."):
+      first = (str(error).strip().splitlines() or [""])[-1][:300]
+      return (
+        f"the run's Ray cluster lost a part the run needs ({type(error).__name__}: {first}); "
+        "check that every Ray node is up and reachable (`ray status`)."
+      )
+    error = error.__cause__ or error.__context__
+  return None

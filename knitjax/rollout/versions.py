@@ -92,11 +92,16 @@ class VersionClock:
     with self._cond:
       return self._stopped
 
-  def limit(self) -> int:
-    """Accepted groups (started minus rejected) that may have started by now."""
+  def limit(self, weights_version: int | None = None) -> int:
+    """Accepted groups (started minus rejected) that may have started by now, on weights of
+    ``weights_version``: the bound is reckoned at the older of it and the trainer's version, so
+    a version published after the rollout adopted its weights does not let groups start on
+    those older weights (an asynchronous publish, or a Ray rollout's object-store copy, opens
+    that window)."""
     with self._cond:
+      version = self._version if weights_version is None else min(self._version, weights_version)
       return start_limit(
-        self._version,
+        version,
         groups_per_step=self._b,
         minibatches=self._m,
         lag_groups=self.lag_groups,

@@ -138,7 +138,7 @@ class RolloutThread:
       newer = self.weights.take_newer(rollout.version)
       if newer is not None:
         rollout.adopt(newer[1], newer[0])
-      limit = self.clock.limit()
+      limit = self.clock.limit(rollout.version)  # groups start on the adopted weights
       started = 0
       while (
         rollout.version is not None and self.accepted_started < limit and rollout.capacity() > 0

@@ -73,3 +73,19 @@ def test_the_run_keeps_its_own_sigterm_and_sigint_handlers_across_ray_init(monke
   finally:
     for s, handler in saved.items():
       signal.signal(s, handler)
+
+
+def test_an_error_of_the_ray_cluster_is_one_sentence_naming_it():
+  """A partitioned node's actor, raised from inside the run's own code (as `release_groups`
+  does), is said in one sentence; anything else is not Ray's to explain."""
+  unschedulable = type("ActorUnschedulableError", (Exception,), {"__module__": "ray.exceptions"})
+  try:
+    try:
+      raise unschedulable("The actor is not schedulable:\nThe node ... doesn't exist any more.")
+    except Exception as e:
+      raise RuntimeError("while releasing groups") from e
+  except RuntimeError as outer:
+    sentence = local_ray.ray_failure(outer)
+  assert sentence.startswith("the run's Ray cluster lost a part the run needs (Actor")
+  assert "doesn't exist any more" in sentence and "`ray status`" in sentence
+  assert local_ray.ray_failure(ValueError("not Ray's")) is None

@@ -134,6 +134,10 @@ def test_depth_bound_and_device_split():
   assert clock.limit() == 8 + 4 + 4  # one mini-batch consumed: its 4 groups come back
   clock.advance(2)
   assert clock.limit() == 16 + 4  # at a step boundary both units agree
+  # Groups start on the rollout's adopted weights: a version published after they were adopted
+  # (an asynchronous or Ray publish) does not deepen the bound for them (the network fault
+  # trials saw 8-24 groups a run start one version too deep before).
+  assert clock.limit(weights_version=1) == 8 + 4 + 4 and clock.limit(weights_version=5) == 20
   with pytest.raises(ValueError, match="lag_unit='version'"):
     versions.VersionClock(0, groups_per_step=8, minibatches=2, max_lag_steps=0, lag_unit="version")
   # the clock's constants sit beside it: config and the simulator check lag units against them
