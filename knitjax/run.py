@@ -42,7 +42,7 @@ def train(
 
     check_one_run(config, workdir)
   with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
-    topology = choose(config, on_batch=on_batch)
+    topology = choose(config, workdir=_local(workdir), on_batch=on_batch)
     if config.topology.mode == "colocated":
       from knitjax.runtime import colocated
 
@@ -50,3 +50,10 @@ def train(
     from knitjax.runtime import disaggregated
 
     return disaggregated.run(config, workdir, topology, on_step=on_step, config_name=config_name)
+
+
+def _local(workdir: str) -> str:
+  """The workdir where a run's Ray token can be kept (a local folder), else empty."""
+  from knitjax.workdir import is_remote
+
+  return "" if is_remote(workdir) else workdir

@@ -30,7 +30,7 @@ def split_devices(config: Config, devices: list) -> tuple[list, list]:
   return devices[:r], devices[r:]
 
 
-def build_storage(config: Config, prompts, *, unit_id: int = 0) -> StorageUnit:
+def build_storage(config: Config, prompts, *, unit_id: int = 0, workdir: str = "") -> StorageUnit:
   """A storage unit sized for a few train steps of payload: in this process, or a Ray actor
   (``topology.storage="ray"``, starting or joining Ray)."""
   limits = rollout_builder.build_storage_limits(config, prompts)
@@ -38,7 +38,9 @@ def build_storage(config: Config, prompts, *, unit_id: int = 0) -> StorageUnit:
     from knitjax.distributed.local_ray import ensure_ray
     from knitjax.distributed.ray_storage import RayStorageUnit
 
-    ensure_ray(config.topology.ray_address, needed_by="config.topology.storage='ray'")
+    ensure_ray(
+      config.topology.ray_address, needed_by="config.topology.storage='ray'", token_dir=workdir
+    )
     return RayStorageUnit(limits, unit_id=unit_id, max_restarts=config.topology.actor_restarts)
   return InProcessStorageUnit(limits, unit_id=unit_id)
 
@@ -46,15 +48,15 @@ def build_storage(config: Config, prompts, *, unit_id: int = 0) -> StorageUnit:
 class InProcess:
   """`knitjax.distributed.topology.Topology`: rollout and trainer in this one process."""
 
-  def __init__(self, config: Config):
-    self._config, self._mesh = config, None
+  def __init__(self, config: Config, *, workdir: str = ""):
+    self._config, self._mesh, self._workdir = config, None, workdir
 
   def split(self, devices: list) -> tuple[list, list]:
     return split_devices(self._config, devices)
 
   def rollout(self, config: Config, graphdef, mesh, prompts):
     self._mesh = mesh  # versions are published onto it
-    unit = build_storage(config, prompts)
+    unit = build_storage(config, prompts, workdir=self._workdir)
     return rollout_builder.local_rollout(config, graphdef, mesh, prompts, unit)
 
   def pipe(self, config, workdir, learner, rollout, admission, prompts, train_mesh, resumed):

@@ -40,11 +40,16 @@ import threading
 
 from absl import logging
 
+RUN_TOKEN = "ray_token"  # a run's own Ray token, in its workdir
 _MONITOR_PORT = "AUTOSCALER_METRIC_PORT"  # read by the monitor process that ray.init starts
 
 
-def ensure_ray(address: str = "", *, needed_by: str = "this run") -> None:
+def ensure_ray(address: str = "", *, needed_by: str = "this run", token_dir: str = "") -> None:
   """Joins ``address``, or starts a local Ray as the module docstring describes.
+
+  ``token_dir`` (a run's local workdir): a local Ray authenticates with a token of that run,
+  ``TOKEN_DIR/ray_token`` (made owner-only), unless the user chose one (``RAY_AUTH_TOKEN`` or
+  ``RAY_AUTH_TOKEN_PATH``); the run's other processes join with the same file.
 
   Raises:
     ValueError: Ray is not installed, ``RAY_AUTH_MODE=disabled`` for a local start, or Ray's
@@ -56,6 +61,10 @@ def ensure_ray(address: str = "", *, needed_by: str = "this run") -> None:
     raise ValueError(f"{needed_by} needs Ray: pip install -e '.[ray]'.") from None
   if ray.is_initialized():
     return
+  if token_dir and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+    run_token = os.path.join(os.path.abspath(token_dir), RUN_TOKEN)
+    if not address or os.path.exists(run_token):  # a local start makes it; a join reads it
+      os.environ["RAY_AUTH_TOKEN_PATH"] = run_token
   with _our_signals():
     _init(ray, address)
 

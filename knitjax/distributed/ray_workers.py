@@ -43,9 +43,13 @@ def hosted_rollout(config: Config, storage: StorageUnit):
   return HostedRollout(rollout, params, mesh)
 
 
-def ray_rollout(config: Config, prompts):
+def ray_rollout(config: Config, prompts, *, workdir: str = ""):
   """``topology.rollout_workers`` Ray actors generating the configured rollout."""
-  ensure_ray(config.topology.ray_address, needed_by="config.topology.rollout_workers > 0")
+  ensure_ray(
+    config.topology.ray_address,
+    needed_by="config.topology.rollout_workers > 0",
+    token_dir=workdir,
+  )
   from knitjax.distributed.ray_rollout import RayRollout
 
   return RayRollout(
@@ -76,14 +80,14 @@ def new_run_id() -> str:
 class RayWorkers:
   """`knitjax.distributed.topology.Topology`: one trainer process, the rollout in Ray actors."""
 
-  def __init__(self, config: Config):
-    self._n = config.topology.rollout_workers
+  def __init__(self, config: Config, *, workdir: str = ""):
+    self._n, self._workdir = config.topology.rollout_workers, workdir
 
   def split(self, devices: list) -> tuple[list, list]:
     return [], list(devices)
 
   def rollout(self, config: Config, graphdef, mesh, prompts):
-    return ray_rollout(config, prompts)
+    return ray_rollout(config, prompts, workdir=self._workdir)
 
   def pipe(self, config, workdir, learner, rollout, admission, prompts, train_mesh, resumed):
     from knitjax.distributed.weight_shards import create_board

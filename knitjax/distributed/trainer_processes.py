@@ -245,9 +245,9 @@ class TrainerProcesses:
   a process lost at any point ends the others with one sentence.
   """
 
-  def __init__(self, config, *, on_batch: Callable | None = None):
+  def __init__(self, config, *, workdir: str = "", on_batch: Callable | None = None):
     check_config(config)
-    self._n, self._on_batch = config.topology.rollout_workers, on_batch
+    self._n, self._on_batch, self._workdir = config.topology.rollout_workers, on_batch, workdir
     self.watch = PulseWatch()
     self.leader = jax.process_index() == 0
 
@@ -255,7 +255,7 @@ class TrainerProcesses:
     return [], list(devices)
 
   def rollout(self, config, graphdef, mesh, prompts):
-    return ray_rollout(config, prompts) if self.leader else None
+    return ray_rollout(config, prompts, workdir=self._workdir) if self.leader else None
 
   def pipe(self, config, workdir, learner, rollout, admission, prompts, train_mesh, resumed):
     start = learner.version // config.admission.minibatches
@@ -299,7 +299,11 @@ class TrainerProcesses:
       )
     if cluster["local"]:  # join it with the token process 0's Ray was started with (same user)
       os.environ.setdefault("RAY_AUTH_MODE", "token")
-    ensure_ray(cluster["address"], needed_by="a multi-process disaggregated trainer")
+    ensure_ray(
+      cluster["address"],
+      needed_by="a multi-process disaggregated trainer",
+      token_dir=self._workdir if cluster["local"] else "",
+    )
     from knitjax.distributed.ray_storage import RayStorageUnit
 
     limits = build_storage_limits(config, prompts)

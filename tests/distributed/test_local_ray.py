@@ -89,3 +89,21 @@ def test_an_error_of_the_ray_cluster_is_one_sentence_naming_it():
   assert sentence.startswith("the run's Ray cluster lost a part the run needs (Actor")
   assert "doesn't exist any more" in sentence and "`ray status`" in sentence
   assert local_ray.ray_failure(ValueError("not Ray's")) is None
+
+
+def test_a_local_ray_for_a_run_authenticates_with_that_runs_own_token(tmp_path, monkeypatch):
+  """The token lives in the run's workdir (0600), not in the user's ~/.ray shared by every run;
+  a token the user chose (RAY_AUTH_TOKEN_PATH) wins."""
+  calls = []
+  monkeypatch.setitem(sys.modules, "ray", _fake_ray(calls))
+  monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+  monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+  monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+  local_ray.ensure_ray("", token_dir=str(tmp_path))
+  token = tmp_path / "ray_token"
+  assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(token)
+  assert token.stat().st_mode & 0o077 == 0 and len(token.read_text()) == 64
+  mine = tmp_path / "mine"
+  monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(mine))
+  local_ray.ensure_ray("", token_dir=str(tmp_path / "other_run"))
+  assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(mine)
