@@ -8,10 +8,11 @@ What Ray 2.60 exposes when started with ``ray.init`` and what is done about it:
   ``ray.init`` is given (a loopback address is mapped to the node's own). Ray's token
   authentication guards them and is on by default; a local Ray is refused when
   ``RAY_AUTH_MODE=disabled``.
-- Its token file (``~/.ray/auth_token``, or ``RAY_AUTH_TOKEN_PATH``) is written with the
-  default umask (0644: readable by every user of the machine, who could then call the cluster).
-  It is created owner-only (0600) before Ray would create it, and an existing one open to group
-  or others is made owner-only, with a warning.
+- Its token: a run's own, ``WORKDIR/ray_token`` (``token_dir``), unless the user chose one
+  (``RAY_AUTH_TOKEN_PATH``, ``RAY_AUTH_TOKEN``; else Ray's ``~/.ray/auth_token``). Ray writes a
+  token file with the default umask (0644: readable by every user of the machine, who could
+  then call the cluster). It is created owner-only (0600) before Ray would create it, and an
+  existing one open to group or others is made owner-only, with a warning.
 - Its autoscaler monitor serves Prometheus metrics without authentication on every interface
   (``AUTOSCALER_METRIC_PORT``, default 44217), and ``ray.init`` cannot turn the monitor off: the
   monitor is started with an invalid port, so its metrics server does not start. Metrics
