@@ -39,6 +39,15 @@ def get_config(arg=None):
   c.repeats = 2  # runs at the real link rate
   c.sweep_gbps = (5.0, 10.0, 50.0, 100.0)  # one run each
   c.run_timeout_s = 900
+  # The one-trainer-host runs above (calibration, repeats, sweep); False: only the T runs below.
+  c.one_trainer_host = True
+  # The multimodal comparison with T trainer hosts, one process each, one JAX program
+  # (lab/bench/multimodal_hosts.py): every T of trainer_hosts, each calibrated on its own (the
+  # dilation per host), then trainer_host_rounds rounds at the real link rate; () = skip.
+  # Hosts: 0 trainer 0, 1 storage, 2 controller, 3.. trainers 1..; the trainers share
+  # host_cores[0], storage and controller host_cores[1].
+  c.trainer_hosts = (1, 2, 4)
+  c.trainer_host_rounds = 2
   # The staleness grid and learning (configs/bench/staleness_real.py:<variant>, "" = skip),
   # with these extra flags.
   c.staleness_variant = "paper"
@@ -52,6 +61,8 @@ def get_config(arg=None):
     c.sweep_gbps = (100.0,)
     c.run_timeout_s = 300
     c.staleness_variant = ""  # the grid takes half an hour; run it with the full variant
+    c.trainer_hosts = ()
+    c.trainer_host_rounds = 1
   elif arg not in (None, ""):
     raise ValueError(f"unknown variant {arg!r} of configs/bench/cluster.py; choose: quick.")
   return c

@@ -1,0 +1,81 @@
+"""The pure parts of the trainer-hosts multimodal bench (lab/bench/multimodal_hosts.py): which host
+runs what on which cores, each host's share of a step, the dilation per host, and how the T
+processes' timings become one mini-batch's."""
+
+import os
+import sys
+
+import pytest
+
+from lab.bench import multimodal_hosts as mmh
+from lab.cluster import scale
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, REPO)
+from configs.bench import cluster as cluster_config  # noqa: E402
+from configs.bench import multimodal as mm_config  # noqa: E402
+
+
+def test_trainers_share_one_core_and_storage_and_controller_the_other():
+  cores = mmh.host_cores(4, (0,), (1,))
+  assert cores == [(0,), (1,), (1,), (0,), (0,), (0,)]
+  assert mmh.trainer_hosts(1) == [0]
+  assert mmh.trainer_hosts(4) == [0, 3, 4, 5]
+  assert {cores[h] for h in mmh.trainer_hosts(4)} == {(0,)}
+  assert mmh.core_share(4)["core_fraction_per_trainer_host"] == 0.25
+  assert mmh.core_share(2, (0, 1))["core_fraction_per_trainer_host"] == 1.0
+  with pytest.raises(ValueError, match="trainer_hosts must be >= 1"):
+    mmh.host_cores(0)
+
+
+def test_each_host_trains_the_one_host_step_weak_scaling():
+  c = mm_config.get_config("cluster")
+  for t in (1, 2, 4):
+    w = mmh.hosts_workload(c, t)
+    assert w.groups_per_step == 4 * t
+    assert mmh.rows_per_host(w, t) == 4 * 8  # 4 groups of G = 8, whatever T
+    assert w.groups_per_minibatch % t == 0  # every host has its own groups in each mini-batch
+    assert w.release == "step_start" and w.row_format == "float32"
+
+
+def test_the_dilation_is_per_host_compute_per_row():
+  real = scale.RealWorkload(**dict(cluster_config.get_config().real))
+  one = mmh.per_host_dilation(real, 2.4, 32)  # one host alone: 75 ms a row
+  four = mmh.per_host_dilation(real, 4 * 2.4, 32)  # four hosts on one core: 4x the seconds
+  assert one["emulated_naive_s_per_row"] == pytest.approx(0.075)
+  assert four["factor"] == pytest.approx(4 * one["factor"])
+  assert four["link_mbit"] == pytest.approx(one["link_mbit"] / 4)
+  assert one["link_mbit"] == pytest.approx(25_000 / one["factor"])
+
+
+def _row(exposed, compute, unique=2.0, transfer=None):
+  return {
+    "transfer_s": exposed if transfer is None else transfer,
+    "exposed_s": exposed,
+    "compute_s": compute,
+    "release_to_compute_s": exposed,
+    "groups": [0, 1],
+    "unique_images": unique,
+    "num_seqs": 16.0,
+    "encoder_images_encoded": 2.0,
+    "encoder_backward_passes": 1.0,
+  }
+
+
+def test_a_minibatch_waits_for_its_slowest_host():
+  # host 0 had its data at once and then waited in the step's collectives for host 1
+  p0 = [_row(0.0, 1.5), _row(0.1, 1.0)]
+  p1 = [_row(0.5, 1.0), _row(0.0, 1.0)]
+  a, b = mmh.combine([p0, p1])
+  assert a["exposed_s"] == 0.5 and a["compute_s"] == pytest.approx(1.0)
+  assert b["exposed_s"] == 0.1 and b["compute_s"] == pytest.approx(1.0)
+  assert a["unique_images"] == 4.0 and a["num_seqs"] == 16.0  # the step counts all hosts' rows
+  with pytest.raises(ValueError):
+    mmh.combine([p0, p1[:1]])
+
+
+def test_configs_name_the_trainer_hosts_and_quick_skips_them():
+  full, quick = cluster_config.get_config(), cluster_config.get_config("quick")
+  assert tuple(full.trainer_hosts) == (1, 2, 4) and full.trainer_host_rounds >= 2
+  assert full.one_trainer_host
+  assert tuple(quick.trainer_hosts) == ()
