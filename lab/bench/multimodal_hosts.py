@@ -477,6 +477,8 @@ def run(cluster, multimodal_config, real, env: dict, ray_address: str, t: int, w
   out["speedup"] = [out[n]["speedup"] for n in names]
   out["latency_ratio"] = [out[n]["latency_ratio"] for n in names]
   out["wall_s"] = time.time() - t0
+  with open(os.path.join(workdir, "hosts.json"), "w") as f:  # kept if a later T fails
+    json.dump(out, f, indent=1)
   return out
 
 

@@ -79,3 +79,33 @@ def test_configs_name_the_trainer_hosts_and_quick_skips_them():
   assert tuple(full.trainer_hosts) == (1, 2, 4) and full.trainer_host_rounds >= 2
   assert full.one_trainer_host
   assert tuple(quick.trainer_hosts) == ()
+
+
+def test_a_phase_figures_compare_the_slowest_hosts_and_count_every_group():
+  c = mm_config.get_config("cluster")
+  w = mmh.hosts_workload(c, 2)  # 8 groups a step, 2 mini-batches of 4 groups, 2 per host
+
+  def rows(exposed, compute):
+    return [
+      {**_row(e, compute), "groups": [4 * j + g for g in range(4)], "num_seqs": 32.0}
+      for j, e in enumerate(exposed)
+    ]
+
+  groups = {m: [[[0, 1, 2, 3], [4, 5, 6, 7]]] for m in mmh.MODES}
+  sizes = [{"received": {"0": 10.0, "1": 10.0}, "sent": {"0": 40.0, "1": 40.0}}]
+  per = [
+    {"rows": {"centralized": rows([2.0, 0.0], 3.0), "on_demand": rows([0.1, 0.0], 2.0)},
+     "sizes": sizes, "bytes": 5.0},
+    {"rows": {"centralized": rows([1.0, 0.0], 3.0), "on_demand": rows([0.2, 0.0], 2.0)},
+     "sizes": sizes, "bytes": 7.0},
+  ]  # fmt: skip
+  f = mmh.figures(w, 1, per, groups)
+  assert f["centralized"]["step_s"] == pytest.approx(2.0 + 6.0)  # host 0's wait, both computes
+  assert f["on_demand"]["step_s"] == pytest.approx(0.2 + 4.0)
+  assert f["speedup"] == pytest.approx(8.0 / 4.2)
+  assert f["latency_ratio"] == pytest.approx(2.0 / 0.2)
+  assert f["centralized"]["bytes"] == 100.0 and f["on_demand"]["bytes"] == 12.0
+  assert f["on_demand"]["counts"] == {"groups": 8, "rows": 64, "lost": 0, "duplicated": 0}
+  groups["on_demand"] = [[[0, 1, 2, 3], [4, 5, 6, 6]]]
+  with pytest.raises(RuntimeError, match="lost or duplicated"):
+    mmh.figures(w, 1, per, groups)
