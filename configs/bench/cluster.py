@@ -11,6 +11,12 @@ each) at 40% utilisation; rows shaped like the multimodal benchmark's main workl
 image = 1,024 patches, 256 image tokens + 33 prompt tokens + 96 response tokens on average,
 G = 8); 25 Gb/s per host, 10 us one way. ``quick`` runs the multimodal smoke workload (56x56
 images): it checks the harness, its dilation means nothing.
+
+``trainer_hosts``: the same comparison with T trainer processes, one per trainer host, one JAX
+program (docs/cluster.md, "Trainer hosts T = 1, 2, 4"); only those runs:
+
+    python -m lab.bench --config configs/bench/cluster.py --workdir runs/cluster_hosts \
+      --config.one_trainer_host=False --config.staleness_variant=""
 """
 
 import ml_collections
