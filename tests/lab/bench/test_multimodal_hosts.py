@@ -109,3 +109,64 @@ def test_a_phase_figures_compare_the_slowest_hosts_and_count_every_group():
   groups["on_demand"] = [[[0, 1, 2, 3], [4, 5, 6, 6]]]
   with pytest.raises(RuntimeError, match="lost or duplicated"):
     mmh.figures(w, 1, per, groups)
+
+
+def _cannot_build() -> str | None:
+  """Why this machine cannot build a cluster (root and tools, then a namespace tried), or None."""
+  import subprocess
+
+  from lab.cluster import net
+
+  if problem := net.missing_tools():
+    return problem
+  probe = f"kjprobe{os.getpid()}"
+  made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+  if made.returncode != 0:
+    return f"this machine cannot make a network namespace: {made.stderr.strip()}"
+  subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+  return None
+
+
+_GLOO = """
+import os, sys
+from lab.bench.multimodal_hosts import _own_hostname
+k, coordinator, address = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+_own_hostname(address)
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+import jax, numpy as np
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator, num_processes=2, process_id=k)
+from jax.experimental import multihost_utils
+print("sum", float(multihost_utils.process_allgather(np.array([k + 1.0])).sum()), flush=True)
+"""
+
+
+MISSING = _cannot_build()
+
+
+@pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+def test_two_trainer_hosts_are_one_jax_program_over_gloo():
+  """Each process in its own namespace, named after its host's address: gloo connects them
+  across the hosts' links (without the name, it binds to 127.0.0.1 and never connects)."""
+  import subprocess
+
+  from lab.cluster.hosts import Cluster, HostSpec
+
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  with Cluster([HostSpec(cores=(0,)), HostSpec(cores=(1,))], log=lambda m: None) as cluster:
+    coordinator = f"{cluster.hosts[0].address}:{mmh.PORT}"
+    procs = [
+      cluster.spawn(
+        k,
+        [sys.executable, "-c", _GLOO, str(k), coordinator, cluster.hosts[k].address],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+      )
+      for k in range(2)
+    ]
+    outs = [p.communicate(timeout=60)[0].decode(errors="replace") for p in procs]
+  for p, out in zip(procs, outs, strict=True):
+    assert p.returncode == 0, out[-1500:]
+    assert "sum 3.0" in out
