@@ -11,6 +11,12 @@ each) at 40% utilisation; rows shaped like the multimodal benchmark's main workl
 image = 1,024 patches, 256 image tokens + 33 prompt tokens + 96 response tokens on average,
 G = 8); 25 Gb/s per host, 10 us one way. ``quick`` runs the multimodal smoke workload (56x56
 images): it checks the harness, its dilation means nothing.
+
+``trainer_hosts``: the same comparison with T trainer processes, one per trainer host, one JAX
+program (docs/cluster.md, "Trainer hosts T = 1, 2, 4"); only those runs:
+
+    python -m lab.bench --config configs/bench/cluster.py --workdir runs/cluster_hosts \
+      --config.one_trainer_host=False --config.staleness_variant=""
 """
 
 import ml_collections
@@ -39,6 +45,15 @@ def get_config(arg=None):
   c.repeats = 2  # runs at the real link rate
   c.sweep_gbps = (5.0, 10.0, 50.0, 100.0)  # one run each
   c.run_timeout_s = 900
+  # The one-trainer-host runs above (calibration, repeats, sweep); False: only the T runs below.
+  c.one_trainer_host = True
+  # The multimodal comparison with T trainer hosts, one process each, one JAX program
+  # (lab/bench/multimodal_hosts.py): every T of trainer_hosts, each calibrated on its own (the
+  # dilation per host), then trainer_host_rounds rounds at the real link rate; () = skip.
+  # Hosts: 0 trainer 0, 1 storage, 2 controller, 3.. trainers 1..; the trainers share
+  # host_cores[0], storage and controller host_cores[1].
+  c.trainer_hosts = (1, 2, 4)
+  c.trainer_host_rounds = 2
   # The staleness grid and learning (configs/bench/staleness_real.py:<variant>, "" = skip),
   # with these extra flags.
   c.staleness_variant = "paper"
@@ -52,6 +67,8 @@ def get_config(arg=None):
     c.sweep_gbps = (100.0,)
     c.run_timeout_s = 300
     c.staleness_variant = ""  # the grid takes half an hour; run it with the full variant
+    c.trainer_hosts = ()
+    c.trainer_host_rounds = 1
   elif arg not in (None, ""):
     raise ValueError(f"unknown variant {arg!r} of configs/bench/cluster.py; choose: quick.")
   return c

@@ -175,6 +175,49 @@ def _naive_s_per_row(mm: dict) -> float:
   return main["centralized"]["step_compute_s"] / (w["groups_per_step"] * w["group_size"])
 
 
+def _multimodal_config(variant: str):
+  import importlib.util
+
+  path = os.path.join(REPO, "configs", "bench", "multimodal.py")
+  spec = importlib.util.spec_from_file_location("_multimodal_bench_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
+def _by_trainer_hosts(config, real, env: dict, workdir: str, log) -> dict | None:
+  """The multimodal comparison with T trainer processes, each on a trainer host of its own
+  (`lab.bench.multimodal_hosts`), for every T of ``config.trainer_hosts``; None when empty."""
+  from lab.bench import multimodal_hosts as mmh
+
+  if not config.trainer_hosts:
+    return None
+  mm = _multimodal_config(config.multimodal_variant)
+  cores = mmh.host_cores(max(config.trainer_hosts), *config.host_cores[:2])
+  out = {
+    "hosts": [list(c) for c in cores],
+    "goal": {"trainer_hosts": 4, "speedup": 5.8, "latency_ratio": 100.0},
+  }
+  with Cluster([HostSpec(cores=c) for c in cores], log=log) as cluster:
+    temp_dir = f"/tmp/ray_{cluster.tag}h"
+    try:
+      address = _start_ray(cluster, env, temp_dir, log)
+      for t in config.trainer_hosts:
+        r = mmh.run(
+          cluster, mm, real, env, address, t, os.path.join(workdir, f"hosts{t}"),
+          rounds=config.trainer_host_rounds, timeout_s=config.run_timeout_s, log=log,
+        )  # fmt: skip
+        if t == out["goal"]["trainer_hosts"]:
+          r["goal_met"] = {
+            "speedup": min(r["speedup"]) >= out["goal"]["speedup"],
+            "latency_ratio": min(r["latency_ratio"]) >= out["goal"]["latency_ratio"],
+          }
+        out[str(t)] = r
+    finally:
+      shutil.rmtree(temp_dir, ignore_errors=True)
+  return out
+
+
 def run(config, workdir: str) -> dict:
   if problem := net.missing_tools():
     raise ValueError(problem)
@@ -184,6 +227,83 @@ def run(config, workdir: str) -> dict:
   env = ray_nodes.ray_env(workdir)
   specs = [HostSpec(cores=tuple(cores)) for cores in config.host_cores]
   t0 = time.time()
+  runs, d = [], None
+  if config.one_trainer_host:
+    runs, d = _one_trainer_host(config, real, env, specs, workdir, log)
+  by_hosts = _by_trainer_hosts(config, real, env, workdir, log)
+  if d is None and by_hosts and "1" in by_hosts:
+    d = by_hosts["1"]["dilation"]  # one trainer host's, measured by the hosts runs
+  staleness = d and _staleness(config, d["link_mbit"], os.path.join(workdir, "staleness"), log)
+  headline = [r for r in runs if r["real_gbps"] == real.link_gbps]
+  out = {
+    "bench": "cluster",
+    "hosts": [list(c) for c in config.host_cores],
+    "dilation": d,
+    "multimodal": {
+      "real_gbps": real.link_gbps,
+      "latency_ratio": [r["figures"]["main"]["latency_ratio"] for r in headline],
+      "speedup": [r["figures"]["main"]["speedup"] for r in headline],
+      "pipelined": {
+        k: [r["figures"].get("pipelined", {}).get(k) for r in headline]
+        for k in ("latency_ratio", "speedup")
+      },
+      "runs": runs,
+      "by_trainer_hosts": by_hosts,
+    },
+    "staleness": staleness,
+    "weight_sync": staleness and staleness["weight_sync"],
+    "sim_max_rel_error": staleness and staleness["sim_max_rel_error"],
+    "wall_s": time.time() - t0,
+  }
+  write_json(workdir, "cluster", out)
+  if runs:
+    _plot(runs, os.path.join(workdir, "cluster.png"))
+    rows = [
+      {
+        "real Gb/s": r["real_gbps"] or "unshaped",
+        "link Mbit/s": r["link_mbit"] or 0.0,
+        **{
+          f"{k} {name}": f[k]
+          for name, f in r["figures"].items()
+          for k in ("latency_ratio", "speedup", "centralized_transfer_s")
+        },
+      }
+      for r in runs
+    ]
+    print(format_table(rows, list(rows[0])))
+  if by_hosts:
+    _plot_hosts(by_hosts, os.path.join(workdir, "cluster_hosts.png"))
+    print(format_table(_hosts_rows(by_hosts), list(_hosts_rows(by_hosts)[0])))
+  return out
+
+
+def _hosts_rows(by_hosts: dict) -> list[dict]:
+  """One table row per T and round."""
+  rows = []
+  for key, r in by_hosts.items():
+    if not key.isdigit():
+      continue
+    for i, (s, lr) in enumerate(zip(r["speedup"], r["latency_ratio"], strict=True)):
+      f = r[f"round{i}"]
+      rows.append(
+        {
+          "T": r["trainer_hosts"],
+          "round": i,
+          "D/host": r["dilation"]["factor"],
+          "link Mbit/s": r["link_mbit"],
+          "speedup": s,
+          "latency_ratio": lr,
+          "cen xfer s": f["centralized"]["step_transfer_s"],
+          "cen comp s": f["centralized"]["step_compute_s"],
+          "od xfer s": f["on_demand"]["step_transfer_s"],
+          "od comp s": f["on_demand"]["step_compute_s"],
+        }
+      )
+  return rows
+
+
+def _one_trainer_host(config, real, env, specs, workdir: str, log):
+  """The one-trainer-host runs: calibration, then the headline rate and the sweep."""
   with Cluster(specs, log=log) as cluster:
     temp_dir = f"/tmp/ray_{cluster.tag}"
     try:
@@ -206,43 +326,7 @@ def run(config, workdir: str) -> dict:
         runs.append({"real_gbps": gbps, "link_mbit": rate, "figures": _figures(mm)})
     finally:
       shutil.rmtree(temp_dir, ignore_errors=True)
-  staleness = _staleness(config, d["link_mbit"], os.path.join(workdir, "staleness"), log)
-  headline = [r for r in runs if r["real_gbps"] == real.link_gbps]
-  out = {
-    "bench": "cluster",
-    "hosts": [list(c) for c in config.host_cores],
-    "dilation": d,
-    "multimodal": {
-      "real_gbps": real.link_gbps,
-      "latency_ratio": [r["figures"]["main"]["latency_ratio"] for r in headline],
-      "speedup": [r["figures"]["main"]["speedup"] for r in headline],
-      "pipelined": {
-        k: [r["figures"].get("pipelined", {}).get(k) for r in headline]
-        for k in ("latency_ratio", "speedup")
-      },
-      "runs": runs,
-    },
-    "staleness": staleness,
-    "weight_sync": staleness and staleness["weight_sync"],
-    "sim_max_rel_error": staleness and staleness["sim_max_rel_error"],
-    "wall_s": time.time() - t0,
-  }
-  write_json(workdir, "cluster", out)
-  _plot(runs, os.path.join(workdir, "cluster.png"))
-  rows = [
-    {
-      "real Gb/s": r["real_gbps"] or "unshaped",
-      "link Mbit/s": r["link_mbit"] or 0.0,
-      **{
-        f"{k} {name}": f[k]
-        for name, f in r["figures"].items()
-        for k in ("latency_ratio", "speedup", "centralized_transfer_s")
-      },
-    }
-    for r in runs
-  ]
-  print(format_table(rows, list(rows[0])))
-  return out
+  return runs, d
 
 
 def _plot(runs: list[dict], path: str) -> None:
@@ -266,6 +350,31 @@ def _plot(runs: list[dict], path: str) -> None:
     ax.legend()
   axes[1].set_yscale("log")
   fig.suptitle("centralized + naive vs on-demand + dedup across the emulated cluster")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _plot_hosts(by_hosts: dict, path: str) -> None:
+  """Speedup and latency ratio against T, every round a point, the goals dashed."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  goal = by_hosts["goal"]
+  for ax, key in zip(axes, ("speedup", "latency_ratio"), strict=True):
+    for k, r in by_hosts.items():
+      if k.isdigit():
+        ax.plot([r["trainer_hosts"]] * len(r[key]), r[key], "o", color="C0")
+    ax.axhline(goal[key], color="k", lw=0.8, ls="--", label=f"goal at T={goal['trainer_hosts']}")
+    ax.set_xlabel("trainer hosts T (each at its per-host dilation)")
+    ax.set_ylabel(key.replace("_", " "))
+    ax.set_xscale("log", base=2)
+    ax.legend()
+  axes[1].set_yscale("log")
+  fig.suptitle("centralized + naive vs on-demand + dedup, T trainer hosts")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

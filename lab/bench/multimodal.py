@@ -348,7 +348,7 @@ def _plot(results: list[dict], path: str) -> None:
 
 
 def run(config, workdir: str) -> dict:
-  from knitjax.runtime.rollout_builder import ensure_ray
+  from knitjax.distributed.local_ray import ensure_ray
 
   ensure_ray(config.get("ray_address", ""), needed_by="the multimodal benchmark")
   devices = jax.devices()[: config.consumers]

@@ -91,13 +91,14 @@ def place(part: Mapping[str, np.ndarray], k: int, device) -> dict:
 
 def global_batch(placed: Sequence[Mapping[str, jax.Array]], shardings) -> dict:
   """The global batch from every consumer's placed rows, without copying (micro-batch k of the
-  global batch: each consumer's k-th slice in consumer order; images: each consumer's slots)."""
+  global batch: each consumer's k-th slice in consumer order; images: each consumer's slots).
+  ``placed`` are this process's consumers; every process of a multi-process trainer has as many."""
   out = {}
   for f, sh in shardings.items():
     parts = [p[f] for p in placed]
     axis = 0 if f == "images" else 1
     shape = list(parts[0].shape)
-    shape[axis] *= len(parts)
+    shape[axis] *= len(parts) * jax.process_count()
     out[f] = jax.make_array_from_single_device_arrays(tuple(shape), sh, parts)
   return out
 
@@ -111,20 +112,33 @@ class OnDemandConsumers:
   prepared). The trainer thread takes every consumer's part, waits until its copy is on the
   device, and computes. ``transfer_s`` of a mini-batch: its fetch and layout and the placement
   call (the copy itself may finish later, after a running step; any wait for it is exposed).
+  In a multi-process trainer, ``first`` is this process's first consumer index of
+  ``num_consumers`` in all (default: this process's devices are every consumer).
   """
 
-  def __init__(self, minibatches, storage, layout: BatchLayout, micro_batches: int, devices):
+  def __init__(
+    self,
+    minibatches,
+    storage,
+    layout: BatchLayout,
+    micro_batches: int,
+    devices,
+    *,
+    first: int = 0,
+    num_consumers: int | None = None,
+  ):
     self._mbs = list(minibatches)
     self._released = {(mb.step, mb.index): threading.Event() for mb in self._mbs}
     self.queues = [queue.Queue(maxsize=1) for _ in devices]
+    total = num_consumers or len(devices)
     self._threads = [
       threading.Thread(
         target=self._fetch,
-        args=(c, d, storage, layout, micro_batches, len(devices)),
-        name=f"consumer-{c}",
+        args=(k, first + k, d, storage, layout, micro_batches, total),
+        name=f"consumer-{first + k}",
         daemon=True,
       )
-      for c, d in enumerate(devices)
+      for k, d in enumerate(devices)
     ]
     for t in self._threads:
       t.start()
@@ -133,7 +147,7 @@ class OnDemandConsumers:
     for mb in minibatches:
       self._released[(mb.step, mb.index)].set()
 
-  def _fetch(self, c, device, storage, layout, micro_batches, consumers):
+  def _fetch(self, k, c, device, storage, layout, micro_batches, consumers):
     for mb in self._mbs:
       self._released[(mb.step, mb.index)].wait()
       t = time.perf_counter()
@@ -145,7 +159,7 @@ class OnDemandConsumers:
       # next mini-batch's host work until the step ends. The trainer waits for the copy before it
       # computes (counted as exposed).
       placed = place(part, micro_batches, device)
-      self.queues[c].put((placed, info, t, time.perf_counter()))
+      self.queues[k].put((placed, info, t, time.perf_counter()))
 
   def join(self) -> None:
     for t in self._threads:
