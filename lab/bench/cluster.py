@@ -201,7 +201,7 @@ def _by_trainer_hosts(config, real, env: dict, workdir: str, log) -> dict | None
   with Cluster([HostSpec(cores=c) for c in cores], log=log) as cluster:
     temp_dir = f"/tmp/ray_{cluster.tag}h"
     try:
-      address = _start_ray(cluster, env, temp_dir, log)
+      address = ray_nodes.start(cluster, env, temp_dir, head=TRAINER, log=log)
       for t in config.trainer_hosts:
         r = mmh.run(
           cluster, mm, real, env, address, t, os.path.join(workdir, f"hosts{t}"),
