@@ -26,6 +26,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -68,6 +69,9 @@ class Case:
   env: dict = dataclasses.field(default_factory=dict)
   survives: Callable[[], bool] | None = None
   timeout_s: float = TIMEOUT_S
+
+
+_HELD: list = []  # sockets the cases hold open (a port in use)
 
 
 def _python(*argv: str) -> tuple[str, ...]:
@@ -230,6 +234,28 @@ def cases(scratch: str, trained: str, ro_trained: str | None, ro_empty: str | No
         timeout_s=60.0,
       )
     )
+  # --distributed start-up: flags refused before JAX starts; a partner that never comes.
+  held = socket.socket()  # a port someone holds, for as long as the cases exist
+  held.bind(("127.0.0.1", 0))
+  held.listen()
+  port = held.getsockname()[1]
+  _HELD.append(held)
+  dist = lambda w, *a: main("--workdir", s("w", w), "--distributed", *a)  # noqa: E731
+  for what, flags, names in (
+    ("process_id_out_of_range", ("--num_processes=2", "--process_id=2"), ("--process_id",)),
+    ("num_processes_0", ("--num_processes=0", "--process_id=0"), ("--num_processes",)),
+    ("address_without_port", ("--coordinator_address=127.0.0.1",), ("--coordinator_address",)),
+    ("unresolvable_host", ("--coordinator_address=no-such-host.invalid:1234",), ("no-such-host",)),
+    ("port_in_use", (f"--coordinator_address=127.0.0.1:{port}",), (str(port),)),
+    ("partner_never_starts", ("--process_id=1", "--join_timeout_s=3"), ("waited 3 s",)),
+  ):
+    base = () if "--num_processes" in " ".join(flags) else ("--num_processes=2",)
+    if "--process_id" not in " ".join(flags):
+      base += ("--process_id=0",)
+    if "--coordinator_address" not in " ".join(flags):
+      base += (f"--coordinator_address=127.0.0.1:{port + 1}",)
+    out.append(Case(f"main/distributed_{what}", dist(what, *base, *flags), names, timeout_s=90.0))
+
   # A retired field (rollout hosts went, issue 45) names what replaced it, in one sentence.
   out.append(
     Case(
