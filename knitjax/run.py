@@ -27,15 +27,19 @@ def train(
   prepared.
 
   Raises:
-    ValueError: the work directory cannot hold this run (see :mod:`knitjax.runtime.preflight`),
-      or another run holds it (:mod:`knitjax.runtime.workdir_lock`).
+    ValueError: one step needs more memory than this machine has
+      (:mod:`knitjax.config_memory`), the work directory cannot hold this run (see
+      :mod:`knitjax.runtime.preflight`), or another run holds it
+      (:mod:`knitjax.runtime.workdir_lock`).
   """
   import jax
 
+  from knitjax.config_memory import check_memory
   from knitjax.distributed.topology import choose
   from knitjax.runtime import workdir_lock
   from knitjax.runtime.preflight import check_workdir
 
+  check_memory(config, processes=jax.process_count())  # before the workdir is made
   check_workdir(config, workdir)
   if jax.process_count() > 1:  # every process holds the same run before anything is built
     from knitjax.distributed.coordination import check_one_run

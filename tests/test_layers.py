@@ -55,6 +55,7 @@ LAYERS = (
     "knitjax.config_train",
     "knitjax.config_run",
     "knitjax.config_checkpoint",
+    "knitjax.config_memory",
   ),
   ("knitjax.runtime.*", "knitjax.sim.*"),
   ("knitjax.distributed.*",),
