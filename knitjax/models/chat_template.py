@@ -116,6 +116,12 @@ def _compile(template: str, origin: str) -> jinja2.Template:
     raise ChatTemplateError(
       f"{origin} has a Jinja syntax error at line {e.lineno}: {_end_sentence(e.message)}"
     ) from None
+  except (RecursionError, SyntaxError, MemoryError) as e:  # Python's limits on the code it makes
+    raise ChatTemplateError(
+      f"{origin} does not compile: it nests blocks or expressions too deeply for Python "
+      f"({type(e).__name__}: {_end_sentence(getattr(e, 'msg', None) or str(e))[:-1]}); "
+      "flatten its loops, conditions or parentheses."
+    ) from None
 
 
 def _end_sentence(message: str | None) -> str:

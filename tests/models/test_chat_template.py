@@ -514,6 +514,36 @@ def test_chat_template_attribute(tokenizers_):
   assert "SmolLM" in tokenizers_["smollm2"][0].chat_template
 
 
+# One operation that would outlast the time budget or allocate GBs before its size is checked:
+# each is refused by its arguments, before it runs (issue 47).
+ONE_LONG_STEP = {
+  "huge_lipsum": ("{{ lipsum(10000000) | length }}", r"stopped: it asked lipsum for more than"),
+  "squaring": (
+    "{% set ns = namespace(x=7 ** 9999) %}{% for i in range(20) %}{% set ns.x = ns.x * ns.x %}"
+    "{% endfor %}{{ ns.x > 0 }}",
+    r"stopped: it built an integer of more than 65,536 bits\.$",
+  ),
+  "huge_int_power": ("{{ (10 ** 300) ** 9999 }}", r"stopped: it built an integer of more than"),
+  "huge_bytes": (
+    "{{ (('x' * 1000).encode() * 2000000) | length }}",
+    r"stopped: it built bytes of more than 16,777,216 items\.$",
+  ),
+  "huge_to_bytes": ("{{ (1).to_bytes(10**9, 'big') | length }}", r"stopped: it built bytes of"),
+  "huge_ljust": ("{{ 'x'.ljust(1500000000) | length }}", r"stopped: it built a str of more"),
+  "huge_center_method": ("{{ 'x'.center(1500000000) | length }}", r"stopped: it built a str"),
+  "huge_zfill": ("{{ '1'.zfill(10**9) | length }}", r"stopped: it built a str of more"),
+  "huge_expandtabs": (
+    "{{ ('\\t' * 100).expandtabs(20000000) | length }}",
+    r"stopped: it built a str of more",
+  ),
+  "huge_replace_method": (
+    "{{ ('x' * 1000).replace('x', 'y' * 100000) | length }}",
+    r"stopped: it built a str of more",
+  ),
+  "huge_join_method": ("{{ ''.join(['x' * 1000000] * 17) | length }}", r"stopped: it built a str"),
+}
+
+
 # Templates come with a model folder: untrusted. Each of these ends in one sentence naming the
 # template, quickly (a bound of steps, size or time), instead of a traceback or a hang.
 HOSTILE_TEMPLATES = {
@@ -563,6 +593,7 @@ HOSTILE_TEMPLATES = {
     "{% for a in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
     r"stopped: its output passed 16,777,216 characters\.$",
   ),
+  **{name: (source, match) for name, (source, match) in ONE_LONG_STEP.items()},
 }
 
 
@@ -578,6 +609,46 @@ def test_hostile_templates_end_in_one_sentence(name):
   assert "\n" not in str(e.value)
   assert __import__("re").search(match, str(e.value)), str(e.value)
   assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("name", sorted(ONE_LONG_STEP))
+def test_a_long_step_is_refused_before_it_allocates(name):
+  import tracemalloc
+
+  tracemalloc.start()
+  try:
+    with pytest.raises(ValueError, match=ONE_LONG_STEP[name][1]):
+      ChatTemplate(ONE_LONG_STEP[name][0]).render([dict(role="user", content="hi")],
+                                                  add_generation_prompt=True)  # fmt: skip
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 64 << 20, f"{peak:,} bytes allocated before the refusal"
+
+
+def test_small_powers_lipsum_and_paddings_still_render():
+  source = (
+    "{{ (7 ** 9999) > 0 }} {{ (2 ** 100) * (2 ** 100) == 4 ** 100 }} "
+    "{{ lipsum(2, html=False) | length > 0 }} {{ 'x'.ljust(3) ~ '|' }} {{ 'ab'.encode() }}"
+  )
+  out = ChatTemplate(source).render([dict(role="user", content="hi")], add_generation_prompt=True)
+  assert out == "True True True x  | b'ab'"
+
+
+@pytest.mark.parametrize(
+  "source, error",
+  [
+    ("".join(f"{{% for i{n} in [1] %}}" for n in range(25)) + "x" + "{% endfor %}" * 25, "Syntax"),
+    ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "Recursion"),
+  ],
+  ids=["nested_for_loops", "nested_parentheses"],
+)
+def test_a_template_too_deep_to_compile_is_one_sentence(source, error):
+  with pytest.raises(ValueError, match=r"^the chat template does not compile: it nests") as e:
+    ChatTemplate(source)
+  assert e.type.__name__ == "ChatTemplateError"
+  assert f"({error}Error: " in str(e.value) and "\n" not in str(e.value)
+  assert str(e.value).endswith("flatten its loops, conditions or parentheses.")
 
 
 def test_a_template_rendering_nothing_names_its_file(folders, tmp_path):
