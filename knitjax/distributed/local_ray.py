@@ -42,6 +42,7 @@ import threading
 from absl import logging
 
 RUN_TOKEN = "ray_token"  # a run's own Ray token, in its workdir
+MAX_TOKEN_BYTES = 1 << 16  # read to check it decodes: a token is 64 characters
 _MONITOR_PORT = "AUTOSCALER_METRIC_PORT"  # read by the monitor process that ray.init starts
 
 
@@ -54,7 +55,8 @@ def ensure_ray(address: str = "", *, needed_by: str = "this run", token_dir: str
 
   Raises:
     ValueError: Ray is not installed, ``RAY_AUTH_MODE=disabled`` for a local start, or Ray's
-      token file is open to others and cannot be made owner-only (one sentence).
+      token file is not a regular file of UTF-8 text, or is open to others and cannot be made
+      owner-only (one sentence).
   """
   try:
     import ray
@@ -66,6 +68,7 @@ def ensure_ray(address: str = "", *, needed_by: str = "this run", token_dir: str
     run_token = os.path.join(os.path.abspath(token_dir), RUN_TOKEN)
     if not address or os.path.exists(run_token):  # a local start makes it; a join reads it
       os.environ["RAY_AUTH_TOKEN_PATH"] = run_token
+  check_ray_token()  # Ray itself hangs on a FIFO and names no file when the text is not UTF-8
   with _our_signals():
     _init(ray, address)
 
@@ -136,12 +139,39 @@ def ray_token_path() -> str | None:
   return os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
 
 
+def check_ray_token() -> None:
+  """Raises ValueError (one sentence naming the file) unless Ray's token file, where there is one,
+  is a regular file of UTF-8 text: Ray fails on a directory with a traceback, waits forever to
+  read a FIFO, and names no file when the text does not decode.
+  """
+  path = ray_token_path()
+  if path is None or not os.path.exists(path):
+    return  # RAY_AUTH_TOKEN holds it, or a local start makes it
+  fix = "point RAY_AUTH_TOKEN_PATH at the file that holds the token (64 hex digits)"
+  mode = os.stat(path).st_mode
+  if not stat.S_ISREG(mode):
+    raise ValueError(f"Ray's token {path} is {_file_kind(mode)}, not a regular file; {fix}.")
+  try:
+    with open(path, "rb") as f:
+      f.read(MAX_TOKEN_BYTES).decode("utf-8")
+  except UnicodeDecodeError:
+    raise ValueError(f"Ray's token {path} is not UTF-8 text; {fix}.") from None
+  except OSError as e:
+    raise ValueError(f"Ray's token {path} cannot be read ({e.strerror}); {fix}.") from None
+
+
+def _file_kind(mode: int) -> str:
+  kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+  return next((name for test, name in kinds if test(mode)), "a device")
+
+
 def private_ray_token() -> None:
   """Makes Ray's token file owner-only: creates it (0600, as Ray would, 256 random bits) when
   missing, tightens an existing one that group or others may read.
 
   Raises:
-    ValueError: the file is open to others and cannot be changed (one sentence naming it).
+    ValueError: the file is not a regular file of UTF-8 text (`check_ray_token`), or is open to
+      others and cannot be changed (one sentence naming it).
   """
   path = ray_token_path()
   if path is None:
@@ -161,6 +191,7 @@ def private_ray_token() -> None:
         with contextlib.suppress(OSError):
           os.unlink(path)
         raise
+  check_ray_token()
   mode = stat.S_IMODE(os.stat(path).st_mode)
   if not mode & 0o077:
     return

@@ -3,8 +3,11 @@ ensure_ray passes to ray.init, checked without starting Ray (tests/runtime/test_
 starts it)."""
 
 import os
+import re
 import sys
 import types
+
+import pytest
 
 from knitjax.distributed import local_ray
 
@@ -107,3 +110,46 @@ def test_a_local_ray_for_a_run_authenticates_with_that_runs_own_token(tmp_path, 
   monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(mine))
   local_ray.ensure_ray("", token_dir=str(tmp_path / "other_run"))
   assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(mine)
+
+
+def _token_kinds(tmp_path):
+  folder = tmp_path / "folder"
+  folder.mkdir()
+  fifo = tmp_path / "fifo"
+  os.mkfifo(fifo)
+  binary = tmp_path / "binary"
+  binary.write_bytes(b"\xff\xfe token")
+  return {
+    folder: r"is a directory, not a regular file",
+    fifo: r"is a FIFO, not a regular file",
+    binary: r"is not UTF-8 text",
+  }
+
+
+def test_a_token_that_is_not_a_regular_utf8_file_is_one_sentence_naming_it(tmp_path, monkeypatch):
+  """Ray fails on a directory with a traceback, waits forever on a FIFO, and names no file for
+  bytes that are not UTF-8: each is refused before Ray starts, naming the file."""
+  calls = []
+  monkeypatch.setitem(sys.modules, "ray", _fake_ray(calls))
+  monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+  monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+  for path, problem in _token_kinds(tmp_path).items():
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path))
+    for address in ("", "ray://head:10001"):  # a local start and a join
+      with pytest.raises(ValueError) as e:
+        local_ray.ensure_ray(address)
+      msg = str(e.value)
+      assert msg.startswith(f"Ray's token {path} ") and re.search(problem, msg), msg
+      assert msg.endswith("point RAY_AUTH_TOKEN_PATH at the file that holds the token (64 hex "
+                          "digits).")  # fmt: skip
+  assert calls == []  # Ray never started
+
+
+def test_a_regular_utf8_token_passes_the_check(tmp_path, monkeypatch):
+  token = tmp_path / "token"
+  token.write_text("ab" * 32)
+  monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+  monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+  local_ray.check_ray_token()
+  monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+  local_ray.check_ray_token()  # a local start makes it
