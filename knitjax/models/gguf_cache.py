@@ -33,9 +33,25 @@ MARKER_FILE = ".knitjax_gguf_converted.json"
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> str:
-  if cache_dir is None:
-    cache_dir = os.environ.get("KNITJAX_CACHE") or os.path.join("~", ".cache", "knitjax")
-  return os.path.abspath(os.path.expanduser(os.fspath(cache_dir)))
+  """The cache folder; raises ValueError (one sentence naming where it came from) when it, or a
+  folder above it, is a file."""
+  env = os.environ.get("KNITJAX_CACHE")
+  if cache_dir is not None:
+    named = "cache_dir={}"
+  else:
+    named = "KNITJAX_CACHE={}" if env else "the cache {} (KNITJAX_CACHE unset)"
+    cache_dir = env or os.path.join("~", ".cache", "knitjax")
+  root = os.path.abspath(os.path.expanduser(os.fspath(cache_dir)))
+  above = root
+  while not os.path.exists(above) and os.path.dirname(above) != above:
+    above = os.path.dirname(above)  # the nearest part of the path that exists
+  if not os.path.isdir(above):
+    where = "is a file" if above == root else f"is under the file {above}"
+    raise ValueError(
+      f"{named.format(root)} {where}, not a folder; set KNITJAX_CACHE to a folder (or a path to "
+      "make one) for knitjax's converted checkpoints."
+    )
+  return root
 
 
 def smollm2_gguf(cache_dir: str | os.PathLike | None = None, *, fetch: bool = True) -> str:

@@ -40,3 +40,25 @@ def test_errors_are_one_sentence(tmp_path):
   (tmp_path / "wheels" / gguf_cache.SMOLLM2_WHEEL).write_bytes(b"truncated")
   with pytest.raises(ValueError, match=r"delete it and run again"):
     gguf_cache.smollm2_gguf(tmp_path, fetch=False)
+
+
+@pytest.mark.parametrize("below", ["", "sub/dir"], ids=["the_file", "under_the_file"])
+def test_a_cache_that_is_a_file_is_one_sentence_naming_knitjax_cache(tmp_path, monkeypatch, below):
+  file = tmp_path / "cache"
+  file.write_text("")
+  root = os.path.join(file, below) if below else str(file)
+  monkeypatch.setenv("KNITJAX_CACHE", root)
+  where = "is a file" if not below else f"is under the file {file}"
+  expected = (
+    f"KNITJAX_CACHE={root} {where}, not a folder; set KNITJAX_CACHE to a folder (or a path to "
+    "make one) for knitjax's converted checkpoints."
+  )
+  for call in (gguf_cache.smollm2_gguf, gguf_cache.smollm2_folder):
+    with pytest.raises(ValueError) as e:
+      call()
+    assert str(e.value) == expected
+  assert file.read_text() == ""  # nothing written
+
+
+def test_a_missing_cache_below_a_folder_is_accepted(tmp_path):
+  assert gguf_cache._cache_root(tmp_path / "a" / "b") == str(tmp_path / "a" / "b")
