@@ -106,8 +106,36 @@ def time_policy(spec: QuotaSpec, policy: str, groups: list[GroupMeta]) -> dict:
   return {"times_us": times / 1e3, "delay": delay, "stats": index.stats()}
 
 
+# Integer fields and the least value each accepts.
+AT_LEAST = {
+  "num_classes": 1,
+  "minibatches": 1,
+  "groups_per_minibatch": 1,
+  "num_groups": 1,
+  "repeats": 1,
+  "seed": 0,
+}
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError (one sentence naming the field and what is accepted) for a bad count."""
+  for name, least in AT_LEAST.items():
+    value = config[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+      raise ValueError(
+        f"admission bench: config.{name}={value!r} is not accepted; give an integer >= {least}."
+      )
+  for name in ("min_bound_fraction", "max_bound_fraction"):
+    if not 0.0 <= config[name] <= 1.0:
+      raise ValueError(
+        f"admission bench: config.{name}={config[name]!r} is not accepted; give a fraction in "
+        "[0, 1]."
+      )
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs the benchmark; writes ``workdir/admission.json`` and ``admission.png``."""
+  check_config(config)
   policies = tuple(config.policies)
   for p in policies:
     if p not in POLICIES:

@@ -47,3 +47,18 @@ def test_bad_variant_and_policy_are_named(tmp_path):
   config.policies = ("fifo",)
   with pytest.raises(ValueError, match="'fifo'"):
     admission.run(config, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+  "field, value, least",
+  [("repeats", 0, 1), ("num_groups", -5, 1), ("seed", -1, 0), ("num_classes", 0, 1)],
+)
+def test_bad_counts_name_the_field_and_what_is_accepted(field, value, least):
+  config = admission_config.get_config("quick")
+  config[field] = value
+  with pytest.raises(ValueError) as e:
+    admission.check_config(config)
+  assert str(e.value) == (
+    f"admission bench: config.{field}={value} is not accepted; give an integer >= {least}."
+  )
+  admission.check_config(admission_config.get_config("quick"))
