@@ -139,3 +139,35 @@ def test_wilson_interval_matches_the_textbook_values(successes, n, low, high):
 def test_wilson_interval_refuses_impossible_counts(successes, n):
   with pytest.raises(ValueError, match="Wilson interval"):
     evaluation.wilson_interval(successes, n)
+
+
+def test_a_heldout_file_shorter_than_eval_prompts_is_one_warning_line(tmp_path, caplog):
+  """eval.prompts=50 with a 3-line eval.path evaluates the 3, and says so in one line."""
+  import json
+  import logging
+
+  from configs import arith_tiny
+  from knitjax.config import from_config_dict
+  from knitjax.runtime.builder import build_eval_prompts
+  from knitjax.tasks.registry import make_prompt_source
+  from knitjax.tasks.streams import ClassStreams
+
+  lines = [json.dumps({"question": f"{n}+1?", "answer": f"#### {n + 1}"}) for n in range(3)]
+  heldout = tmp_path / "heldout.jsonl"
+  heldout.write_text("\n".join(lines) + "\n")
+  c = arith_tiny.get_config("quick")
+  c.task = dict(name="gsm8k", path=str(heldout), reward="numeric_match")
+  c.admission.quotas = {"gsm8k": 32}
+  c.model.vocab_size = 128
+  c.eval = dict(prompts=50, path=str(heldout))
+  config = from_config_dict(c)
+  _, tokenizer = make_prompt_source("gsm8k", seed=0, path=str(heldout))
+  streams = ClassStreams(sources={}, tokenizer=tokenizer, prompt_len=0)
+  with caplog.at_level(logging.WARNING):
+    prompts = build_eval_prompts(config, streams)
+  assert len(prompts) == 3
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert warnings == [
+    f"config.eval.prompts=50 asks for 50 held-out prompts of class 'gsm8k', but {heldout} holds "
+    "3: evaluating those 3."
+  ]
