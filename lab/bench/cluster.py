@@ -26,12 +26,15 @@ claims not measured yet are null with the reason) and ``DIR/cluster.png``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from lab import REPO
@@ -199,9 +202,9 @@ def _by_trainer_hosts(config, real, env: dict, workdir: str, log) -> dict | None
     "goal": {"trainer_hosts": 4, "speedup": 5.8, "latency_ratio": 100.0},
   }
   with Cluster([HostSpec(cores=c) for c in cores], log=log) as cluster:
-    temp_dir = f"/tmp/ray_{cluster.tag}h"
+    temp_dir = ray_nodes.private_temp_dir(cluster.tag, "h")
     try:
-      address = ray_nodes.start(cluster, env, temp_dir, head=TRAINER, log=log)
+      address = ray_nodes.start(cluster, env, f"{temp_dir}/ray", head=TRAINER, log=log)
       for t in config.trainer_hosts:
         r = mmh.run(
           cluster, mm, real, env, address, t, os.path.join(workdir, f"hosts{t}"),
@@ -218,9 +221,41 @@ def _by_trainer_hosts(config, real, env: dict, workdir: str, log) -> dict | None
   return out
 
 
+LOCK_FILE = "knitjax-cluster-bench.lock"  # in the temp folder: one cluster benchmark at a time
+
+
+@contextlib.contextmanager
+def one_at_a_time(root: str | None = None):
+  """Holds an exclusive lock (``flock`` of ``TMP/LOCK_FILE``, released when the process ends,
+  kill -9 included) for the benchmark's duration; raises ValueError (one sentence) while another
+  process holds it: two runs at once share the machine's cores, and each measures a different
+  dilation."""
+  path = os.path.join(root or tempfile.gettempdir(), LOCK_FILE)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+      raise ValueError(
+        f"another cluster benchmark is running (pid {holder}, holding {path}); wait for it to "
+        "end: two at once share the cores and would measure different dilations."
+      ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    yield
+  finally:
+    os.close(fd)  # releases the lock
+
+
 def run(config, workdir: str) -> dict:
   if problem := net.missing_tools():
     raise ValueError(problem)
+  with one_at_a_time():
+    return _run(config, workdir)
+
+
+def _run(config, workdir: str) -> dict:
   workdir = os.path.abspath(workdir)
   real = scale.RealWorkload(**dict(config.real))
   log = lambda m: print(m, flush=True)  # noqa: E731
@@ -305,9 +340,9 @@ def _hosts_rows(by_hosts: dict) -> list[dict]:
 def _one_trainer_host(config, real, env, specs, workdir: str, log):
   """The one-trainer-host runs: calibration, then the headline rate and the sweep."""
   with Cluster(specs, log=log) as cluster:
-    temp_dir = f"/tmp/ray_{cluster.tag}"
+    temp_dir = ray_nodes.private_temp_dir(cluster.tag, "")
     try:
-      address = ray_nodes.start(cluster, env, temp_dir, head=TRAINER, log=log)
+      address = ray_nodes.start(cluster, env, f"{temp_dir}/ray", head=TRAINER, log=log)
       calib = _multimodal(cluster, config, env, address, os.path.join(workdir, "calibrate"), log)
       d = scale.dilation(real, _naive_s_per_row(calib))
       log(

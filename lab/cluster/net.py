@@ -118,7 +118,7 @@ def own_namespaces(tag: str) -> list[str]:
   )
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -128,7 +128,7 @@ def _alive(pid: int) -> bool:
   return True
 
 
-def stale_tags(names: list[str], alive=_alive) -> list[str]:
+def stale_tags(names: list[str], alive=pid_alive) -> list[str]:
   """The tags among namespace ``names`` whose owner process is gone."""
   pids = sorted({int(m[1]) for n in names if (m := NS_RE.match(n))})
   return [tag_of(p) for p in pids if not alive(p)]
@@ -150,7 +150,7 @@ def teardown(tag: str, *, grace_s: float = 3.0) -> None:
         os.kill(p, sig)
     deadline = time.monotonic() + wait
     while pids and time.monotonic() < deadline:
-      pids = [p for p in pids if _alive(p) and not _zombie(p)]
+      pids = [p for p in pids if pid_alive(p) and not _zombie(p)]
       time.sleep(0.05)
   for ns in spaces:
     sh("ip", "netns", "del", ns, check=False)

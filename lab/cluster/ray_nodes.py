@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -27,6 +30,24 @@ from lab.cluster import net
 from lab.cluster.hosts import Cluster
 
 RAY_PORT = 6379
+_TEMP_RE = re.compile(rf"^ray_{net.PREFIX}(\d+)")  # ray_kj<pid>, ray_kj<pid>h: a cluster's
+
+
+def private_temp_dir(tag: str, suffix: str = "", *, root: str | None = None, alive=None) -> str:
+  """``TMP/ray_<tag><suffix>``, made owner-only (0700): give Ray its subfolder ``ray``.
+
+  Ray makes its temp folder readable and writable by every user (0777, for shared machines), so
+  the privacy is this parent's. Folders of a cluster whose process died (a kill -9 skips the
+  cleanup) are removed first.
+  """
+  root = root or tempfile.gettempdir()
+  for name in os.listdir(root):
+    if (m := _TEMP_RE.match(name)) and not (alive or net.pid_alive)(int(m[1])):
+      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+  path = os.path.join(root, f"ray_{tag}{suffix}")
+  os.makedirs(path, mode=0o700, exist_ok=True)
+  os.chmod(path, 0o700)  # the umask, or a folder of this process made before
+  return path
 
 
 def ray_env(workdir: str) -> dict[str, str]:

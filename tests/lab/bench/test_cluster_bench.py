@@ -55,3 +55,34 @@ def test_the_dilation_input_is_the_centralized_compute_per_row():
     }
   }
   assert bench._naive_s_per_row(mm) == pytest.approx(0.1)
+
+
+def test_a_second_concurrent_bench_is_refused_in_one_sentence(tmp_path):
+  import fcntl
+
+  with bench.one_at_a_time(str(tmp_path)):
+    lock = tmp_path / bench.LOCK_FILE
+    assert lock.read_text() == str(os.getpid()) and lock.stat().st_mode & 0o077 == 0
+    with pytest.raises(ValueError) as e, bench.one_at_a_time(str(tmp_path)):
+      pass
+    assert str(e.value) == (
+      f"another cluster benchmark is running (pid {os.getpid()}, holding {lock}); wait for it to "
+      "end: two at once share the cores and would measure different dilations."
+    )
+  # Released at the end: the next run takes it, and holds it against any other open file.
+  with bench.one_at_a_time(str(tmp_path)), open(lock) as f, pytest.raises(BlockingIOError):
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_rays_temp_folder_is_owner_only_and_a_dead_runs_is_removed(tmp_path):
+  from lab.cluster import ray_nodes
+
+  stale = tmp_path / "ray_kj999999h"
+  (stale / "ray" / "session_latest").mkdir(parents=True)
+  live, other = tmp_path / "ray_kj4242", tmp_path / "ray_footprint.json"
+  live.mkdir()
+  other.write_text("{}")
+  folder = ray_nodes.private_temp_dir("kj123", "h", root=str(tmp_path), alive=lambda p: p != 999999)
+  assert folder == str(tmp_path / "ray_kj123h")
+  assert os.stat(folder).st_mode & 0o777 == 0o700
+  assert not stale.exists() and live.exists() and other.exists()
