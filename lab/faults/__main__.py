@@ -6,7 +6,9 @@ and their extremes, payloads, records, prompt files, checkpoints, hostile model 
 ``entry_points`` (every command fed a hostile command line), ``workdir`` (two runs on one workdir,
 SIGINT / SIGTERM, SIGKILL during a resume, a full disk), ``backpressure`` (10x over-production
 against the storage byte budget), and ``network`` (a link down, packet loss, a partition between
-the trainer and the Ray node of its rollout actor, across an emulated cluster; needs root).
+the trainer and the Ray node of its rollout actor, across an emulated cluster; needs root), and
+``processes`` (faults across a run's processes: trainer processes started with different configs,
+a second coordinator and garbage on the coordinator's port, SIGTERM to a process that joined Ray).
 The ``entry_points`` and ``workdir`` parts mount (a read-only bind, a small tmpfs) when run as
 root and skip those cases otherwise. See docs/reliability.md.
 """
@@ -31,6 +33,7 @@ PARTS = (
   "workdir",
   "backpressure",
   "network",
+  "processes",
 )
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Scratch folder; faults.json is written here.")
@@ -90,6 +93,10 @@ def _table(results: dict) -> str:
     for name, t in r.get("trials", {}).items():
       result = "ok" if t["ok"] else "; ".join(t["problems"])[:160]
       lines.append(f"network        | {name}: {t['outcome']}, {result}")
+  if "processes" in results:
+    from lab.faults import processes
+
+    lines += processes.table_lines(results["processes"])
   return "\n".join(lines)
 
 
@@ -174,6 +181,10 @@ def main(argv):
       from lab.faults import network
 
       results["network"] = network.run(os.path.join(workdir, "network"))
+    elif part == "processes":
+      from lab.faults import processes
+
+      results["processes"] = processes.run(os.path.join(workdir, "processes"))
     results.setdefault("seconds", {})[part] = time.time() - t0
     save()
   print(_table(results))

@@ -13,7 +13,13 @@ run must end with exactly the parameters of an uninterrupted one) disturbed one 
 - ``disk_full`` (root only: a tmpfs the case mounts and unmounts): the workdir's filesystem fills
   up during a checkpoint write; the run must stop with one sentence naming the path, leave no
   half-written checkpoint as the newest, and resume exactly once space is freed (the tmpfs grows);
-  a resume on the still-full disk must stop with one sentence too.
+  a resume on the still-full disk must stop with one sentence too;
+- ``torn/<log>``: a finished 2-step ``configs/arith_disagg.py:quick`` run (with an evaluation every
+  step) copied, one append-only log of the copy given a torn last line (what a kill mid-write
+  leaves), and resumed for one more step: it must finish (exit 0, step 3 logged, no traceback)
+  and leave every log whole. One case per log (``consumed.jsonl``, ``offered.jsonl``,
+  ``metrics.jsonl``, ``eval.jsonl``); ``fetched.p0.jsonl`` is written only by a run of several
+  trainer processes, so its case is skipped where the run wrote none.
 
 Outcomes per case: ``ok``, or the problems found (``traceback``, ``silent_accept``, ``hang``,
 ``data_loss``, ``unclear``), each with the line that shows it.
@@ -21,6 +27,8 @@ Outcomes per case: ``ok``, or the problems found (``traceback``, ``silent_accept
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import signal
@@ -191,12 +199,93 @@ def disk_full(workdir: str, reference: str) -> list[str]:
     subprocess.run(["umount", "-l", workdir], capture_output=True)
 
 
+# The torn-log cases' run: disaggregated, so that it writes the pipeline's logs, and evaluating
+# every step, so that it writes eval.jsonl.
+TORN_RUN = (
+  "configs/arith_disagg.py",
+  "quick",
+  {"loop.steps": 2, "eval.every_steps": 1, "eval.prompts": 16},
+)
+TORN_LOGS = ("consumed.jsonl", "offered.jsonl", "fetched.p0.jsonl", "metrics.jsonl", "eval.jsonl")
+TORN_LINE = '{"step": 3, "group_ids": [4'  # a row cut mid-write: no closing brace, no newline
+
+
+def _run_torn(workdir: str, steps: int) -> tuple[int | None, str]:
+  path, variant, overrides = TORN_RUN
+  run = (path, variant, {**overrides, "loop.steps": steps})
+  cmd = [sys.executable, "-m", "knitjax.main", *kill_resume._argv(run), f"--workdir={workdir}"]
+  proc = subprocess.Popen(
+    cmd,
+    cwd=kill_resume.REPO,
+    env=kill_resume._env({}),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+    errors="replace",
+    start_new_session=True,
+  )
+  return _finish(proc)
+
+
+@functools.cache
+def _finished_disaggregated(workdir: str) -> str | None:
+  """A problem of the 2-step run of `TORN_RUN` made in ``workdir``, once per fault-suite run
+  (None: it finished)."""
+  shutil.rmtree(workdir, ignore_errors=True)
+  rc, err = _run_torn(workdir, TORN_RUN[2]["loop.steps"])
+  return None if rc == 0 else f"unclear: the run to tear failed (exit {rc}): {_last_line(err)}"
+
+
+def _whole_rows(path: str) -> list[dict] | None:
+  """Every row of a JSON-lines file, or None if a line of it is not a JSON object."""
+  try:
+    with open(path) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  except ValueError:
+    return None
+  return rows if all(isinstance(r, dict) for r in rows) else None
+
+
+def _torn(log: str) -> Callable[[str, str], list[str]]:
+  def case(workdir: str, reference: str) -> list[str]:
+    del reference  # the colocated run writes none of the pipeline's logs
+    finished = os.path.join(os.path.dirname(workdir), "finished")
+    if problem := _finished_disaggregated(finished):
+      return [problem[:300]]
+    if not os.path.exists(os.path.join(finished, log)):
+      return [f"skipped: a one-process run writes no {log}"]
+    shutil.rmtree(workdir, ignore_errors=True)
+    shutil.copytree(finished, workdir)
+    with open(os.path.join(workdir, log), "a") as f:
+      f.write(TORN_LINE)
+    steps = TORN_RUN[2]["loop.steps"] + 1
+    rc, err = _run_torn(workdir, steps)
+    if rc is None:
+      return ["hang"]
+    if "Traceback (most recent call last)" in err:
+      return [f"traceback: {_last_line(err)[:300]}"]
+    if rc != 0:
+      return [f"data_loss: the resume failed (exit {rc}): {_last_line(err)[:300]}"]
+    problems = []
+    rows = _whole_rows(os.path.join(workdir, "metrics.jsonl")) or []
+    if [r.get("step") for r in rows] != list(range(1, steps + 1)):
+      problems.append(f"data_loss: metrics steps {[r.get('step') for r in rows]}")
+    for name in TORN_LOGS:
+      path = os.path.join(workdir, name)
+      if os.path.exists(path) and _whole_rows(path) is None:
+        problems.append(f"data_loss: {name} still holds a line that is not a JSON object")
+    return problems
+
+  return case
+
+
 CASES = {
   "two_runs": two_runs,
   "sigint": _signal(signal.SIGINT),
   "sigterm": _signal(signal.SIGTERM),
   "kill_during_resume": kill_during_resume,
   "disk_full": disk_full,
+  **{f"torn/{log}": _torn(log) for log in TORN_LOGS},
 }
 
 

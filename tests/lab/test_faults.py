@@ -135,3 +135,70 @@ def test_a_network_trial_is_judged_on_placement_hangs_and_how_the_trainer_stoppe
     "_RolloutActor ran on hosts [0], not on the Ray node's host 1",
     "_StorageActor ran on hosts None, not on the Ray node's host 1",
   ]
+
+
+def test_the_processes_part_lists_its_cases_and_tables_a_result():
+  from lab.faults import processes
+
+  names = processes.cases()
+  assert names == [
+    "mismatch/seed",
+    "mismatch/loop.steps",
+    "hostile_peer/second_coordinator",
+    "hostile_peer/garbage",
+    "sigterm/one_process_ray",
+    "sigterm/process_1",
+  ]
+  result = {
+    "cases": {
+      names[0]: {"ok": True, "outcome": "exit 1, 1: 'error: ...'", "problems": [], "seconds": 4},
+      names[5]: {
+        "ok": False,
+        "outcome": "exit 1, -6",
+        "problems": ["process 1 exited -6, not 143"],
+        "seconds": 30,
+      },
+    }
+  }
+  assert processes.table_lines(result) == [
+    "processes      | mismatch/seed: ok; exit 1, 1: 'error: ...'",
+    "processes      | sigterm/process_1: FAIL process 1 exited -6, not 143; exit 1, -6",
+  ]
+
+
+def test_garbage_on_a_port_is_sent_whether_or_not_the_server_hangs_up():
+  import socket
+  import threading
+
+  from lab.faults import processes
+
+  with socket.socket() as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def hang_up():
+      conn, _ = server.accept()
+      conn.recv(10)
+      conn.close()  # unread bytes: the client sees a reset
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    assert processes._garbage(port, 1) is None
+  assert processes._garbage(port, 0).startswith("no connection to send the garbage on")
+
+
+def test_each_append_only_log_is_a_torn_log_case(tmp_path, monkeypatch):
+  from lab.faults import workdir_faults
+
+  for log in ("consumed.jsonl", "offered.jsonl", "fetched.p0.jsonl", "metrics.jsonl", "eval.jsonl"):
+    assert f"torn/{log}" in workdir_faults.CASES
+  monkeypatch.setattr(workdir_faults, "_finished_disaggregated", lambda _: None)
+  case = workdir_faults.CASES["torn/fetched.p0.jsonl"]
+  assert case(str(tmp_path / "torn" / "fetched"), "") == [
+    "skipped: a one-process run writes no fetched.p0.jsonl"
+  ]
+  torn = tmp_path / "log.jsonl"
+  torn.write_text('{"step": 1}\n' + workdir_faults.TORN_LINE)
+  assert workdir_faults._whole_rows(str(torn)) is None
+  torn.write_text('{"step": 1}\n{"step": 2}')
+  assert workdir_faults._whole_rows(str(torn)) == [{"step": 1}, {"step": 2}]

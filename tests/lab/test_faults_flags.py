@@ -9,7 +9,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KILL_MODES = "colocated, disaggregated, trainer_processes"
-PARTS = "kill, actors, inputs, entry_points, workdir, backpressure, network"
+PARTS = "kill, actors, inputs, entry_points, workdir, backpressure, network, processes"
 
 
 @pytest.mark.parametrize(
