@@ -12,7 +12,7 @@ import jax
 
 from knitjax import sharding
 from knitjax.config import Config
-from knitjax.runtime import builder, rollout_builder
+from knitjax.runtime import rollout_builder
 from knitjax.runtime.pipeline import Pipeline
 from knitjax.runtime.weight_sync import WeightSync, resolve_sync_dtype
 from knitjax.transfer.storage import InProcessStorageUnit, StorageUnit
@@ -67,18 +67,10 @@ class InProcess:
       sync_dtype=resolve_sync_dtype(config.sync.dtype, config.model.dtype),
       publish=config.sync.publish,
     )
-    prepare = builder.build_preparer(config, rollout.storage, train_mesh, prompts)
     return Pipeline(
-      config,
-      workdir,
-      learner,
-      rollout,
-      admission,
-      prompts,
-      resumed,
-      prepare=prepare,
-      weights=weights,
-    )
+      config, workdir, learner, rollout, admission, prompts, resumed,
+      train_mesh=train_mesh, weights=weights,
+    )  # fmt: skip
 
   def describe(self) -> str:
     return f"{self._mesh.size} devices"

@@ -92,19 +92,11 @@ class RayWorkers:
   def pipe(self, config, workdir, learner, rollout, admission, prompts, train_mesh, resumed):
     from knitjax.distributed.weight_shards import create_board
 
-    prepare = builder.build_preparer(config, rollout.storage, train_mesh, prompts)
     weights = shard_publisher(config, create_board(new_run_id(), 1))
     return Pipeline(
-      config,
-      workdir,
-      learner,
-      rollout,
-      admission,
-      prompts,
-      resumed,
-      prepare=prepare,
-      weights=weights,
-    )
+      config, workdir, learner, rollout, admission, prompts, resumed,
+      train_mesh=train_mesh, weights=weights,
+    )  # fmt: skip
 
   def describe(self) -> str:
     return f"{self._n} Ray workers"

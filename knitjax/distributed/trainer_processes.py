@@ -275,22 +275,11 @@ class TrainerProcesses:
       address = ray.get_runtime_context().gcs_address
       local = not config.topology.ray_address  # the Ray process 0 started, token-authenticated
       announce("ray", {"address": address, "local": local, "run": run, "units": units})
-      prepare = build_preparer(
-        config, rollout.storage, train_mesh, prompts, plan_for=plans.plan_for
-      )
       return Pipeline(
-        config,
-        workdir,
-        learner,
-        rollout,
-        admission,
-        prompts,
-        resumed,
-        prepare=prepare,
-        weights=shard_publisher(config, board),
-        plans=plans,
+        config, workdir, learner, rollout, admission, prompts, resumed,
+        train_mesh=train_mesh, weights=shard_publisher(config, board), plans=plans,
         watch=self.watch,
-      )
+      )  # fmt: skip
     cluster = hear("ray", PLAN_TIMEOUT_S)
     if cluster is None:
       raise TimeoutError(

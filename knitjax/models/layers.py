@@ -18,6 +18,7 @@ from flax import nnx
 
 from knitjax.models import attention as attention_lib
 from knitjax.models import lora as lora_lib
+from knitjax.models.keys import params_key
 
 
 def param(
@@ -26,7 +27,7 @@ def param(
   """A float32 parameter annotated with logical axes (no eager sharding: placement is explicit)."""
   if len(shape) != len(axes):
     raise ValueError(f"shape {shape} and logical axes {axes} must have the same length.")
-  value = init(rngs.params(), shape, jnp.float32)
+  value = init(params_key(rngs), shape, jnp.float32)
   return nnx.Param(value, eager_sharding=False, out_sharding=axes)
 
 

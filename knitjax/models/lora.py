@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from knitjax import sharding
+from knitjax.models.keys import params_key
 
 # Projections an adapter may sit on, by the name configs use (`TransformerConfig.lora_targets`).
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -92,7 +93,7 @@ class Adapter(nnx.Module):
     n_in = len(in_shape)
     bound = math.prod(in_shape) ** -0.5
     init_a = jax.nn.initializers.uniform(2 * bound)
-    a = init_a(rngs.params(), (*in_shape, spec.rank), jnp.float32) - bound
+    a = init_a(params_key(rngs), (*in_shape, spec.rank), jnp.float32) - bound
     b = jnp.zeros((spec.rank, *out_shape), jnp.float32)
     self.a = nnx.LoRAParam(
       a, eager_sharding=False, out_sharding=(*axes[:n_in], "lora_rank"), lora_scale=spec.scale

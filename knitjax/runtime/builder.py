@@ -451,10 +451,12 @@ def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan
     pad_id=prompts.tokenizer.pad_id,
   )
   pack = pack_spec(config, mesh, prompts.prompt_len)
+  row_images = not config.vlm.encoder_dedup  # the naive step encodes each row's own image
   if config.transfer.mode == "centralized":
     return CentralizedPreparer(
-      storage, layout=layout, mesh=mesh, micro_batches=config.layout.micro_batches, pack=pack
-    )
+      storage, layout=layout, mesh=mesh, micro_batches=config.layout.micro_batches, pack=pack,
+      row_images=row_images,
+    )  # fmt: skip
   return MiniBatchPreparer(
     storage,
     layout=layout,
@@ -463,4 +465,5 @@ def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan
     pack=pack,
     locality_slack=config.pipeline.locality_slack,
     plan_for=plan_for,
+    row_images=row_images,
   )

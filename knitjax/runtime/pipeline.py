@@ -65,7 +65,8 @@ class Pipeline:
   is written when the pipeline closes.
 
   Args (beyond the parts it holds):
-    prepare: the feed's preparer (`builder.build_preparer`'s).
+    train_mesh: the trainer's mesh; the feed's preparer (`builder.build_preparer`) places each
+      mini-batch on it, planned by ``plans`` where the trainer spans processes.
     weights: the publisher the topology chose (`WeightSync` onto a rollout mesh in this process,
       `knitjax.distributed.weight_shards.ShardPublisher` to Ray rollout actors).
     plans, watch: a multi-process trainer's plan book, and its pulse watch, told when this
@@ -82,7 +83,7 @@ class Pipeline:
     prompts,
     resumed,
     *,
-    prepare,
+    train_mesh,
     weights,
     plans=None,
     watch=None,
@@ -96,7 +97,9 @@ class Pipeline:
     self.lock = threading.Lock()
     stats0 = admission.stats()
     start_step = learner.version // config.admission.minibatches
-    self._prepare = prepare
+    self._prepare = builder.build_preparer(
+      config, rollout.storage, train_mesh, prompts, plan_for=plans.plan_for if plans else None
+    )
     self._count = (config.loop.steps - start_step) * config.admission.minibatches
     # finished: the last step ended (a resumed run with no steps left has none to run).
     self.watch, self.feed, self.finished = watch, None, start_step >= config.loop.steps

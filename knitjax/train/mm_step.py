@@ -8,9 +8,12 @@ A mini-batch arrives as the text step's ``[K, rows / K, T]`` arrays plus
 
 Two code paths give the same loss and gradients (tests check 1e-5 relative, float32):
 
-- naive (``encoder_dedup=False``), the baseline: every micro-batch gathers its rows' images and
-  runs encoder and backbone forward and backward on them, so a mini-batch encodes ``rows`` images
-  and runs K encoder backwards.
+- naive (``encoder_dedup=False``), the baseline: ``images`` holds one image per row
+  (:func:`prepare_batch` with ``row_images=True``, laid out so that each data-parallel shard holds
+  its own rows' images), and every micro-batch runs encoder and backbone forward and backward on
+  its rows' images, so a mini-batch encodes ``rows`` images and runs K encoder backwards. No image
+  crosses devices: the baseline's cost is its transfer and its encoding, not an exchange in the
+  step.
 - dedup (``encoder_dedup=True``, :mod:`knitjax.train.dedup`): the U unique images are encoded once,
   the backbone micro-batches gather their rows' features and accumulate the cotangent for them,
   and one encoder backward ends the mini-batch. ``remat_encoder`` trades the encoder's kept
@@ -104,9 +107,12 @@ def _policy_loss(model, feats, mb, norm, hparams: StepHParams, ref_model=None, r
   )
 
 
-def _row_images(images_u, index_b):
-  """The naive path's per-row images (rows without an image take a blank placeholder image)."""
-  return jnp.take(images_u, jnp.maximum(index_b, 0), axis=0)
+def _row_images(images, micro_batches: int):
+  """``[K, rows / K, ...]``: the naive path's per-row images, from ``images`` laid out by
+  :func:`prepare_batch` (``row_images=True``: micro-batch ``k``'s row ``j`` at ``j * K + k``, so a
+  shard's contiguous block of ``images`` holds the images of its own columns of rows)."""
+  rows = images.shape[0]
+  return images.reshape(rows // micro_batches, micro_batches, *images.shape[1:]).swapaxes(0, 1)
 
 
 def _encode_with(graphdef, backbone):
@@ -121,12 +127,18 @@ def _encode_ref(ref_params, images, *, graphdef):
   )
 
 
-def _naive(params, rows, images_u, norm, *, graphdef, hparams, ref_params):
-  """Re-encodes each row's image in every micro-batch (the baseline)."""
+def _naive(params, rows, images, norm, *, graphdef, hparams, ref_params):
+  """Encodes each row's own image in every micro-batch (the baseline)."""
+  k, per_mb = rows["image_index"].shape[:2]
+  if images.shape[0] != k * per_mb:
+    raise ValueError(
+      f"the naive multimodal step takes one image per row ({k * per_mb}), got {images.shape[0]}: "
+      "lay the batch out with mm_step.prepare_batch(..., row_images=True)."
+    )
 
   def mb_loss(p, probe, mb):
     model = nnx.merge(graphdef, p)
-    images_b = _row_images(images_u, mb["image_index"])
+    images_b = mb["images"]
     counts = zero_counts()
     ref_model = ref_feats = None
     if ref_params is not None:
@@ -148,6 +160,7 @@ def _naive(params, rows, images_u, norm, *, graphdef, hparams, ref_params):
     counts_acc = add_counts(counts_acc, add_counts(fwd_counts, bwd_counts))
     return (grads_acc, loss_acc + loss, sums_acc, counts_acc), None
 
+  rows = {**rows, "images": _row_images(images, k)}
   first = jax.tree.map(lambda x: x[0], rows)
   sums_shape = jax.eval_shape(lambda: mb_loss(params, zero_counts(), first)[1][0])
   carry0 = (
@@ -201,7 +214,8 @@ def mm_value_and_grad(
     batch: ``[K, rows / K, ...]`` row fields with ``image_index``, and ``images`` ``[U, ...]``.
     graphdef: the VLM's graph definition.
     hparams: loss settings, sampling temperature, response budget.
-    encoder_dedup: encode unique images once (True) or every row's image per micro-batch.
+    encoder_dedup: encode unique images once (True) or every row's own image per micro-batch
+      (False: ``images`` holds one image per row, `prepare_batch` with ``row_images=True``).
     remat_encoder: (dedup only) recompute the encoder in its backward instead of keeping it.
     ref_params: frozen reference policy, used when ``hparams.loss.kl_coef > 0``.
 
@@ -278,18 +292,31 @@ def batch_shards(mesh: jax.sharding.Mesh) -> int:
 
 
 def prepare_batch(
-  batch: dict[str, np.ndarray], micro_batches: int, *, num_images: int = 0, shards: int = 1
+  batch: dict[str, np.ndarray],
+  micro_batches: int,
+  *,
+  num_images: int = 0,
+  shards: int = 1,
+  row_images: bool = False,
 ) -> dict[str, np.ndarray]:
   """Host side: rows split into micro-batches; images padded with blanks to a static count.
 
   Args:
-    batch: ``make_batch`` arrays plus ``image_index`` ``[rows]`` and ``images`` ``[U, ...]``.
+    batch: ``make_batch`` arrays plus ``image_index`` ``[rows]`` and ``images`` ``[U, ...]``
+      (this consumer's images: in a consumer's share of a mini-batch, ``image_index`` points into
+      the global array of every consumer's ``U`` images in consumer order).
     micro_batches: K.
     num_images: pad the images to at least this many (keeps the compiled shape fixed while the
       number of unique images varies); 0: no minimum.
     shards: the image count is rounded up to a multiple of this (the mesh's batch shards).
+    row_images: the naive step's layout: one image per row (a row without one takes any image;
+      the model reads no features for it), micro-batch ``k``'s row ``j`` at ``j * K + k`` so that
+      each data-parallel shard holds its own rows' images; ``num_images`` and ``shards`` then
+      do not apply.
   """
   images = batch["images"]
+  if row_images:
+    return _row_image_batch(batch, micro_batches)
   u = images.shape[0]
   target = max(u, num_images, 1)
   target = -(-target // shards) * shards
@@ -300,6 +327,23 @@ def prepare_batch(
   return {**rows, "images": images}
 
 
+def _row_image_batch(batch: dict[str, np.ndarray], micro_batches: int) -> dict[str, np.ndarray]:
+  """`prepare_batch`'s ``row_images`` layout."""
+  images, index = batch["images"], np.asarray(batch["image_index"])
+  if not len(images):
+    images = np.zeros((1, *images.shape[1:]), images.dtype)
+  local = np.where(index >= 0, index % len(images), 0)  # a consumer's images: its own block
+  per_row = images[local]
+  rows = len(index)
+  if rows % micro_batches:
+    raise ValueError(
+      f"a mini-batch of {rows} sequences cannot be split into {micro_batches} equal micro-batches."
+    )
+  per_row = per_row.reshape(micro_batches, rows // micro_batches, *images.shape[1:])
+  fields = split_micro_batches({k: v for k, v in batch.items() if k != "images"}, micro_batches)
+  return {**fields, "images": per_row.swapaxes(0, 1).reshape(rows, *images.shape[1:])}
+
+
 def device_batch(
   batch: dict[str, np.ndarray],
   micro_batches: int,
@@ -307,9 +351,12 @@ def device_batch(
   *,
   num_images: int,
   shared: bool = False,
+  row_images: bool = False,
 ) -> dict[str, jax.Array]:
   """:func:`prepare_batch` for ``mesh``, placed with :func:`batch_shardings`."""
-  host = prepare_batch(batch, micro_batches, num_images=num_images, shards=batch_shards(mesh))
+  host = prepare_batch(
+    batch, micro_batches, num_images=num_images, shards=batch_shards(mesh), row_images=row_images
+  )
   return jax.device_put(host, batch_shardings(mesh, shared=shared))
 
 

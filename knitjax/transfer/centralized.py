@@ -150,6 +150,8 @@ class CentralizedPreparer:
     micro_batches: ``K``, micro-batches per mini-batch.
     pack: packs each mini-batch's rows (`knitjax.train.packing`) or shares their prompts
       (`knitjax.train.prompt_sharing`); None: padded rows.
+    row_images: lay images out for the naive encoder (`knitjax.train.mm_step.prepare_batch`),
+      whose step then exchanges no image between devices.
   """
 
   def __init__(
@@ -160,6 +162,7 @@ class CentralizedPreparer:
     mesh: jax.sharding.Mesh,
     micro_batches: int,
     pack: packing.PackSpec | prompt_sharing.ShareSpec | None = None,
+    row_images: bool = False,
   ):
     if jax.process_count() > 1:
       raise ValueError(
@@ -167,7 +170,7 @@ class CentralizedPreparer:
         "uses transfer.mode='on_demand'."
       )
     self._storage, self._layout, self._mesh, self._k = storage, layout, mesh, micro_batches
-    self._pack = pack
+    self._pack, self._row_images = pack, row_images
     self._shared = isinstance(pack, prompt_sharing.ShareSpec)
     self._shardings = batch_shardings(mesh, packed=pack is not None, shared=self._shared)
 
@@ -182,7 +185,10 @@ class CentralizedPreparer:
         if self._shared:
           batch, share_info = self._pack.with_metrics(batch)
           info = {**info, **share_info}
-        placed = mm_step.device_batch(batch, self._k, self._mesh, num_images=n, shared=self._shared)
+        placed = mm_step.device_batch(
+          batch, self._k, self._mesh, num_images=n, shared=self._shared,
+          row_images=self._row_images,
+        )  # fmt: skip
       else:
         if self._pack is not None:
           batch, pack_info = self._pack.with_metrics(batch)

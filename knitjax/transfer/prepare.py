@@ -46,6 +46,8 @@ class MiniBatchPreparer:
     plan_for: ``plan_for(minibatch)``, the consumer plan announced for a mini-batch (a
       multi-process trainer's, `knitjax.distributed.trainer_processes`); None: every consumer plans
       alike (`knitjax.transfer.consumer.plan_consumers`).
+    row_images: a VLM mini-batch carries one image per row (the naive encoder's layout,
+      `knitjax.train.mm_step.prepare_batch`), not each unique image once.
   """
 
   def __init__(
@@ -60,8 +62,10 @@ class MiniBatchPreparer:
     locality_slack: float = 0.5,
     pack: packing.PackSpec | prompt_sharing.ShareSpec | None = None,
     plan_for: Callable[[MiniBatch], ConsumerPlan] | None = None,
+    row_images: bool = False,
   ):
     self._storage, self._layout, self._mesh = storage, layout, mesh
+    self._row_images = row_images
     self._k = micro_batches
     self._consumer = jax.process_index() if consumer is None else consumer
     self._consumers = jax.process_count() if num_consumers is None else num_consumers
@@ -98,7 +102,7 @@ class MiniBatchPreparer:
       if self._shared:
         local, share_info = self._pack.with_metrics(local)
         info = {**info, **share_info}
-      host = mm_step.prepare_batch(local, self._k)
+      host = mm_step.prepare_batch(local, self._k, row_images=self._row_images)
       return to_global(host, mm_step.batch_shardings(self._mesh, shared=self._shared)), info
     if self._pack is not None and self._consumers == 1:
       local, pack_info = self._pack.with_metrics(local)

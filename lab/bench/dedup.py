@@ -147,7 +147,17 @@ def run(config, workdir: str) -> dict:
   devices = jax.devices()[: config.devices] if config.devices else jax.devices()
   mesh = sharding.make_mesh(tuple(config.mesh_shape), devices=devices)
   host = mm_step.prepare_batch(batch, w.micro_batches, shards=mm_step.batch_shards(mesh))
-  dev_batch = jax.device_put(host, mm_step.batch_shardings(mesh))
+  shardings = mm_step.batch_shardings(mesh)
+  dev_batches = {  # the naive step takes one image per row (mm_step.prepare_batch's row_images)
+    name: jax.device_put(
+      mm_step.prepare_batch(
+        batch, w.micro_batches, shards=mm_step.batch_shards(mesh),
+        row_images=not options["encoder_dedup"],
+      ),
+      shardings,
+    )  # fmt: skip
+    for name, options in PATHS.items()
+  }
   graphdef, params = sharding.init_sharded(
     lambda: VLM(lm, vision, image_token_id=IMAGE_TOKEN, rngs=nnx.Rngs(config.seed)), mesh
   )
@@ -167,9 +177,9 @@ def run(config, workdir: str) -> dict:
     )
     with jax.set_mesh(mesh):
       t0 = time.perf_counter()
-      steps[name] = step.lower(state, dev_batch).compile()
+      steps[name] = step.lower(state, dev_batches[name]).compile()
       info[name] = {"compile_s": time.perf_counter() - t0, "memory": _memory(steps[name])}
-      states[name], metrics = steps[name](state, dev_batch)  # warm-up
+      states[name], metrics = steps[name](state, dev_batches[name])  # warm-up
     metrics = jax.device_get(metrics)
     info[name].update({k: float(metrics[k]) for k in COUNT_KEYS})
     info[name]["loss"] = float(metrics["loss"])
@@ -201,7 +211,7 @@ def run(config, workdir: str) -> dict:
   jax.block_until_ready((enc_mb(*enc_mb_args), enc_u(*enc_u_args)))
 
   # Rounds interleave every measurement, so a busy machine slows all of them alike.
-  batches = {**dict.fromkeys(PATHS, dev_batch), "backbone": lm_batch}
+  batches = {**dev_batches, "backbone": lm_batch}
   times = {name: [] for name in (*steps, "encoder_micro_batch", "encoder_unique")}
   with jax.set_mesh(mesh):
     for _ in range(config.repeats):

@@ -221,7 +221,7 @@ def _centralized_step(state, fn, mbs, driver, k, micro, device, shardings):
 
   t_release = time.perf_counter()
   parts, sizes = ray.get(driver.part.remote(mbs[0].step, mbs, k))
-  placed = [modes.place(p, micro, device) for p in parts]
+  placed = [modes.place(p, micro, device, row_images=True) for p in parts]
   jax.block_until_ready(placed)
   t_have = time.perf_counter()
   rows = []

@@ -83,10 +83,10 @@ class Driver:
     return self._parts.pop(consumer)
 
 
-def place(part: Mapping[str, np.ndarray], k: int, device) -> dict:
+def place(part: Mapping[str, np.ndarray], k: int, device, *, row_images: bool = False) -> dict:
   """A consumer's rows split into micro-batches and put on its own device (as each host of a
-  multi-host trainer places its shard)."""
-  return jax.device_put(mm_step.prepare_batch(dict(part), k), device)
+  multi-host trainer places its shard); ``row_images``: the naive step's layout."""
+  return jax.device_put(mm_step.prepare_batch(dict(part), k, row_images=row_images), device)
 
 
 def global_batch(placed: Sequence[Mapping[str, jax.Array]], shardings) -> dict:
@@ -211,7 +211,7 @@ def centralized_step(state, step_fn, minibatches, driver, micro_batches, devices
 
   def take(c):
     parts = ray.get(driver.take.remote(c))
-    placed[c] = [place(p, micro_batches, devices[c]) for p in parts]
+    placed[c] = [place(p, micro_batches, devices[c], row_images=True) for p in parts]
     jax.block_until_ready(placed[c])
 
   threads = [

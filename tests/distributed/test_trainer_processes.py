@@ -1,7 +1,7 @@
 """A disaggregated trainer spread over two processes (`knitjax.distributed.trainer_processes`).
 
 Two trainer processes (``--distributed``, 2 fake CPU devices each, one FSDP mesh over all 4) and
-two Ray rollout actors run ``configs/arith_disagg.py:quick``. Process 0 holds the one admission
+a Ray rollout actor run ``configs/arith_disagg.py:quick``. Process 0 holds the one admission
 index and announces every released mini-batch with its consumer plan; each process fetches only
 its share and publishes only its own shards of each version. The run must keep every invariant
 of a one-process disaggregated run (versions, quotas, conservation), both processes must hear
@@ -39,13 +39,13 @@ OVERRIDES = {
   "loop.log_every": 1,
   "mesh.cpu_devices": 2,
   "mesh.shape": "(1,-1,1)",  # FSDP across both processes: each holds half of most leaves
-  "topology.rollout_workers": 2,
+  "topology.rollout_workers": 1,  # one actor: four JAX processes on 2 cores, not five
 }
 
 
 def _config():
   c = arith_disagg.get_config("quick")
-  tiny.set_fields(c, steps=STEPS, log_every=1, rollout_workers=2)
+  tiny.set_fields(c, steps=STEPS, log_every=1, rollout_workers=1)
   c.mesh.update(cpu_devices=2, shape=(1, -1, 1))
   return c
 

@@ -64,7 +64,9 @@ def _grads(mesh, batch, micro_batches, *, dedup, remat=False):
     lambda: VLM(LM, VC, image_token_id=IMG, rngs=nnx.Rngs(0)), mesh
   )
   ref = jax.tree.map(lambda x: 0.9 * x, params)
-  host = mm_step.prepare_batch(batch, micro_batches, shards=mm_step.batch_shards(mesh))
+  host = mm_step.prepare_batch(
+    batch, micro_batches, shards=mm_step.batch_shards(mesh), row_images=not dedup
+  )
   dev = jax.device_put(host, mm_step.batch_shardings(mesh))
   fn = jax.jit(
     lambda p, b, r: mm_step.mm_value_and_grad(

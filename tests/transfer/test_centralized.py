@@ -137,7 +137,9 @@ def test_centralized_and_on_demand_give_the_same_update(baseline_dedup):
   mesh = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])
   on_demand = MiniBatchPreparer(storage, layout=LAYOUT, mesh=mesh, micro_batches=2)
   want, want_n = _apply(mesh, [on_demand(mb)[0] for mb in step], dedup=True)
-  driver = centralized.CentralizedPreparer(storage, layout=LAYOUT, mesh=mesh, micro_batches=2)
+  driver = centralized.CentralizedPreparer(
+    storage, layout=LAYOUT, mesh=mesh, micro_batches=2, row_images=not baseline_dedup
+  )
   got, got_n = _apply(mesh, [b for b, _ in driver(step)], dedup=baseline_dedup)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
