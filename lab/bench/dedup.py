@@ -151,11 +151,13 @@ def run(config, workdir: str) -> dict:
   dev_batches = {  # the naive step takes one image per row (mm_step.prepare_batch's row_images)
     name: jax.device_put(
       mm_step.prepare_batch(
-        batch, w.micro_batches, shards=mm_step.batch_shards(mesh),
+        batch,
+        w.micro_batches,
+        shards=mm_step.batch_shards(mesh),
         row_images=not options["encoder_dedup"],
       ),
       shardings,
-    )  # fmt: skip
+    )
     for name, options in PATHS.items()
   }
   graphdef, params = sharding.init_sharded(
