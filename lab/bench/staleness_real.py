@@ -254,9 +254,9 @@ def _cluster(config: mc.ConfigDict, workdir: str):
   cores = ((0,), (1,), (0, 1))
   env = ray_nodes.ray_env(workdir)
   with Cluster([HostSpec(cores=c, rate_mbit=rate) for c in cores]) as cluster:
-    temp_dir = f"/tmp/ray_{cluster.tag}"
+    temp_dir = ray_nodes.private_temp_dir(cluster.tag)  # owner-only; Ray's folder inside
     try:
-      address = ray_nodes.start(cluster, env, temp_dir, nodes=(1,), head_cpus=0)
+      address = ray_nodes.start(cluster, env, f"{temp_dir}/ray", nodes=(1,), head_cpus=0)
       yield cluster, env, address
     finally:
       shutil.rmtree(temp_dir, ignore_errors=True)

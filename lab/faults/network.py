@@ -127,13 +127,15 @@ def _attempt(cluster: Cluster, workdir: str, k: int, fault=None) -> dict:
   hosts' processes are ended afterwards, whatever state the fault left them in."""
   out: dict = {}
   t0 = time.monotonic()
-  temp_dir = f"/tmp/ray_{cluster.tag}_{k}"
+  temp_dir = ray_nodes.private_temp_dir(cluster.tag, f"_{k}")  # owner-only; Ray's folder inside
   env = ray_nodes.ray_env(os.path.join(os.path.dirname(workdir), "ray"))
   err_path = f"{workdir}.attempt{k}.log"
   os.makedirs(os.path.dirname(err_path), exist_ok=True)
   try:
     port = ray_nodes.RAY_PORT + k  # a fresh port: the last head's may linger in TIME_WAIT
-    address = ray_nodes.start(cluster, env, temp_dir, head_cpus=0, port=port, log=lambda m: None)
+    address = ray_nodes.start(
+      cluster, env, f"{temp_dir}/ray", head_cpus=0, port=port, log=lambda m: None
+    )
     cmd = [sys.executable, "-m", "knitjax.main", *kill_resume._argv(_run(address))]
     with open(err_path, "w") as err:
       trainer = cluster.spawn(
