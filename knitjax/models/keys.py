@@ -17,8 +17,14 @@ from flax import nnx
 
 def params_key(rngs: nnx.Rngs) -> jax.Array:
   """The next key of ``rngs``'s params stream: bit for bit ``rngs.params()``."""
+  return jax.random.fold_in(*params_key_parts(rngs))
+
+
+def params_key_parts(rngs: nnx.Rngs) -> tuple[jax.Array, jax.Array]:
+  """``(stream key, count)`` of the next key of ``rngs``'s params stream, which is
+  ``fold_in(stream key, count)``; the count moves on. (Many keys folded in one vmapped
+  ``fold_in`` compile to one kernel, not one each.)"""
   stream = rngs.params
   count = stream.count.get_value()
-  key = jax.random.fold_in(stream.key.get_value(), count)
   stream.count.set_value(count + 1)
-  return key
+  return stream.key.get_value(), count

@@ -15,15 +15,19 @@ serves as the reference policy), and `merged` folds them into the kernels,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from knitjax import sharding
-from knitjax.models.keys import params_key
+from knitjax.models.keys import params_key, params_key_parts
 
 # Projections an adapter may sit on, by the name configs use (`TransformerConfig.lora_targets`).
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -92,8 +96,13 @@ class Adapter(nnx.Module):
     replicated ("lora_rank")."""
     n_in = len(in_shape)
     bound = math.prod(in_shape) ** -0.5
-    init_a = jax.nn.initializers.uniform(2 * bound)
-    a = init_a(params_key(rngs), (*in_shape, spec.rank), jnp.float32) - bound
+    shape = (*in_shape, spec.rank)
+    pending = getattr(_DRAWS, "pending", None)
+    if pending is None:
+      a = _draw_a(params_key(rngs), shape, bound)
+    else:  # drawn later with every adapter of its shape (`init_adapters`)
+      a = jnp.zeros(shape, jnp.float32)
+      pending.append((self, params_key_parts(rngs), shape, bound))
     b = jnp.zeros((spec.rank, *out_shape), jnp.float32)
     self.a = nnx.LoRAParam(
       a, eager_sharding=False, out_sharding=(*axes[:n_in], "lora_rank"), lora_scale=spec.scale
@@ -105,6 +114,28 @@ class Adapter(nnx.Module):
     """``x [..., in...] -> [..., out...]``, in the compute dtype."""
     h = jnp.tensordot(x, self.a[...].astype(self.dtype), axes=self.n_in)
     return jnp.tensordot(h * self.scale, self.b[...].astype(self.dtype), axes=1)
+
+
+def _draw_a(key: jax.Array, shape: tuple[int, ...], bound: float) -> jax.Array:
+  """A fresh ``A``: uniform in ``[-bound, bound)``, ``bound = 1 / sqrt(fan_in)``."""
+  return jax.nn.initializers.uniform(2 * bound)(key, shape, jnp.float32) - bound
+
+
+def _draw_folded(key, count, *, shape, bound) -> jax.Array:
+  return _draw_a(jax.random.fold_in(key, count), shape, bound)
+
+
+_DRAWS = threading.local()  # the adapters built in `_pending_draws`, their A not drawn yet
+
+
+@contextlib.contextmanager
+def _pending_draws():
+  pending: list = []
+  _DRAWS.pending = pending
+  try:
+    yield pending
+  finally:
+    _DRAWS.pending = None
 
 
 def adapter(
@@ -168,13 +199,48 @@ def merged(params: nnx.State) -> nnx.State:
 
 def init_adapters(make_model, mesh=None) -> nnx.State:
   """Fresh adapters of ``make_model()`` (A random, B = 0), sharded on ``mesh``; the base params
-  it would draw are never materialised (the jitted init returns only the adapters)."""
-  init = lambda: nnx.state(make_model(), nnx.LoRAParam)  # noqa: E731
-  if mesh is None:
-    return init()
+  it would draw are never materialised.
+
+  The ``A`` of every adapter of one shape are drawn together, one vmapped draw (the same values
+  as each alone: a key's bits do not depend on the batch it is drawn in), and the jitted draw
+  returns them stacked, to be cut apart on the host: XLA's CPU backend compiles a kernel per
+  output, so returning each adapter from the jit cost SmolLM2-135M's 210 adapters 16-23 s of
+  compile on 2 cores.
+  """
+  layout: list = []  # (path of an A, its shape's group, its index there), found while tracing
+
+  def draw() -> list[jax.Array]:
+    with _pending_draws() as pending:
+      model = make_model()
+    paths = {id(node): path for path, node in nnx.iter_graph(model) if isinstance(node, Adapter)}
+    groups: dict = {}
+    for adapter_, key_parts, shape, bound in pending:
+      parts = groups.setdefault((shape, bound), [])
+      layout.append(((*paths[id(adapter_)], "a"), list(groups).index((shape, bound)), len(parts)))
+      parts.append(key_parts)
+    return [
+      jax.vmap(functools.partial(_draw_folded, shape=shape, bound=bound))(
+        jnp.stack([k for k, _ in parts]), jnp.stack([c for _, c in parts])
+      )
+      for (shape, bound), parts in groups.items()
+    ]
+
   abstract = nnx.state(nnx.eval_shape(make_model), nnx.LoRAParam)
-  with jax.set_mesh(mesh):
-    return jax.jit(init, out_shardings=sharding.state_shardings(abstract, mesh))()
+  if mesh is None:
+    stacked = draw()
+  else:
+    with jax.set_mesh(mesh):
+      stacked = jax.jit(draw)()
+  host = [np.asarray(s) for s in stacked]  # adapters are small; cut apart on the host
+  drawn = {path: host[g][j] for path, g, j in layout}
+  flat = [
+    (path, v.replace(drawn[path] if path in drawn else np.zeros(v.shape, v.dtype)))
+    for path, v in nnx.to_flat_state(abstract)
+  ]
+  state = nnx.from_flat_state(flat)
+  if mesh is None:
+    return jax.device_put(state)
+  return jax.device_put(state, sharding.state_shardings(abstract, mesh))
 
 
 def cast_base(params: nnx.State, dtype: str, mesh) -> nnx.State:
