@@ -4,8 +4,9 @@ cost when a model is built under tracing (`nnx.eval_shape`, a jitted init).
 ``rngs.params()`` bumps its stream's count with ``count[...] += 1``; flax then compares the new
 value's ``sharding`` with the old one's, and on a tracer that attribute raises an error whose
 message JAX builds eagerly by searching the whole trace for the value's origin. Built under
-tracing, a model pays that search once per parameter over a trace that grows with every one:
-23 s of SmolLM2-135M's 29 s LoRA init on the 2-core CPU. :func:`params_key` draws the same key
+tracing, a model pays that search once per parameter over a trace that grows with every one
+(`nnx.eval_shape` of SmolLM2-135M with LoRA: 4.2 s, 0.4 s with these keys, on the 2-core CPU).
+:func:`params_key` draws the same key
 (``fold_in(key, count)``, then ``count + 1``) and sets the count whole, which compares nothing.
 """
 

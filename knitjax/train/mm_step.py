@@ -314,9 +314,9 @@ def prepare_batch(
       each data-parallel shard holds its own rows' images; ``num_images`` and ``shards`` then
       do not apply.
   """
-  images = batch["images"]
   if row_images:
     return _row_image_batch(batch, micro_batches)
+  images = batch["images"]
   u = images.shape[0]
   target = max(u, num_images, 1)
   target = -(-target // shards) * shards
@@ -333,14 +333,9 @@ def _row_image_batch(batch: dict[str, np.ndarray], micro_batches: int) -> dict[s
   if not len(images):
     images = np.zeros((1, *images.shape[1:]), images.dtype)
   local = np.where(index >= 0, index % len(images), 0)  # a consumer's images: its own block
-  per_row = images[local]
-  rows = len(index)
-  if rows % micro_batches:
-    raise ValueError(
-      f"a mini-batch of {rows} sequences cannot be split into {micro_batches} equal micro-batches."
-    )
-  per_row = per_row.reshape(micro_batches, rows // micro_batches, *images.shape[1:])
   fields = split_micro_batches({k: v for k, v in batch.items() if k != "images"}, micro_batches)
+  rows = len(index)
+  per_row = images[local].reshape(micro_batches, rows // micro_batches, *images.shape[1:])
   return {**fields, "images": per_row.swapaxes(0, 1).reshape(rows, *images.shape[1:])}
 
 

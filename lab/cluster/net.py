@@ -62,6 +62,18 @@ def missing_tools(need_iptables: bool = False) -> str | None:
   return None
 
 
+def cannot_build() -> str | None:
+  """Why this machine cannot build a cluster (root and tools, then a namespace tried), or None."""
+  if problem := missing_tools():
+    return problem
+  probe = f"{PREFIX}probe{os.getpid()}"
+  made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+  if made.returncode != 0:
+    return f"this machine cannot make a network namespace: {made.stderr.strip()}"
+  subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+  return None
+
+
 def sh(*argv: str, check: bool = True) -> str:
   """Runs one command; a failure raises RuntimeError naming the command and its stderr."""
   r = subprocess.run(argv, capture_output=True, text=True)

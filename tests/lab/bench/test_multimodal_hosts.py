@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lab.bench import multimodal_hosts as mmh
-from lab.cluster import scale
+from lab.cluster import net, scale
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, REPO)
@@ -111,22 +111,6 @@ def test_a_phase_figures_compare_the_slowest_hosts_and_count_every_group():
     mmh.figures(w, 1, per, groups)
 
 
-def _cannot_build() -> str | None:
-  """Why this machine cannot build a cluster (root and tools, then a namespace tried), or None."""
-  import subprocess
-
-  from lab.cluster import net
-
-  if problem := net.missing_tools():
-    return problem
-  probe = f"kjprobe{os.getpid()}"
-  made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-  if made.returncode != 0:
-    return f"this machine cannot make a network namespace: {made.stderr.strip()}"
-  subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-  return None
-
-
 _GLOO = """
 import os, sys
 from lab.bench.multimodal_hosts import _own_hostname
@@ -141,7 +125,7 @@ print("sum", float(multihost_utils.process_allgather(np.array([k + 1.0])).sum())
 """
 
 
-MISSING = _cannot_build()
+MISSING = net.cannot_build()
 
 
 @pytest.mark.skipif(MISSING is not None, reason=MISSING or "")

@@ -19,19 +19,7 @@ from lab.cluster.hosts import Cluster, HostSpec
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _cannot_build() -> str | None:
-  """Why this machine cannot build a cluster (root and tools, then a namespace tried), or None."""
-  if problem := net.missing_tools():
-    return problem
-  probe = f"kjprobe{os.getpid()}"
-  made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-  if made.returncode != 0:
-    return f"this machine cannot make a network namespace: {made.stderr.strip()}"
-  subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-  return None
-
-
-MISSING = _cannot_build()
+MISSING = net.cannot_build()
 needs_root = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
