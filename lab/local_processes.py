@@ -12,13 +12,12 @@ import subprocess
 import sys
 import time
 
-from lab import REPO
+from lab import REPO, without_device_count
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
   env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
-  env.pop("XLA_FLAGS", None)  # each process takes the config's cpu_devices
-  return env
+  return without_device_count(env)  # each process takes the config's cpu_devices
 
 
 def launch(

@@ -10,8 +10,8 @@ import pytest
 # optimizations of XLA's CPU code take most of a compile and buy little at these sizes (the
 # matmuls are library calls either way), so the tests turn them off. Measured on 2 cores: the
 # train-step and sampler modules 77 s -> 47 s, the SmolLM2-size tests 103 s -> 104 s. Runs the
-# tests start as processes of their own inherit it, except the benchmarks' (`real_runs.launch`
-# drops XLA_FLAGS), which time real runs.
+# tests start as processes of their own (benchmarks, several processes, Ray nodes, notebooks)
+# inherit it; the lab's launchers drop only the device count (`lab.without_device_count`).
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {_FAST_COMPILE}"

@@ -124,6 +124,8 @@ def repo_url(tmp_path_factory) -> str:
 
 def _execute(path: str, tmp_path, repo_url: str, **env_overrides: str):
   """Runs the notebook in a fresh venv in tmp_path; returns the process and the venv's folder."""
+  from lab import without_device_count  # here: the notebook's own run of this file has no lab
+
   venv = tmp_path / "venv"
   subprocess.run(
     [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True
@@ -131,9 +133,9 @@ def _execute(path: str, tmp_path, repo_url: str, **env_overrides: str):
   (venv_site,) = glob.glob(str(venv / "lib" / "python3*" / "site-packages"))
   with open(os.path.join(venv_site, "test_colabs_parent.pth"), "w") as f:
     f.write("\n".join(site.getsitepackages()) + "\n")  # appended after the venv's own
-  # The notebook sets its own XLA_FLAGS; a PYTHONPATH holding the checkout would skip the install.
-  drop = ("XLA_FLAGS", "PYTHONPATH", "VIRTUAL_ENV")
-  env = {k: v for k, v in os.environ.items() if k not in drop}
+  # The notebook sets its device count; a PYTHONPATH holding the checkout would skip the install.
+  drop = ("PYTHONPATH", "VIRTUAL_ENV")
+  env = {k: v for k, v in without_device_count(os.environ).items() if k not in drop}
   env.update(
     VIRTUAL_ENV=str(venv),
     PATH=os.pathsep.join([str(venv / "bin"), env.get("PATH", "")]),

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from lab import REPO
+from lab import REPO, without_device_count
 from lab.bench.report import format_table, write_json
 from lab.cluster import net, ray_nodes, scale
 from lab.cluster.hosts import Cluster, HostSpec
@@ -113,7 +113,7 @@ def _staleness(config, rate_mbit: float, workdir: str, log) -> dict | None:
   argv += ["--workdir", workdir, f"--config.cluster_link_mbit={rate_mbit}"]
   argv += [f"--config.reuse_runs={config.reuse_runs}"]
   argv += list(config.staleness_flags)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = without_device_count(os.environ)
   env["PYTHONPATH"] = REPO
   os.makedirs(workdir, exist_ok=True)
   log(f"cluster: staleness runs in {workdir} (links at {rate_mbit:.0f} Mbit/s)")

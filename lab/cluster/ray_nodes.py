@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from lab import REPO
+from lab import REPO, without_device_count
 from lab.cluster import net
 from lab.cluster.hosts import Cluster
 
@@ -52,7 +52,7 @@ def private_temp_dir(tag: str, suffix: str = "", *, root: str | None = None, ali
 
 def ray_env(workdir: str) -> dict[str, str]:
   """The environment of every Ray process and driver of the cluster: the run's token (0600),
-  no inherited ``RAY_*`` settings or ``XLA_FLAGS``, JAX on CPU, the repository on the path."""
+  no inherited ``RAY_*`` settings or fake-device count, JAX on CPU, the repository on the path."""
   from knitjax.distributed.local_ray import private_ray_token
 
   path = os.path.join(os.path.abspath(workdir), "ray_token")
@@ -66,7 +66,7 @@ def ray_env(workdir: str) -> dict[str, str]:
       os.environ.pop("RAY_AUTH_TOKEN_PATH")
     else:
       os.environ["RAY_AUTH_TOKEN_PATH"] = saved
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "XLA_FLAGS"))}
+  env = {k: v for k, v in without_device_count(os.environ).items() if not k.startswith("RAY_")}
   env.update(
     RAY_AUTH_MODE="token",
     RAY_AUTH_TOKEN_PATH=path,

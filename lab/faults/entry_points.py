@@ -33,6 +33,8 @@ import time
 import warnings
 from collections.abc import Callable
 
+from lab import without_device_count
+
 COUNTERS = (
   "cases",
   "rejected",
@@ -81,8 +83,8 @@ def _python(*argv: str) -> tuple[str, ...]:
 def _env(extra: dict) -> dict:
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("KNITJAX_ROLLOUT_TOKEN", None)  # a case's token is the one it sets, or the workdir's
-  env.pop("XLA_FLAGS", None)  # as a user's shell: the config's mesh.cpu_devices decides
-  return {**env, **extra}
+  # as a user's shell: the config's mesh.cpu_devices decides
+  return {**without_device_count(env), **extra}
 
 
 def run_command(argv, env: dict, timeout_s: float, cwd: str) -> tuple[int | None, str, float]:

@@ -20,6 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from lab import without_device_count
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -56,7 +58,7 @@ def _launch(tmp_path, extra=()):
   """Runs ``configs/arith_tiny.py:quick`` as two processes; returns the workdir and both logs."""
   workdir = tmp_path / "run"
   port = _free_port()
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  env = without_device_count(os.environ)  # the config's mesh.cpu_devices: 2
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_tiny.py:quick"]
   cmd += ["--workdir", str(workdir), "--distributed", f"--coordinator_address=localhost:{port}"]
@@ -120,7 +122,7 @@ def test_processes_started_differently_stop_naming_the_difference(tmp_path):
   if not _gloo_available():
     pytest.skip("this jaxlib has no gloo CPU collectives")
   port = _free_port()
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  env = without_device_count(os.environ)  # --config.mesh.cpu_devices=1
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, "-m", "knitjax.main", "--config", "configs/arith_tiny.py:quick"]
   cmd += ["--workdir", str(tmp_path / "run"), "--distributed", "--num_processes=2"]

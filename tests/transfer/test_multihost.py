@@ -13,6 +13,8 @@ import textwrap
 import jax
 import numpy as np
 
+from lab import without_device_count
+
 # The shared part: the model, the groups and the step, identical in every process.
 COMMON = textwrap.dedent(
   """
@@ -68,7 +70,8 @@ WORKER = textwrap.dedent(
   """
   import json, os, sys
   pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=2"
   import jax
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
@@ -124,7 +127,7 @@ def test_two_process_consumers_match_the_single_process_update(tmp_path):
   worker = tmp_path / "worker.py"
   worker.write_text(WORKER)
   port = str(_free_port())
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = without_device_count(os.environ)  # the worker sets its own count
   env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
   procs = [
     subprocess.Popen(

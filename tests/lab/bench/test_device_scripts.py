@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 
+from lab import without_device_count
 from tests.lab.bench.test_real_model_bench import check_quick_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -22,7 +23,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def _run(tmp_path, cache, timeout=60, **env):
   env = {
-    **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # one CPU device, as users run
+    **without_device_count(os.environ),  # one CPU device, as users run
     "ALLOW_CPU": "1",
     "PYTHON": sys.executable,
     "KNITJAX_CACHE": str(cache),
