@@ -49,32 +49,3 @@ def smollm2_folder():
     return gguf_cache.smollm2_folder()
   except ValueError as e:
     pytest.skip(f"SmolLM2-135M-Instruct cannot be had here: {e}")
-
-
-# The modules of the longest tests (over 20 s each on 2 cores, --durations), started first: with
-# xdist's work stealing the short ones then fill both workers to the end, instead of one of these
-# starting last while the other worker idles.
-_LONGEST_FIRST = (  # whole modules, so that a module's fixtures are set up once
-  "tests/lab/bench/test_device_scripts.py::",
-  "tests/distributed/test_trainer_processes.py::",
-  "tests/lab/cluster/test_cluster.py::",
-  "tests/distributed/test_ray_storage.py::",
-  "tests/runtime/test_vlm_disaggregated.py::",
-  "tests/lab/bench/test_staleness_real_bench.py::",
-  "tests/models/test_gguf.py::",
-  "tests/runtime/test_multihost_main.py::",
-  "tests/runtime/test_init_from_llava.py::",
-  "tests/lab/bench/test_multimodal_bench.py::",
-  "tests/lab/bench/test_dedup_bench.py::",
-  "tests/test_colabs.py::",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-  def rank(item):
-    for i, prefix in enumerate(_LONGEST_FIRST):
-      if item.nodeid.startswith(prefix):
-        return i
-    return len(_LONGEST_FIRST)
-
-  items.sort(key=rank)  # stable: the rest keep their order

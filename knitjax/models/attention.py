@@ -41,6 +41,7 @@ cudnn and splash take a full sequence (no cache offset): attention against a KV 
 decode) runs ``"xla"`` for them, which also attends only the filled part of the cache.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -49,6 +50,49 @@ import jax.numpy as jnp
 from knitjax import jax_compat
 
 IMPLS = ("auto", "xla", "dense", "cudnn", "splash")
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["segment_ids_bt", "prefix_ids_bt"],
+  meta_fields=["spans"],
+)
+@dataclasses.dataclass(frozen=True)
+class SequenceMask:
+  """What a query of a full sequence sees beyond its earlier-or-equal valid keys: the training
+  layout as the model takes it (`knitjax.train.layouts`). The default, no fields: one row per
+  sequence (padded rows).
+
+  Attributes:
+    segment_ids_bt: int32 ``[B, T]`` packed-sequence ids (0 on padding): a query sees a key only
+      in its own segment. None: one sequence per row.
+    prefix_ids_bt: int32 ``[B, T]`` tree mask (shared-prompt rows ``[prompt | r1 | ... | rG]``):
+      for a response token the segment id of its prompt, whose keys it sees too; 0 elsewhere.
+      Needs ``segment_ids_bt``. None: no prefixes.
+    spans: ``(P, N)`` of fixed-span shared-prompt rows ``[prompt (P) | N | ... | N]``
+      (`knitjax.train.prompt_sharing`): the same tree mask computed span by span
+      (:func:`attend_spans`), so no query meets another response's keys; the ids are then not
+      read. None: :func:`attend` with the ids.
+  """
+
+  segment_ids_bt: jax.Array | None = None
+  prefix_ids_bt: jax.Array | None = None
+  spans: tuple[int, int] | None = None
+
+  @property
+  def plain(self) -> bool:
+    """One row per sequence: nothing beyond the causal, valid keys."""
+    return self.segment_ids_bt is None and self.prefix_ids_bt is None and self.spans is None
+
+  def as_int32(self) -> "SequenceMask":
+    """The ids as int32 (a batch may carry them in another integer type)."""
+    cast = lambda x: None if x is None else x.astype(jnp.int32)  # noqa: E731
+    return dataclasses.replace(
+      self, segment_ids_bt=cast(self.segment_ids_bt), prefix_ids_bt=cast(self.prefix_ids_bt)
+    )
+
+
+PLAIN = SequenceMask()
 
 # Block sizes of the xla path: a query block's scores against a key block are the largest
 # temporary, [B, K, G, BLOCK_Q, BLOCK_K] float32 (14 MiB for Qwen2.5-0.5B's 14 heads, batch 1).

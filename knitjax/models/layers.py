@@ -311,9 +311,7 @@ class Attention(nnx.Module):
     valid_bs: jax.Array,
     kv_cache: tuple[jax.Array, jax.Array] | None = None,
     cache_index: jax.Array | None = None,
-    segment_ids_bt: jax.Array | None = None,
-    prefix_ids_bt: jax.Array | None = None,
-    spans: tuple[int, int] | None = None,
+    mask: attention_lib.SequenceMask = attention_lib.PLAIN,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attends the T new positions to the earlier-or-equal valid keys (`attention_lib.attend`).
 
@@ -324,15 +322,8 @@ class Attention(nnx.Module):
         (the new positions included) with `kv_cache`.
       kv_cache: (k, v) [B, S, K, H] of this layer; the new keys are written at `cache_index`.
       cache_index: scalar index of the first new position in the cache.
-      segment_ids_bt: int32 [B, T] packed-sequence ids of a full sequence (0 on padding): a query
-        sees a key only in its own segment. None: one sequence per row.
-      prefix_ids_bt: int32 [B, T] tree mask (shared-prompt rows ``[prompt | r1 | ... | rG]``):
-        for a response token the segment id of its prompt, whose keys it sees too; 0 elsewhere.
-        Needs `segment_ids_bt`. None: no prefixes.
-      spans: ``(P, N)`` of a fixed-span shared-prompt row ``[prompt (P) | N | ... | N]``
-        (`knitjax.train.prompt_sharing`): the same tree mask computed per span
-        (`attention_lib.attend_spans`), so no query meets another response's keys; the
-        segment and prefix ids are then not read. None: `attend` with the ids.
+      mask: what a query of a full sequence sees beyond its causal, valid keys (packed rows,
+        the shared-prompt tree mask, fixed spans: `attention_lib.SequenceMask`).
 
     Returns:
       The attention output [B, T, D] and the (updated) keys and values.
@@ -345,23 +336,21 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
     q_offset = 0
     if kv_cache is not None:
-      if segment_ids_bt is not None or prefix_ids_bt is not None or spans is not None:
-        raise ValueError(
-          "segment_ids_bt and prefix_ids_bt apply to a full sequence, not to a KV cache."
-        )
+      if not mask.plain:
+        raise ValueError("a SequenceMask applies to a full sequence, not to a KV cache.")
       start = (0, cache_index, 0, 0)
       k = jax.lax.dynamic_update_slice(kv_cache[0], k.astype(kv_cache[0].dtype), start)
       v = jax.lax.dynamic_update_slice(kv_cache[1], v.astype(kv_cache[1].dtype), start)
       q_offset = cache_index
-    if spans is not None:
+    if mask.spans is not None:
       out = attention_lib.attend_spans(
-        q, k, v, kv_valid_bs=valid_bs, prompt_len=spans[0], span_len=spans[1],
+        q, k, v, kv_valid_bs=valid_bs, prompt_len=mask.spans[0], span_len=mask.spans[1],
         impl=self.attention,
       )  # fmt: skip
     else:
       out = attention_lib.attend(
-        q, k, v, kv_valid_bs=valid_bs, q_offset=q_offset, q_segment_bt=segment_ids_bt,
-        kv_segment_bs=segment_ids_bt, q_prefix_bt=prefix_ids_bt, impl=self.attention,
+        q, k, v, kv_valid_bs=valid_bs, q_offset=q_offset, q_segment_bt=mask.segment_ids_bt,
+        kv_segment_bs=mask.segment_ids_bt, q_prefix_bt=mask.prefix_ids_bt, impl=self.attention,
       )  # fmt: skip
     proj = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(self.dtype))
     if self.o_lora is not None:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from knitjax.models import attention, dtypes, layers, lora
+from knitjax.models.attention import PLAIN, SequenceMask
 
 # TransformerConfig fields that choose how the model runs (kernels, memory), not its shape or
 # weights: a config may set them on top of a checkpoint's shape (`config.init_from`).
@@ -220,14 +221,9 @@ class Block(nnx.Module):
     valid_bs,
     kv_cache=None,
     cache_index=None,
-    segment_ids_bt=None,
-    prefix_ids_bt=None,
-    spans=None,
+    mask: SequenceMask = PLAIN,
   ):
-    attn_out, kv = self.attn(
-      self.attn_norm(x_btd), sin_cos, valid_bs, kv_cache, cache_index, segment_ids_bt,
-      prefix_ids_bt, spans,
-    )  # fmt: skip
+    attn_out, kv = self.attn(self.attn_norm(x_btd), sin_cos, valid_bs, kv_cache, cache_index, mask)
     x_btd = x_btd + attn_out
     return x_btd + self.mlp(self.mlp_norm(x_btd)), kv
 
@@ -294,9 +290,7 @@ class Transformer(nnx.Module):
     valid_bt: jax.Array,
     *,
     embeddings_btd: jax.Array | None = None,
-    segment_ids_bt: jax.Array | None = None,
-    prefix_ids_bt: jax.Array | None = None,
-    spans: tuple[int, int] | None = None,
+    mask: SequenceMask = PLAIN,
   ) -> jax.Array:
     """Full-sequence forward: float32 logits [B, T, V].
 
@@ -305,19 +299,11 @@ class Transformer(nnx.Module):
       positions_bt: RoPE positions (`cumsum(valid) - 1`, clipped at 0; per packed row: from 0).
       valid_bt: bool, False on padding; a query sees keys that are earlier-or-equal AND valid.
       embeddings_btd: used instead of `embed(tokens_bt)` when given (e.g. image rows spliced in).
-      segment_ids_bt: int32 packed-sequence ids, 0 on padding and >= 1 per sequence packed in a
-        row: a query also needs the key in its own segment. None: one sequence per row.
-      prefix_ids_bt: int32 tree mask for shared-prompt rows ``[prompt | r1 | ... | rG]`` (each
-        part its own segment; positions of each response continue from the prompt's end): for a
-        response token the segment id of its prompt, whose keys it sees as well as its own
-        segment's; 0 elsewhere. A response's states then equal those of its own row
-        ``[prompt | response]``. Needs `segment_ids_bt`. None: no prefixes.
-      spans: ``(P, N)``: the rows are fixed-span shared-prompt rows ``[prompt (P) | N | ... |
-        N]``, attended span by span (`knitjax.models.attention.attend_spans`); None: by the ids.
+      mask: what a query sees beyond its causal, valid keys (`SequenceMask`: packed rows, the
+        shared-prompt tree mask, whose responses' states then equal those of their own rows
+        ``[prompt | response]``, or fixed spans); the default: one sequence per row.
     """
-    x = self._hidden(
-      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt, spans
-    )
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd, mask)
     return self._logits(x)
 
   def logits_and_values(
@@ -326,9 +312,7 @@ class Transformer(nnx.Module):
     positions_bt: jax.Array,
     valid_bt: jax.Array,
     *,
-    segment_ids_bt: jax.Array | None = None,
-    prefix_ids_bt: jax.Array | None = None,
-    spans: tuple[int, int] | None = None,
+    mask: SequenceMask = PLAIN,
   ) -> tuple[jax.Array, jax.Array]:
     """Full-sequence forward of policy and critic: float32 logits [B, T, V] and values [B, T].
 
@@ -337,7 +321,7 @@ class Transformer(nnx.Module):
     """
     if self.value_head is None:
       raise ValueError("logits_and_values needs a value head; set TransformerConfig.value_head.")
-    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, segment_ids_bt, prefix_ids_bt, spans)
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, None, mask)
     return self._logits(x), self.value_head(self.final_norm(x))
 
   def hidden_states(
@@ -347,18 +331,14 @@ class Transformer(nnx.Module):
     valid_bt: jax.Array,
     *,
     embeddings_btd: jax.Array | None = None,
-    segment_ids_bt: jax.Array | None = None,
-    prefix_ids_bt: jax.Array | None = None,
-    spans: tuple[int, int] | None = None,
+    mask: SequenceMask = PLAIN,
   ) -> jax.Array:
     """Full-sequence forward up to the final norm: hidden states [B, T, D] in the compute dtype.
 
     With `unembedding()` they give the logits (`knitjax.train.logprobs` reads them this way, so
     that the [B, T, V] logits need not exist at once); the arguments are `__call__`'s.
     """
-    x = self._hidden(
-      tokens_bt, positions_bt, valid_bt, embeddings_btd, segment_ids_bt, prefix_ids_bt, spans
-    )
+    x = self._hidden(tokens_bt, positions_bt, valid_bt, embeddings_btd, mask)
     return self.final_norm(x)
 
   def hidden_states_and_values(
@@ -367,9 +347,7 @@ class Transformer(nnx.Module):
     positions_bt: jax.Array,
     valid_bt: jax.Array,
     *,
-    segment_ids_bt: jax.Array | None = None,
-    prefix_ids_bt: jax.Array | None = None,
-    spans: tuple[int, int] | None = None,
+    mask: SequenceMask = PLAIN,
   ) -> tuple[jax.Array, jax.Array]:
     """`hidden_states` and the critic's float32 values [B, T] from the same forward pass.
 
@@ -379,10 +357,7 @@ class Transformer(nnx.Module):
       raise ValueError(
         "hidden_states_and_values needs a value head; set TransformerConfig.value_head."
       )
-    x = self.hidden_states(
-      tokens_bt, positions_bt, valid_bt, segment_ids_bt=segment_ids_bt,
-      prefix_ids_bt=prefix_ids_bt, spans=spans,
-    )  # fmt: skip
+    x = self.hidden_states(tokens_bt, positions_bt, valid_bt, mask=mask)
     return x, self.value_head(x)
 
   def _hidden(
@@ -391,25 +366,19 @@ class Transformer(nnx.Module):
     positions_bt,
     valid_bt,
     embeddings_btd,
-    segment_ids_bt=None,
-    prefix_ids_bt=None,
-    spans=None,
+    mask: SequenceMask = PLAIN,
   ) -> jax.Array:
     """The last block's output [B, T, D] (before the final norm)."""
     x = self._inputs(tokens_bt, embeddings_btd)
     valid_bt = valid_bt.astype(jnp.bool_)
-    if segment_ids_bt is not None:
-      segment_ids_bt = segment_ids_bt.astype(jnp.int32)
-    if prefix_ids_bt is not None:
-      prefix_ids_bt = prefix_ids_bt.astype(jnp.int32)
     sin_cos = self._rope(positions_bt)
-    return self._blocks(x, sin_cos, valid_bt, None, None, segment_ids_bt, prefix_ids_bt, spans)
+    return self._blocks(x, sin_cos, valid_bt, None, None, mask.as_int32())
 
   def _blocks(self, x_btd: jax.Array, *block_args) -> jax.Array:
     """Every decoder block over a full sequence, with the configured remat and layer scan.
 
     ``block_args`` follow ``x_btd`` in `Block.__call__`: (sin_cos, valid_bs, kv_cache,
-    cache_index, segment_ids_bt, prefix_ids_bt, spans).
+    cache_index, mask).
     """
     c = self.config
     graphdef = nnx.graphdef(self.blocks[0])

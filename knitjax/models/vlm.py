@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from knitjax import sharding
+from knitjax.models.attention import PLAIN, SequenceMask
 from knitjax.models.transformer import KVCache, Transformer, TransformerConfig
 from knitjax.models.vision import Projector, VisionConfig, VisionEncoder
 
@@ -131,18 +132,12 @@ class VLM(nnx.Module):
     valid_bt: jax.Array,
     *,
     image_rows_bpd: jax.Array | None = None,
-    segment_ids_bt: jax.Array | None = None,
-    prefix_ids_bt: jax.Array | None = None,
-    spans: tuple[int, int] | None = None,
+    mask: SequenceMask = PLAIN,
   ) -> jax.Array:
     """The decoder's final-normed hidden states [B, T, D] (`__call__` without the logits);
-    segment and prefix ids and spans as in `Transformer.__call__` (packed rows, shared-prompt
-    tree mask)."""
+    ``mask`` as in `Transformer.__call__` (packed rows, the shared-prompt tree mask)."""
     x = self.embed(tokens_bt, image_rows_bpd)
-    return self.lm.hidden_states(
-      tokens_bt, positions_bt, valid_bt, embeddings_btd=x, segment_ids_bt=segment_ids_bt,
-      prefix_ids_bt=prefix_ids_bt, spans=spans,
-    )  # fmt: skip
+    return self.lm.hidden_states(tokens_bt, positions_bt, valid_bt, embeddings_btd=x, mask=mask)
 
   def unembedding(self) -> tuple[jax.Array, str]:
     """The decoder's output projection and its axes (`Transformer.unembedding`)."""

@@ -26,7 +26,7 @@ from knitjax.tasks.prompts import Prompt, PromptSource
 from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.streams import ClassStreams
 from knitjax.tasks.tokenizer import CharTokenizer
-from knitjax.train import losses, mm_step, packing, prompt_sharing
+from knitjax.train import layouts, losses, mm_step, packing, prompt_sharing
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.step import (
@@ -36,7 +36,7 @@ from knitjax.train.step import (
   init_train_state,
 )
 from knitjax.train.step_advantages import AdvantageConfig
-from knitjax.transfer.access import BatchLayout
+from knitjax.transfer.access import RowSpec
 from knitjax.transfer.admission import AdmissionIndex
 from knitjax.transfer.centralized import CentralizedFeed, CentralizedPreparer
 from knitjax.transfer.feed import OnDemandFeed
@@ -308,8 +308,8 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
     shared_spans=shared_spans(config, prompt_len),
   )
   with_ref = config.loss.kl_coef > 0 and frozen is None
-  shared = config.layout.prompt_sharing == "group"
-  packed = dict(packed=config.layout.packing == "pack" or shared, shared=shared)
+  layout = build_layout(config, mesh, prompt_len)
+  packed = dict(packed=layout.packed, shared=layout.shared)
   compile_kwargs = dict(
     graphdef=graphdef,
     optimizer=optimizer,
@@ -322,7 +322,7 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
     step = mm_step.compile_mm_train_step(
       encoder_dedup=config.vlm.encoder_dedup,
       remat_encoder=config.vlm.remat_encoder,
-      shared=shared,
+      shared=layout.shared,
       **compile_kwargs,
     )
   elif frozen is not None:
@@ -410,11 +410,11 @@ def build_feed(config: Config, take, prepare, *, count: int):
   return OnDemandFeed(take, prepare, count=count, prefetch=config.pipeline.prefetch)
 
 
-def pack_spec(
-  config: Config, mesh, prompt_len: int
-) -> packing.PackSpec | prompt_sharing.ShareSpec | None:
-  """How the trainer lays out mini-batches: packed (``config.layout.packing``), with shared
-  prompts (``config.layout.prompt_sharing``, packed or not), or None: padded rows.
+def build_layout(config: Config, mesh, prompt_len: int) -> layouts.Layout:
+  """How the trainer lays out mini-batches (`knitjax.train.layouts`): with shared prompts
+  (``config.layout.prompt_sharing``, packed or not), packed (``config.layout.packing``), or padded
+  rows; a VLM's images one per row when its encoder runs per row (``config.vlm.encoder_dedup``
+  off), else each unique image once.
 
   ``pack_len`` 0 takes the padded row length (``prompt_len + max_new_tokens``), which every row
   fits, or with shared prompts a whole group's (``prompt_len + group_size * max_new_tokens``);
@@ -422,20 +422,23 @@ def pack_spec(
   """
   multiple = config.layout.micro_batches * mm_step.batch_shards(mesh)
   n = config.rollout.max_new_tokens
+  row_images = config.vision is not None and not config.vlm.encoder_dedup
   if config.layout.prompt_sharing == "group":
-    return prompt_sharing.ShareSpec(
+    spec = prompt_sharing.ShareSpec(
       prompt_len=prompt_len,
       seq_len=config.layout.pack_len or prompt_len + config.rollout.group_size * n,
       multiple=multiple,
       pack=config.layout.packing == "pack",
     )
-  if config.layout.packing == "off":
-    return None
-  return packing.PackSpec(
-    pack_len=config.layout.pack_len or prompt_len + n,
-    multiple=multiple,
-    buckets=config.layout.pack_buckets,
-  )
+    return layouts.Shared(spec, row_images=row_images)
+  if config.layout.packing == "pack":
+    spec = packing.PackSpec(
+      pack_len=config.layout.pack_len or prompt_len + n,
+      multiple=multiple,
+      buckets=config.layout.pack_buckets,
+    )
+    return layouts.Packed(spec, row_images=row_images)
+  return layouts.Padded(row_images=row_images)
 
 
 def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan_for=None):
@@ -444,26 +447,24 @@ def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan
   gathered by one driver). ``plan_for``: the announced consumer plan of a mini-batch (a trainer
   of several processes, `knitjax.distributed.trainer_processes`); None: planned alike by every
   consumer."""
-  layout = BatchLayout(
+  row_spec = RowSpec(
     estimator=config.loss.advantage,
     prompt_len=prompts.prompt_len,
     max_new_tokens=config.rollout.max_new_tokens,
     pad_id=prompts.tokenizer.pad_id,
   )
-  pack = pack_spec(config, mesh, prompts.prompt_len)
-  row_images = not config.vlm.encoder_dedup  # the naive step encodes each row's own image
+  layout = build_layout(config, mesh, prompts.prompt_len)
+  k = config.layout.micro_batches
   if config.transfer.mode == "centralized":
     return CentralizedPreparer(
-      storage, layout=layout, mesh=mesh, micro_batches=config.layout.micro_batches, pack=pack,
-      row_images=row_images,
-    )  # fmt: skip
+      storage, row_spec=row_spec, mesh=mesh, micro_batches=k, layout=layout
+    )
   return MiniBatchPreparer(
     storage,
-    layout=layout,
+    row_spec=row_spec,
     mesh=mesh,
-    micro_batches=config.layout.micro_batches,
-    pack=pack,
+    micro_batches=k,
+    layout=layout,
     locality_slack=config.pipeline.locality_slack,
     plan_for=plan_for,
-    row_images=row_images,
   )

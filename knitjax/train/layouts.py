@@ -136,6 +136,9 @@ class Shared:
     return self.spec.plan_parts(parts, row_len=row_len)
 
 
+PADDED = Padded()  # the default layout
+
+
 def _per_consumer(spec, consumers: int):
   """``spec`` with its sequence multiple divided among ``consumers``."""
   if consumers == 1:

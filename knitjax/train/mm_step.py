@@ -62,6 +62,7 @@ from knitjax.train.step import (
   TrainState,
   jit_step,
   scored_states,
+  sequence_mask,
 )
 
 MM_ROW_FIELDS = (*MICRO_BATCH_FIELDS, "image_index")
@@ -78,8 +79,7 @@ def _logprobs(model, mb, image_rows_bpd, hparams: StepHParams, entropy: str):
   prompts: the tree mask and the scoring gather of `knitjax.train.step.forward`)."""
   hidden = model.hidden_states(
     mb["tokens"], mb["positions"], mb["valid"], image_rows_bpd=image_rows_bpd,
-    segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"),
-    spans=hparams.shared_spans,
+    mask=sequence_mask(mb, hparams.shared_spans),
   )  # fmt: skip
   hidden, _ = scored_states(hidden, None, mb.get("score_index"))
   table, table_axes = model.unembedding()
@@ -337,22 +337,6 @@ def _row_image_batch(batch: dict[str, np.ndarray], micro_batches: int) -> dict[s
   rows = len(index)
   per_row = images[local].reshape(micro_batches, rows // micro_batches, *images.shape[1:])
   return {**fields, "images": per_row.swapaxes(0, 1).reshape(rows, *images.shape[1:])}
-
-
-def device_batch(
-  batch: dict[str, np.ndarray],
-  micro_batches: int,
-  mesh: jax.sharding.Mesh,
-  *,
-  num_images: int,
-  shared: bool = False,
-  row_images: bool = False,
-) -> dict[str, jax.Array]:
-  """:func:`prepare_batch` for ``mesh``, placed with :func:`batch_shardings`."""
-  host = prepare_batch(
-    batch, micro_batches, num_images=num_images, shards=batch_shards(mesh), row_images=row_images
-  )
-  return jax.device_put(host, batch_shardings(mesh, shared=shared))
 
 
 def compile_mm_train_step(

@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding
 
 from knitjax import sharding
 from knitjax.models import lora
+from knitjax.models.attention import SequenceMask
 from knitjax.train import kl as kl_lib
 from knitjax.train import logprobs as logprobs_lib
 from knitjax.train import losses, step_advantages, value_loss
@@ -141,13 +142,11 @@ def forward(
   """
   model = nnx.merge(graphdef, params)
   inputs = (mb["tokens"], mb["positions"], mb["valid"])
-  masks = dict(
-    segment_ids_bt=mb.get("segment_ids"), prefix_ids_bt=mb.get("prefix_ids"), spans=spans
-  )
+  mask = sequence_mask(mb, spans)
   if values:
-    hidden, values_bt = model.hidden_states_and_values(*inputs, **masks)
+    hidden, values_bt = model.hidden_states_and_values(*inputs, mask=mask)
   else:
-    hidden, values_bt = model.hidden_states(*inputs, **masks), None
+    hidden, values_bt = model.hidden_states(*inputs, mask=mask), None
   hidden, values_bt = scored_states(hidden, values_bt, mb.get("score_index"))
   table, table_axes = model.unembedding()
   if spans is not None and chunk:
@@ -159,6 +158,13 @@ def forward(
     entropy=entropy,
   )  # fmt: skip
   return logp, ent, values_bt
+
+
+def sequence_mask(mb: dict[str, jax.Array], spans: tuple[int, int] | None) -> SequenceMask:
+  """The model's view of a micro-batch's training layout (`knitjax.train.layouts`): packed and
+  shared sequences' ``segment_ids`` and ``prefix_ids``, and fixed ``spans`` ``(P, N)``
+  (``StepHParams.shared_spans``); none of them for padded rows."""
+  return SequenceMask(mb.get("segment_ids"), mb.get("prefix_ids"), spans)
 
 
 def scored_states(

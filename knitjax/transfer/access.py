@@ -3,7 +3,7 @@
 The consumer asks each storage unit for exactly the groups of the mini-batch that live there
 (their ``GroupPayload``s), computes the advantages of each (complete) group, stacks the groups'
 rows (:func:`knitjax.transfer.payload.stack_rows`) and lays them out as trainer arrays
-(:func:`knitjax.train.batch.make_batch`, which honours ``response_mask``). ``BatchLayout`` says
+(:func:`knitjax.train.batch.make_batch`, which honours ``response_mask``). ``RowSpec`` says
 how (advantage estimator, row lengths, padding id).
 
 With several consumers (hosts), :func:`consumer_batch` fetches only the groups the consumer plan
@@ -37,7 +37,7 @@ from knitjax.transfer.storage import StorageUnit
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BatchLayout:
+class RowSpec:
   """How a consumer turns fetched groups into trainer arrays.
 
   Attributes:
@@ -56,23 +56,23 @@ class BatchLayout:
   def __post_init__(self):
     if self.estimator not in ADVANTAGES:
       raise ValueError(
-        f"BatchLayout.estimator is {self.estimator!r}; accepted: one of {list(ADVANTAGES)}."
+        f"RowSpec.estimator is {self.estimator!r}; accepted: one of {list(ADVANTAGES)}."
       )
     for name, low in (("prompt_len", 1), ("max_new_tokens", 1), ("pad_id", 0)):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"BatchLayout.{name} is {value!r}; accepted: an int >= {low}.")
+        raise ValueError(f"RowSpec.{name} is {value!r}; accepted: an int >= {low}.")
 
 
 def fetch_minibatch(
-  minibatch: MiniBatch, storage: Mapping[int, StorageUnit], layout: BatchLayout
+  minibatch: MiniBatch, storage: Mapping[int, StorageUnit], row_spec: RowSpec
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """Fetches and lays out one mini-batch; rows are grouped by group, in mini-batch order.
 
   Args:
     minibatch: the groups to fetch (one ``get`` per storage unit holding some of them).
     storage: the storage units by id.
-    layout: advantage estimator and trainer row layout.
+    row_spec: advantage estimator and the padded rows' lengths and padding id.
 
   Returns:
     The trainer arrays and a few host metrics (reward mean/std, loss-carrying response tokens,
@@ -86,7 +86,7 @@ def fetch_minibatch(
     fetched.update(zip(ids, storage[unit].get(ids), strict=True))
   batch, info = layout_groups(
     [fetched[g.group_id] for g in minibatch.groups],
-    layout,
+    row_spec,
     group_ids=[g.group_id for g in minibatch.groups],
   )
   if any(g.image_hashes for g in minibatch.groups):
@@ -99,7 +99,7 @@ def fetch_minibatch(
 
 
 def layout_groups(
-  payloads: Sequence[GroupPayload], layout: BatchLayout, *, group_ids: Sequence[int] | None = None
+  payloads: Sequence[GroupPayload], row_spec: RowSpec, *, group_ids: Sequence[int] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """The groups' rows as trainer arrays (advantages per group) and their reward metrics.
 
@@ -111,8 +111,8 @@ def layout_groups(
   # GAE's are per token, from the critic: the step computes them, the host leaves zeros.
   advantages = [
     np.zeros(p.num_samples, np.float32)
-    if layout.estimator not in ESTIMATORS
-    else np.asarray(compute_advantages(p.rewards[None], layout.estimator), np.float32)[0]
+    if row_spec.estimator not in ESTIMATORS
+    else np.asarray(compute_advantages(p.rewards[None], row_spec.estimator), np.float32)[0]
     for p in payloads
   ]
   rows = stack_rows(payloads)
@@ -122,9 +122,9 @@ def layout_groups(
   batch = make_batch(
     rows,
     np.concatenate(advantages),
-    prompt_len=layout.prompt_len,
-    max_new_tokens=layout.max_new_tokens,
-    pad_id=layout.pad_id,
+    prompt_len=row_spec.prompt_len,
+    max_new_tokens=row_spec.max_new_tokens,
+    pad_id=row_spec.pad_id,
     rewards=rewards,
     group_ids=np.repeat(np.asarray(list(group_ids), np.int64), [p.num_samples for p in payloads]),
   )
@@ -151,7 +151,7 @@ def consumer_batch(
   minibatch: MiniBatch,
   storage: Mapping[int, StorageUnit],
   *,
-  layout: BatchLayout,
+  row_spec: RowSpec,
   consumer: int,
   num_consumers: int,
   locality_slack: float = 0.5,
@@ -168,7 +168,7 @@ def consumer_batch(
   Args:
     minibatch: a released mini-batch.
     storage: the storage units by id (a consumer reads only those holding its groups).
-    layout: advantage estimator and trainer row layout (see :func:`fetch_minibatch`).
+    row_spec: advantage estimator and the padded rows' lengths and padding id.
     consumer: this consumer's index (``jax.process_index()``).
     num_consumers: consumers sharing the mini-batch (``jax.process_count()``).
     locality_slack: see :func:`knitjax.transfer.consumer.plan_consumers`.
@@ -188,7 +188,7 @@ def consumer_batch(
       f"consumers does not fit mini-batch {(minibatch.step, minibatch.index)} and "
       f"{num_consumers} consumers."
     )
-  batch, info = fetch_minibatch(plan.minibatch_for(consumer), storage, layout)
+  batch, info = fetch_minibatch(plan.minibatch_for(consumer), storage, row_spec)
   if any(g.image_hashes for g in minibatch.groups):
     slots = image_slots(plan, multiple=image_multiple)
     if "images" not in batch:  # none of this consumer's groups has an image: blanks only

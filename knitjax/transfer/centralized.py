@@ -29,10 +29,9 @@ import jax
 import numpy as np
 
 from knitjax import faultpoints
-from knitjax.train import mm_step, packing, prompt_sharing
-from knitjax.train.batch import split_micro_batches
-from knitjax.train.step import batch_shardings
-from knitjax.transfer.access import BatchLayout, layout_groups
+from knitjax.train import layouts, mm_step
+from knitjax.train.layouts import Layout
+from knitjax.transfer.access import RowSpec, layout_groups
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.feed import POLL_S, Prepared
 from knitjax.transfer.payload import GroupPayload
@@ -58,14 +57,14 @@ class GatheredStep:
 
 
 def gather_step(
-  minibatches: Sequence[MiniBatch], storage: Mapping[int, StorageUnit], layout: BatchLayout
+  minibatches: Sequence[MiniBatch], storage: Mapping[int, StorageUnit], row_spec: RowSpec
 ) -> GatheredStep:
   """The driver's gather of one train step: one ``get`` per storage unit, rows materialised.
 
   Args:
     minibatches: the step's released mini-batches, in index order.
     storage: every storage unit by id.
-    layout: advantage estimator and trainer row layout (the on-demand path's).
+    row_spec: advantage estimator and the padded rows' lengths and padding id (on-demand's).
   """
   by_unit: dict[int, list] = defaultdict(list)
   for mb in minibatches:
@@ -86,7 +85,7 @@ def gather_step(
       images.setdefault(h, x)
   batches, infos = [], []
   for mb in minibatches:
-    batch, info = _materialise(mb, payloads, images, layout)
+    batch, info = _materialise(mb, payloads, images, row_spec)
     batches.append(batch)
     infos.append(info)
   return GatheredStep(tuple(batches), tuple(infos), fetched)
@@ -96,11 +95,11 @@ def _materialise(
   mb: MiniBatch,
   payloads: Mapping[int, GroupPayload],
   images: Mapping[str, np.ndarray],
-  layout: BatchLayout,
+  row_spec: RowSpec,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """One mini-batch laid out as the driver sends it: every row with its own image copy."""
   groups = [payloads[g.group_id] for g in mb.groups]
-  batch, info = layout_groups(groups, layout, group_ids=[g.group_id for g in mb.groups])
+  batch, info = layout_groups(groups, row_spec, group_ids=[g.group_id for g in mb.groups])
   if any(g.image_hashes for g in mb.groups):
     like = images[next(h for g in mb.groups for h in g.image_hashes)]
     per_row, has = [], []
@@ -145,56 +144,45 @@ class CentralizedPreparer:
 
   Args:
     storage: every storage unit by id.
-    layout: advantage estimator and the padded row layout.
+    row_spec: advantage estimator and the padded rows' lengths and padding id.
     mesh: the train mesh.
     micro_batches: ``K``, micro-batches per mini-batch.
-    pack: packs each mini-batch's rows (`knitjax.train.packing`) or shares their prompts
-      (`knitjax.train.prompt_sharing`); None: padded rows.
-    row_images: lay images out for the naive encoder (`knitjax.train.mm_step.prepare_batch`),
-      whose step then exchanges no image between devices.
+    layout: how the rows become the step's sequences (`knitjax.train.layouts`; default: padded
+      rows; a VLM's images one per row with ``row_images``, for the naive encoder, whose step
+      then exchanges no image between devices).
   """
 
   def __init__(
     self,
     storage: Mapping[int, StorageUnit],
     *,
-    layout: BatchLayout,
+    row_spec: RowSpec,
     mesh: jax.sharding.Mesh,
     micro_batches: int,
-    pack: packing.PackSpec | prompt_sharing.ShareSpec | None = None,
-    row_images: bool = False,
+    layout: Layout = layouts.PADDED,
   ):
     if jax.process_count() > 1:
       raise ValueError(
         "config.transfer.mode='centralized' is the one-process baseline; a multi-host trainer "
         "uses transfer.mode='on_demand'."
       )
-    self._storage, self._layout, self._mesh, self._k = storage, layout, mesh, micro_batches
-    self._pack, self._row_images = pack, row_images
-    self._shared = isinstance(pack, prompt_sharing.ShareSpec)
-    self._shardings = batch_shardings(mesh, packed=pack is not None, shared=self._shared)
+    self._storage, self._row_spec, self._mesh, self._k = storage, row_spec, mesh, micro_batches
+    self._layout = layout
 
   def __call__(self, minibatches: Sequence[MiniBatch]) -> list[tuple[dict, dict[str, float]]]:
-    step = gather_step(minibatches, self._storage, self._layout)
+    step = gather_step(minibatches, self._storage, self._row_spec)
     faultpoints.point("fetch")
     gathered = float(sum(step.fetched_bytes.values()))
     out = []
     for batch, info in zip(step.batches, step.infos, strict=True):
-      if "images" in batch:
-        n = len(batch["images"])
-        if self._shared:
-          batch, share_info = self._pack.with_metrics(batch)
-          info = {**info, **share_info}
-        placed = mm_step.device_batch(
-          batch, self._k, self._mesh, num_images=n, shared=self._shared,
-          row_images=self._row_images,
-        )  # fmt: skip
-      else:
-        if self._pack is not None:
-          batch, pack_info = self._pack.with_metrics(batch)
-          info = {**info, **pack_info}
-        placed = jax.device_put(split_micro_batches(batch, self._k), self._shardings)
-      out.append((placed, {**info, "step_gathered_bytes": gathered}))
+      vlm = "images" in batch
+      n = len(batch["images"]) if vlm else 0
+      batch, layout_info = self._layout.lay_out(batch)
+      host = layouts.micro_batches(
+        self._layout, batch, self._k, num_images=n, shards=mm_step.batch_shards(self._mesh)
+      )
+      placed = jax.device_put(host, layouts.shardings(self._layout, self._mesh, vlm=vlm))
+      out.append((placed, {**info, **layout_info, "step_gathered_bytes": gathered}))
     return out
 
 

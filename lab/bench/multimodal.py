@@ -55,7 +55,7 @@ from knitjax import sharding
 from knitjax.models.vlm import VLM
 from knitjax.train import losses, mm_step
 from knitjax.train.step import StepHParams, init_train_state
-from knitjax.transfer.access import BatchLayout
+from knitjax.transfer.access import RowSpec
 from knitjax.transfer.storage import StorageLimits
 from lab.bench import multimodal_modes as modes
 from lab.bench.multimodal_workload import (
@@ -144,7 +144,7 @@ def _check_counts(mode: str, rows, steps_mbs, w: Workload) -> dict:
   return {"groups": len(got), "rows": int(seqs), "lost": 0, "duplicated": 0}
 
 
-def _run_steps(config, w, trainers, steps_mbs, storage, driver, layout, mesh):
+def _run_steps(config, w, trainers, steps_mbs, storage, driver, row_spec, mesh):
   """``warmup + steps`` train steps of each mode, interleaved; returns the measured ones."""
   devices = list(mesh.devices.flat)
   shardings = mm_step.batch_shardings(mesh)
@@ -152,7 +152,7 @@ def _run_steps(config, w, trainers, steps_mbs, storage, driver, layout, mesh):
   pipelined = w.release == "pipelined"
   ond_steps = [steps_mbs[2 * s + 1] for s in range(total)]  # each mode its own groups
   consumers = modes.OnDemandConsumers(
-    [mb for mbs in ond_steps for mb in mbs], storage, layout, w.micro_batches, devices
+    [mb for mbs in ond_steps for mb in mbs], storage, row_spec, w.micro_batches, devices
   )
   if pipelined:
     consumers.release(ond_steps[0])
@@ -192,9 +192,7 @@ def measure(config, w: Workload, mesh) -> dict:
   model, vision = model_configs(config, w)
   flops = row_flops(model, vision, w)
   plen = 1 + vision.num_image_tokens + w.text_tokens
-  layout = BatchLayout(
-    estimator="grpo", prompt_len=plen, max_new_tokens=w.response_tokens, pad_id=0
-  )
+  row_spec = RowSpec(estimator="grpo", prompt_len=plen, max_new_tokens=w.response_tokens, pad_id=0)
   total_steps = config.warmup + config.steps
   limits = StorageLimits(
     vocab_size=model.vocab_size, max_seq_len=plen + w.response_tokens, max_bytes=1 << 34
@@ -211,14 +209,14 @@ def measure(config, w: Workload, mesh) -> dict:
     steps_mbs = write_groups(raw, w, vision, 2 * total_steps, model.vocab_size, config.seed)
     counted = {u: modes.Counted(unit) for u, unit in raw.items()}
     driver = ray.remote(modes.Driver).options(num_cpus=0, **_placed(config.get("driver_node", "")))
-    driver = driver.remote(raw, layout, config.consumers, w.row_format)
+    driver = driver.remote(raw, row_spec, config.consumers, w.row_format)
     trainers = {
       "centralized": _trainer(config, model, vision, mesh, dedup=False),
       "on_demand": _trainer(config, model, vision, mesh, dedup=True),
     }
     with jax.set_mesh(mesh):
       rows, sizes, measured_mbs = _run_steps(
-        config, w, trainers, steps_mbs, counted, driver, layout, mesh
+        config, w, trainers, steps_mbs, counted, driver, row_spec, mesh
       )
     out = {"workload": dataclasses.asdict(w), "row_flops": flops}
     for mode in MODES:

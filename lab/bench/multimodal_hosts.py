@@ -168,8 +168,8 @@ class SharedDriver(modes.Driver):
   gathers the whole step (`Driver.gather`); each host takes its share across the controller's
   link. A threaded actor (``max_concurrency`` >= T), so the others wait on the lock meanwhile."""
 
-  def __init__(self, storage, layout, consumers: int, row_format: str):
-    super().__init__(storage, layout, consumers, row_format)
+  def __init__(self, storage, row_spec, consumers: int, row_format: str):
+    super().__init__(storage, row_spec, consumers, row_format)
     self._lock, self._key, self._sizes = threading.Lock(), None, None
 
   def part(self, key, minibatches, consumer: int):
@@ -246,7 +246,7 @@ def _centralized_step(state, fn, mbs, driver, k, micro, device, shardings):
   return state, rows, sizes
 
 
-def _phase(spec, k, w, trainers, steps_mbs, counted, driver, layout, mesh, first, n, warmup):
+def _phase(spec, k, w, trainers, steps_mbs, counted, driver, row_spec, mesh, first, n, warmup):
   """``warmup + n`` steps of each mode, interleaved, from step ``first``; the measured rows."""
   import jax
 
@@ -259,7 +259,7 @@ def _phase(spec, k, w, trainers, steps_mbs, counted, driver, layout, mesh, first
   consumers = modes.OnDemandConsumers(
     [mb for mbs in ond for mb in mbs],
     counted,
-    layout,
+    row_spec,
     w.micro_batches,
     [device],
     first=k,
@@ -316,7 +316,7 @@ def process_main(argv=None) -> None:
 
   from knitjax import sharding
   from knitjax.distributed.ray_storage import NAMESPACE, RayStorageUnit
-  from knitjax.transfer.access import BatchLayout
+  from knitjax.transfer.access import RowSpec
   from knitjax.transfer.storage import StorageLimits
   from lab.bench.multimodal import _node_ids, _placed, _trainer
   from lab.bench.multimodal_workload import model_configs, write_groups
@@ -330,9 +330,7 @@ def process_main(argv=None) -> None:
   w = hosts_workload(config, t_count)
   model, vision = model_configs(config, w)
   plen = 1 + vision.num_image_tokens + w.text_tokens
-  layout = BatchLayout(
-    estimator="grpo", prompt_len=plen, max_new_tokens=w.response_tokens, pad_id=0
-  )
+  row_spec = RowSpec(estimator="grpo", prompt_len=plen, max_new_tokens=w.response_tokens, pad_id=0)
   limits = StorageLimits(
     vocab_size=model.vocab_size, max_seq_len=plen + w.response_tokens, max_bytes=1 << 34
   )
@@ -357,7 +355,7 @@ def process_main(argv=None) -> None:
         namespace=NAMESPACE,
         **_placed(spec["driver_node"]),
       )
-      .remote(raw, layout, t_count, w.row_format)
+      .remote(raw, row_spec, t_count, w.row_format)
     )
   else:
     discard = {u: _Discard() for u in range(config.storage_units)}
@@ -382,7 +380,7 @@ def process_main(argv=None) -> None:
         _say(k, f"phase {ph['name']}")
         counted = {u: modes.Counted(unit) for u, unit in raw.items()}
         rows, groups, sizes = _phase(
-          spec, k, w, trainers, steps_mbs, counted, driver, layout, mesh, first,
+          spec, k, w, trainers, steps_mbs, counted, driver, row_spec, mesh, first,
           ph["steps"], ph["warmup"],
         )  # fmt: skip
         first += ph["warmup"] + ph["steps"]

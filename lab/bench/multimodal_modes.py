@@ -20,7 +20,7 @@ import numpy as np
 from knitjax.train import mm_step
 from knitjax.train.step import host_metrics
 from knitjax.transfer import centralized
-from knitjax.transfer.access import BatchLayout, consumer_batch
+from knitjax.transfer.access import RowSpec, consumer_batch
 from knitjax.transfer.admission import MiniBatch
 
 _STEP_COUNTS = ("encoder_images_encoded", "encoder_backward_passes", "num_seqs")
@@ -52,15 +52,15 @@ class Counted:
 class Driver:
   """The centralized baseline's single controller (a Ray actor: its own process)."""
 
-  def __init__(self, storage, layout: BatchLayout, consumers: int, row_format: str):
-    self._storage, self._layout, self._consumers = storage, layout, consumers
+  def __init__(self, storage, row_spec: RowSpec, consumers: int, row_format: str):
+    self._storage, self._row_spec, self._consumers = storage, row_spec, consumers
     self._dtype = np.float32 if row_format == "float32" else np.uint8
     self._parts: dict[int, list] = {}
 
   def gather(self, minibatches: Sequence[MiniBatch]) -> dict:
     """Gathers and splits one train step; returns the bytes it received and will send."""
     t = time.perf_counter()
-    step = centralized.gather_step(minibatches, self._storage, self._layout)
+    step = centralized.gather_step(minibatches, self._storage, self._row_spec)
     parts: dict[int, list] = {c: [] for c in range(self._consumers)}
     for batch in step.batches:
       if "images" in batch:  # the processor's pixel array per row (float32: 4 bytes a value)
@@ -120,7 +120,7 @@ class OnDemandConsumers:
     self,
     minibatches,
     storage,
-    layout: BatchLayout,
+    row_spec: RowSpec,
     micro_batches: int,
     devices,
     *,
@@ -134,7 +134,7 @@ class OnDemandConsumers:
     self._threads = [
       threading.Thread(
         target=self._fetch,
-        args=(k, first + k, d, storage, layout, micro_batches, total),
+        args=(k, first + k, d, storage, row_spec, micro_batches, total),
         name=f"consumer-{first + k}",
         daemon=True,
       )
@@ -147,12 +147,12 @@ class OnDemandConsumers:
     for mb in minibatches:
       self._released[(mb.step, mb.index)].set()
 
-  def _fetch(self, k, c, device, storage, layout, micro_batches, consumers):
+  def _fetch(self, k, c, device, storage, row_spec, micro_batches, consumers):
     for mb in self._mbs:
       self._released[(mb.step, mb.index)].wait()
       t = time.perf_counter()
       part, info = consumer_batch(
-        mb, storage, layout=layout, consumer=c, num_consumers=consumers, locality_slack=0.0
+        mb, storage, row_spec=row_spec, consumer=c, num_consumers=consumers, locality_slack=0.0
       )
       # Not waited for here, as the runtime does not: on the CPU a copy onto a device that runs
       # the (multi-device) train step completes only after it, so waiting would hold back the

@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from knitjax.distributed.topology import choose
-from knitjax.transfer.access import BatchLayout, consumer_batch, fetch_minibatch
+from knitjax.transfer.access import RowSpec, consumer_batch, fetch_minibatch
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import ConsumerPlan, plan_consumers
 from knitjax.transfer.group import GroupMeta
@@ -80,7 +80,7 @@ def run(config, workdir: str) -> dict:
   limits = StorageLimits(
     vocab_size=w.vocab_size, max_seq_len=w.prompt_len + w.response_len, max_bytes=1 << 40
   )
-  layout = BatchLayout(
+  row_spec = RowSpec(
     estimator="grpo", prompt_len=w.prompt_len, max_new_tokens=w.response_len, pad_id=0
   )
   totals = {m: {"cross_host_bytes": 0, "busiest_endpoint_bytes": 0.0, "requests": 0} for m in MODES}
@@ -138,21 +138,21 @@ def run(config, workdir: str) -> dict:
         totals[mode][k] += v
       t = time.perf_counter()
       if mode == "centralized":  # gather everything in one place, then cut out each part
-        whole, _ = fetch_minibatch(the_mb, the_units, layout)
+        whole, _ = fetch_minibatch(the_mb, the_units, row_spec)
         rows = len(whole["advantages"]) // w.hosts
         parts = [
           {k: v[c * rows : (c + 1) * rows].copy() for k, v in whole.items()} for c in range(w.hosts)
         ]
       elif mode == "hash_placement":
         parts = [
-          fetch_minibatch(the_plan.minibatch_for(c), the_units, layout)[0] for c in range(w.hosts)
+          fetch_minibatch(the_plan.minibatch_for(c), the_units, row_spec)[0] for c in range(w.hosts)
         ]
       else:
         parts = [
           consumer_batch(
             the_mb,
             the_units,
-            layout=layout,
+            row_spec=row_spec,
             consumer=c,
             num_consumers=w.hosts,
             locality_slack=w.locality_slack,

@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 
 from knitjax.distributed.ray_storage import RayStorageUnit  # noqa: E402
 from knitjax.distributed.topology import choose  # noqa: E402
-from knitjax.transfer.access import BatchLayout, fetch_minibatch  # noqa: E402
+from knitjax.transfer.access import RowSpec, fetch_minibatch  # noqa: E402
 from knitjax.transfer.admission import MiniBatch  # noqa: E402
 from knitjax.transfer.group import GroupMeta  # noqa: E402
 from knitjax.transfer.payload import GroupPayload, synthetic_payload  # noqa: E402
@@ -109,8 +109,8 @@ def test_consumer_fetches_a_minibatch_from_two_ray_units(ray_local):
       )
     )
   mb = MiniBatch(0, 0, tuple(metas))
-  layout = BatchLayout(estimator="grpo", prompt_len=P, max_new_tokens=N, pad_id=0)
-  batch, info = fetch_minibatch(mb, units, layout)
+  row_spec = RowSpec(estimator="grpo", prompt_len=P, max_new_tokens=N, pad_id=0)
+  batch, info = fetch_minibatch(mb, units, row_spec)
   assert batch["tokens"].shape == (4 * G, P + N)
   # The same groups in process give the same arrays.
   from knitjax.transfer.storage import InProcessStorageUnit
@@ -118,7 +118,7 @@ def test_consumer_fetches_a_minibatch_from_two_ray_units(ray_local):
   local = {u: InProcessStorageUnit(LIMITS, unit_id=u) for u in (0, 1)}
   for gid in range(4):
     local[gid % 2].put(gid, _payload(10 + gid))
-  expected, _ = fetch_minibatch(mb, local, layout)
+  expected, _ = fetch_minibatch(mb, local, row_spec)
   for k in expected:
     np.testing.assert_array_equal(batch[k], expected[k])
 

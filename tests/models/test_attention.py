@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from knitjax.models import attention
+from knitjax.models.attention import SequenceMask
 from knitjax.models.transformer import Transformer, TransformerConfig
 from lab.bench.compiled_memory import compiled_memory
 
@@ -187,7 +188,7 @@ def models():
 
 @nnx.jit
 def _forward(model, tokens, positions, valid, segments=None):
-  return model(tokens, positions, valid, segment_ids_bt=segments)
+  return model(tokens, positions, valid, mask=SequenceMask(segments))
 
 
 def _batch(rng, pads, t, vocab=64):
@@ -206,7 +207,7 @@ def test_transformer_xla_matches_dense_logits_and_param_gradients(models):
   @nnx.jit
   def loss_and_grad(model):
     def loss(model):
-      logits = model(tokens, positions, valid, segment_ids_bt=seg)
+      logits = model(tokens, positions, valid, mask=SequenceMask(seg))
       return jnp.sum(jax.nn.log_softmax(logits)[..., 1] * mask), logits
 
     return nnx.value_and_grad(loss, has_aux=True)(model)

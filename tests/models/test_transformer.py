@@ -10,6 +10,7 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models import attention
+from knitjax.models.attention import SequenceMask
 from knitjax.models.transformer import Transformer, TransformerConfig
 
 TINY = TransformerConfig(
@@ -280,7 +281,7 @@ def test_shared_prompt_row_matches_each_response_in_its_own_row(impl, monkeypatc
 
   model = _model(dataclasses.replace(TINY, attention=impl))
   run = nnx.jit(lambda m, *a, **kw: m.hidden_states(*a, **kw))
-  got = np.asarray(run(model, tokens, positions, seg > 0, segment_ids_bt=seg, prefix_ids_bt=prefix))
+  got = np.asarray(run(model, tokens, positions, seg > 0, mask=SequenceMask(seg, prefix)))
   want = np.asarray(run(model, rows, row_positions, row_valid))
   starts = np.cumsum((p_len, *r_lens))
   for i, n in enumerate(r_lens):
@@ -288,5 +289,5 @@ def test_shared_prompt_row_matches_each_response_in_its_own_row(impl, monkeypatc
                                rtol=1e-5, atol=1e-5, err_msg=f"response {i}")  # fmt: skip
     np.testing.assert_allclose(got[0, :p_len], want[i, :p_len], rtol=1e-5, atol=1e-5)
   # Not vacuous: without the prefix the responses would not see the prompt.
-  alone = np.asarray(run(model, tokens, positions, seg > 0, segment_ids_bt=seg))
+  alone = np.asarray(run(model, tokens, positions, seg > 0, mask=SequenceMask(seg)))
   assert np.max(np.abs(alone[0, p_len:n_real] - got[0, p_len:n_real])) > 0.1

@@ -19,7 +19,7 @@ from knitjax.tasks import calc_tool
 from knitjax.tasks.environment import EnvironmentSpec
 from knitjax.train import losses
 from knitjax.train.step import StepHParams, micro_batch_loss, sequence_logprobs
-from knitjax.transfer.access import BatchLayout, env_token_rows, layout_groups
+from knitjax.transfer.access import RowSpec, env_token_rows, layout_groups
 from knitjax.transfer.payload import GroupPayload
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
 
@@ -307,8 +307,8 @@ def sampled():
     rollout, params, [_prompt()], version=0, rng=jax.random.key(3), first_group_id=0
   )
   (payload,) = unit.get([0])
-  layout = BatchLayout(estimator="grpo", prompt_len=P, max_new_tokens=N, pad_id=TOK.pad_id)
-  batch, info = layout_groups([payload], layout)
+  row_spec = RowSpec(estimator="grpo", prompt_len=P, max_new_tokens=N, pad_id=TOK.pad_id)
+  batch, info = layout_groups([payload], row_spec)
   return graphdef, params, payload, batch, info
 
 
@@ -357,8 +357,8 @@ def test_environment_tokens_never_get_a_gradient(sampled):
   noisy["logprobs"] = np.where(payload.response_mask, payload.logprobs, -7.0).astype(np.float32)
   unit = _unit(N)
   unit.put(5, noisy)
-  layout = BatchLayout(estimator="grpo", prompt_len=P, max_new_tokens=N, pad_id=TOK.pad_id)
-  again, _ = layout_groups(unit.get([5]), layout)
+  row_spec = RowSpec(estimator="grpo", prompt_len=P, max_new_tokens=N, pad_id=TOK.pad_id)
+  again, _ = layout_groups(unit.get([5]), row_spec)
   for k in batch:
     np.testing.assert_array_equal(again[k], batch[k])
   # In the loss: perturbing behaviour log-probs on environment tokens changes neither the loss

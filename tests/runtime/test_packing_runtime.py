@@ -12,8 +12,9 @@ from knitjax import sharding
 from knitjax.config import from_config_dict
 from knitjax.run import train
 from knitjax.runtime.builder import build_prompts
+from knitjax.train import layouts
 from knitjax.train.packing import PackSpec
-from knitjax.transfer.access import BatchLayout
+from knitjax.transfer.access import RowSpec
 from knitjax.transfer.prepare import MiniBatchPreparer
 from tests import tiny
 
@@ -114,9 +115,9 @@ def test_on_demand_packing_needs_row_shards_divisible_by_the_consumers():
   """Several consumers pack (tests/transfer/test_prepare.py) when each holds an equal share of
   the micro-batches' row shards."""
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  layout = BatchLayout(estimator="grpo", prompt_len=4, max_new_tokens=4, pad_id=0)
+  row_spec = RowSpec(estimator="grpo", prompt_len=4, max_new_tokens=4, pad_id=0)
   with pytest.raises(ValueError, match="not accepted with 2 consumers and 1 micro-batch row"):
     MiniBatchPreparer(
-      {}, layout=layout, mesh=mesh, micro_batches=1, num_consumers=2, consumer=0,
-      pack=PackSpec(pack_len=8, multiple=1),
+      {}, row_spec=row_spec, mesh=mesh, micro_batches=1, num_consumers=2, consumer=0,
+      layout=layouts.Packed(PackSpec(pack_len=8, multiple=1)),
     )  # fmt: skip

@@ -224,10 +224,10 @@ def test_dedup_on_sharded_mesh_equals_naive_single_device(naive):
 
 
 def test_fetch_minibatch_gives_each_unique_image_once():
-  """Storage -> trainer layout: an image shared by groups on two storage units arrives once."""
+  """Storage -> trainer row_spec: an image shared by groups on two storage units arrives once."""
   from knitjax.tasks import count_images
   from knitjax.tasks.prompts import Prompt
-  from knitjax.transfer.access import BatchLayout, fetch_minibatch
+  from knitjax.transfer.access import RowSpec, fetch_minibatch
   from knitjax.transfer.admission import MiniBatch
   from knitjax.transfer.assembly import assemble_group
   from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
@@ -263,7 +263,7 @@ def test_fetch_minibatch_gives_each_unique_image_once():
   batch, info = fetch_minibatch(
     MiniBatch(step=0, index=0, groups=tuple(metas)),
     units,
-    BatchLayout(estimator="grpo", prompt_len=26, max_new_tokens=2, pad_id=0),
+    RowSpec(estimator="grpo", prompt_len=26, max_new_tokens=2, pad_id=0),
   )
   np.testing.assert_array_equal(batch["images"], np.stack([a, b]))
   np.testing.assert_array_equal(batch["image_index"], [0] * 8 + [1] * 4 + [-1] * 4)

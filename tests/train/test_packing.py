@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from knitjax import sharding
 from knitjax.models import attention, lora
+from knitjax.models.attention import SequenceMask
 from knitjax.models.transformer import Transformer
 from knitjax.train import losses, packing
 from knitjax.train.batch import make_batch, pad_rows
@@ -160,7 +161,7 @@ def test_packed_forward_gives_the_padded_rows_logits():
 
   @jax.jit
   def logits(tokens, positions, valid, segment_ids):
-    return nnx.merge(graphdef, params)(tokens, positions, valid, segment_ids_bt=segment_ids)
+    return nnx.merge(graphdef, params)(tokens, positions, valid, mask=SequenceMask(segment_ids))
 
   padded = np.asarray(logits(batch["tokens"], batch["positions"], batch["valid"], None))
   got = np.asarray(logits(*(packed[k] for k in ("tokens", "positions", "valid", "segment_ids"))))

@@ -5,14 +5,14 @@ import pytest
 
 from knitjax.train.advantages import compute_advantages
 from knitjax.train.batch import make_batch, pad_rows
-from knitjax.transfer.access import BatchLayout, fetch_minibatch
+from knitjax.transfer.access import RowSpec, fetch_minibatch
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.payload import synthetic_payload
 from knitjax.transfer.storage import InProcessStorageUnit, StorageLimits
 
 P_LEN, N_NEW, G, VOCAB = 4, 6, 3, 40
-LAYOUT = BatchLayout(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
+ROW_SPEC = RowSpec(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
 LIMITS = StorageLimits(vocab_size=VOCAB, max_seq_len=P_LEN + N_NEW, max_bytes=1 << 20)
 
 
@@ -72,7 +72,7 @@ def test_without_holes_the_batch_is_the_per_row_one():
   payloads = _payloads(0)
   payloads[1] = _payloads(1, n=1, prompt_len=2, response_len=3)[0]  # narrower group
   mb, units = _stored(payloads)
-  batch, info = fetch_minibatch(mb, units, LAYOUT)
+  batch, info = fetch_minibatch(mb, units, ROW_SPEC)
   want = _per_row(payloads)
   assert batch.keys() == want.keys()
   for k in want:
@@ -89,7 +89,7 @@ def test_hole_in_a_stored_mask_is_not_trained_on():
   p["response_mask"][0, 2:4] = False  # tool output inside sample 0's response
   p["logprobs"] = np.full((G, N_NEW), -1.5, np.float32)
   mb, units = _stored(payloads)
-  batch, info = fetch_minibatch(mb, units, LAYOUT)
+  batch, info = fetch_minibatch(mb, units, ROW_SPEC)
   # Position P - 1 + k predicts response token k.
   hole = [P_LEN - 1 + 2, P_LEN - 1 + 3]
   assert (batch["loss_mask"][0, hole] == 0).all() and (batch["behavior_logp"][0, hole] == 0).all()
@@ -121,12 +121,12 @@ def test_hole_in_a_stored_mask_is_not_trained_on():
 def test_layout_validates_itself(kwargs, match):
   base = dict(estimator="grpo", prompt_len=4, max_new_tokens=4, pad_id=0)
   with pytest.raises(ValueError, match=match):
-    BatchLayout(**{**base, **kwargs})
+    RowSpec(**{**base, **kwargs})
 
 
 def test_response_longer_than_the_layout_is_refused():
   mb, units = _stored(_payloads(3, n=2))
-  short = BatchLayout(estimator="grpo", prompt_len=P_LEN, max_new_tokens=1, pad_id=0)
+  short = RowSpec(estimator="grpo", prompt_len=P_LEN, max_new_tokens=1, pad_id=0)
   with pytest.raises(ValueError, match="does not fit max_new_tokens=1"):
     fetch_minibatch(mb, units, short)
 
@@ -135,8 +135,8 @@ def test_gae_layout_leaves_the_advantages_to_the_step():
   """With the critic the host computes no advantages; rows carry rewards and group ids."""
   payloads = _payloads(5, n=3)
   mb, units = _stored(payloads)
-  layout = BatchLayout(estimator="gae", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
-  batch, _ = fetch_minibatch(mb, units, layout)
+  row_spec = RowSpec(estimator="gae", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
+  batch, _ = fetch_minibatch(mb, units, row_spec)
   np.testing.assert_array_equal(batch["advantages"], 0.0)
   np.testing.assert_array_equal(batch["rewards"], np.concatenate([p["rewards"] for p in payloads]))
   np.testing.assert_array_equal(batch["group_id"], np.repeat([0, 1, 2], G))

@@ -14,10 +14,10 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models.vlm import VLM
-from knitjax.train import losses, mm_step
+from knitjax.train import layouts, losses, mm_step
 from knitjax.train.step import StepHParams, host_metrics, init_train_state
 from knitjax.transfer import centralized
-from knitjax.transfer.access import BatchLayout, consumer_batch, fetch_minibatch
+from knitjax.transfer.access import RowSpec, consumer_batch, fetch_minibatch
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.feed import exposed_transfer
 from knitjax.transfer.group import GroupMeta
@@ -28,7 +28,7 @@ from tests.tiny import TINY_VISION as VC
 
 IMG, N_NEW, G = 3, 4, 4
 P_LEN = 1 + VC.num_patches + 2
-LAYOUT = BatchLayout(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
+ROW_SPEC = RowSpec(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
 # Eight groups over two storage units and five images: groups 0 and 5 share image 0 (on
 # different units), group 3 is text only; two mini-batches of four groups.
 GROUP_IMAGE = (0, 1, 2, -1, 3, 0, 4, 1)
@@ -80,9 +80,9 @@ def _stored_step(seed=0):
 
 def test_the_driver_materialises_every_rows_image_and_lays_out_the_same_rows():
   step, storage, pixels = _stored_step()
-  gathered = centralized.gather_step(step, storage, LAYOUT)
+  gathered = centralized.gather_step(step, storage, ROW_SPEC)
   for mb, batch, info in zip(step, gathered.batches, gathered.infos, strict=True):
-    want, want_info = fetch_minibatch(mb, storage, LAYOUT)
+    want, want_info = fetch_minibatch(mb, storage, ROW_SPEC)
     for k in ("tokens", "positions", "valid", "targets", "loss_mask", "behavior_logp"):
       np.testing.assert_array_equal(batch[k], want[k])
     np.testing.assert_array_equal(batch["advantages"], want["advantages"])
@@ -135,10 +135,14 @@ def test_centralized_and_on_demand_give_the_same_update(baseline_dedup):
   """Centralized + naive (or dedup) encoding equals on demand + dedup, update for update."""
   step, storage, _ = _stored_step()
   mesh = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])
-  on_demand = MiniBatchPreparer(storage, layout=LAYOUT, mesh=mesh, micro_batches=2)
+  on_demand = MiniBatchPreparer(storage, row_spec=ROW_SPEC, mesh=mesh, micro_batches=2)
   want, want_n = _apply(mesh, [on_demand(mb)[0] for mb in step], dedup=True)
   driver = centralized.CentralizedPreparer(
-    storage, layout=LAYOUT, mesh=mesh, micro_batches=2, row_images=not baseline_dedup
+    storage,
+    row_spec=ROW_SPEC,
+    mesh=mesh,
+    micro_batches=2,
+    layout=layouts.Padded(row_images=not baseline_dedup),
   )
   got, got_n = _apply(mesh, [b for b, _ in driver(step)], dedup=baseline_dedup)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
@@ -152,10 +156,12 @@ def test_consumers_fetch_their_own_images_and_the_update_is_unchanged():
   step, storage, _ = _stored_step()
   mb = step[0]
   mesh = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])
-  whole = MiniBatchPreparer(storage, layout=LAYOUT, mesh=mesh, micro_batches=2)(mb)[0]
+  whole = MiniBatchPreparer(storage, row_spec=ROW_SPEC, mesh=mesh, micro_batches=2)(mb)[0]
   parts, infos = zip(
     *[
-      consumer_batch(mb, storage, layout=LAYOUT, consumer=c, num_consumers=2, locality_slack=1e9)
+      consumer_batch(
+        mb, storage, row_spec=ROW_SPEC, consumer=c, num_consumers=2, locality_slack=1e9
+      )
       for c in range(2)
     ],
     strict=True,

@@ -18,7 +18,7 @@ from knitjax.train.step import (
   host_metrics,
   init_train_state,
 )
-from knitjax.transfer.access import BatchLayout, consumer_batch, fetch_minibatch, to_global
+from knitjax.transfer.access import RowSpec, consumer_batch, fetch_minibatch, to_global
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.consumer import plan_consumers
 from knitjax.transfer.group import GroupMeta
@@ -95,7 +95,7 @@ def test_plan_rejects_uneven_split():
 
 CFG = TINY  # tests/tiny.py
 P_LEN, N_NEW, G = 4, 5, 2
-LAYOUT = BatchLayout(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
+ROW_SPEC = RowSpec(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
 
 
 def _stored_minibatch(num_groups=8, units=2):
@@ -125,11 +125,11 @@ def test_consumers_fetch_only_their_groups_and_the_update_is_unchanged():
   """C consumers each fetch their part; together they give the whole mini-batch's update."""
   mb, storage = _stored_minibatch()
   k, consumers = 2, 2
-  whole, _ = fetch_minibatch(mb, storage, LAYOUT)
+  whole, _ = fetch_minibatch(mb, storage, ROW_SPEC)
   parts, infos = zip(
     *[
       consumer_batch(
-        mb, storage, layout=LAYOUT, consumer=c, num_consumers=consumers, locality_slack=1e9
+        mb, storage, row_spec=ROW_SPEC, consumer=c, num_consumers=consumers, locality_slack=1e9
       )
       for c in range(consumers)
     ],
@@ -181,10 +181,10 @@ def test_consumers_report_the_whole_minibatch_rewards():
     meta = _group(gid, payload["response_lengths"].tolist(), gid % 2, g=G)
     metas.append(dataclasses.replace(meta, reward_mean=r.mean(), reward_std=r.std()))
   mb = MiniBatch(0, 0, tuple(metas))
-  _, whole = fetch_minibatch(mb, storage, LAYOUT)
+  _, whole = fetch_minibatch(mb, storage, ROW_SPEC)
   for c in range(2):
     _, info = consumer_batch(
-      mb, storage, layout=LAYOUT, consumer=c, num_consumers=2, locality_slack=1e9
+      mb, storage, row_spec=ROW_SPEC, consumer=c, num_consumers=2, locality_slack=1e9
     )
     for k in ("reward_mean", "reward_std", "signal_groups"):
       assert info[k] == pytest.approx(whole[k], abs=1e-6), k

@@ -26,7 +26,7 @@ COMMON = textwrap.dedent(
   from knitjax.models.transformer import Transformer, TransformerConfig
   from knitjax.train import losses
   from knitjax.train.step import StepHParams, compile_train_step, init_train_state
-  from knitjax.transfer.access import BatchLayout
+  from knitjax.transfer.access import RowSpec
   from knitjax.transfer.admission import MiniBatch
   from knitjax.transfer.group import GroupMeta
   from knitjax.transfer.payload import synthetic_payload
@@ -36,7 +36,7 @@ COMMON = textwrap.dedent(
     vocab_size=32, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=32
   )
   P_LEN, N_NEW, G, GROUPS, K = 4, 5, 2, 8, 2
-  LAYOUT = BatchLayout(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
+  ROW_SPEC = RowSpec(estimator="grpo", prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
   LIMITS = StorageLimits(vocab_size=32, max_seq_len=P_LEN + N_NEW, max_bytes=1 << 20)
 
   def groups():
@@ -90,7 +90,7 @@ WORKER = textwrap.dedent(
   mb = MiniBatch(0, 0, tuple(metas))
   # Only the local unit is reachable: a remote read would be a KeyError here.
   local, info = consumer_batch(
-    mb, {pid: unit}, layout=LAYOUT, consumer=jax.process_index(),
+    mb, {pid: unit}, row_spec=ROW_SPEC, consumer=jax.process_index(),
     num_consumers=jax.process_count(), locality_slack=1e9,
   )
   mesh = sharding.make_mesh((-1, 1, 1))
@@ -160,7 +160,7 @@ def test_two_process_consumers_match_the_single_process_update(tmp_path):
   for meta, payload in ns["groups"]():
     unit.put(meta.group_id, payload)
     metas.append(meta.__class__(**{**meta.__dict__, "storage_unit": 0}))
-  whole, _ = fetch_minibatch(ns["MiniBatch"](0, 0, tuple(metas)), {0: unit}, ns["LAYOUT"])
+  whole, _ = fetch_minibatch(ns["MiniBatch"](0, 0, tuple(metas)), {0: unit}, ns["ROW_SPEC"])
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   state, step = ns["step_fn"](mesh)
   batch = jax.device_put(split_micro_batches(whole, ns["K"]), batch_shardings(mesh))

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from knitjax import sharding
+from knitjax.train import layouts
 from knitjax.train.packing import PackSpec, packing_metrics
 from knitjax.transfer.admission import MiniBatch
 from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.payload import synthetic_payload
 from knitjax.transfer.prepare import MiniBatchPreparer
 from knitjax.transfer.storage import InProcessStorageUnit
-from tests.transfer.test_access import LAYOUT, LIMITS, N_NEW, P_LEN, VOCAB, G, _payloads, _stored
+from tests.transfer.test_access import LIMITS, N_NEW, P_LEN, ROW_SPEC, VOCAB, G, _payloads, _stored
 
 PACK_LEN = 14
 
@@ -24,8 +25,8 @@ def test_packed_mini_batch_reports_its_packing_metrics():
   minibatch, units = _stored(payloads)
   mesh = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])
   prepare = MiniBatchPreparer(
-    units, layout=LAYOUT, mesh=mesh, micro_batches=2, consumer=0, num_consumers=1,
-    pack=PackSpec(pack_len=PACK_LEN, multiple=4),
+    units, row_spec=ROW_SPEC, mesh=mesh, micro_batches=2, consumer=0, num_consumers=1,
+    layout=layouts.Packed(PackSpec(pack_len=PACK_LEN, multiple=4)),
   )  # fmt: skip
   batch, info = prepare(minibatch)
   seg = np.asarray(batch["segment_ids"]).reshape(-1, PACK_LEN)
@@ -70,12 +71,12 @@ def _two_units(seed=0):
   return MiniBatch(0, 0, tuple(metas)), units
 
 
-def _consumer_parts(minibatch, units, mesh, layout, spec):
+def _consumer_parts(minibatch, units, mesh, row_spec, spec):
   """Each of two consumers' prepared (device) batch and info, as one process sees them."""
   return [
     MiniBatchPreparer(
-      units, layout=layout, mesh=mesh, micro_batches=2, consumer=c, num_consumers=2,
-      locality_slack=1e9, pack=spec,
+      units, row_spec=row_spec, mesh=mesh, micro_batches=2, consumer=c, num_consumers=2,
+      locality_slack=1e9, layout=layouts.Packed(spec),
     )(minibatch)
     for c in range(2)
   ]  # fmt: skip
@@ -85,7 +86,7 @@ def test_consumers_pack_into_the_same_number_of_sequences():
   minibatch, units = _two_units()
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   spec = PackSpec(pack_len=PACK_LEN, multiple=4)  # 2 micro-batches x 2 (consumers' shards)
-  parts = _consumer_parts(minibatch, units, mesh, LAYOUT, spec)
+  parts = _consumer_parts(minibatch, units, mesh, ROW_SPEC, spec)
   # On their own: consumer 0's 6 rows of 10 tokens need 6 sequences, consumer 1's 6 rows of 5
   # need 3 (rounded to 4); both lay out 6.
   local = PackSpec(pack_len=PACK_LEN, multiple=2)
@@ -98,7 +99,7 @@ def test_consumers_pack_into_the_same_number_of_sequences():
   # Both report the whole mini-batch's metrics: those of the assembled arrays.
   host = [jax.device_get(b) for b, _ in parts]
   packed = {k: np.concatenate([h[k] for h in host], axis=1).reshape(-1, PACK_LEN) for k in host[0]}
-  padded, _ = MiniBatchPreparer(units, layout=LAYOUT, mesh=mesh, micro_batches=2)(minibatch)
+  padded, _ = MiniBatchPreparer(units, row_spec=ROW_SPEC, mesh=mesh, micro_batches=2)(minibatch)
   want = packing_metrics({"valid": np.asarray(padded["valid"]).reshape(4 * G, -1)}, packed)
   assert want["pack_rows"] == 12 and want["pack_segments_max"] == 2
   assert want["pack_segments_mean"] == pytest.approx(4 * G / 12)
@@ -116,8 +117,8 @@ def test_metadata_that_disagrees_with_the_payloads_is_an_error():
   minibatch = dataclasses.replace(minibatch, groups=tuple(groups))
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   prepare = MiniBatchPreparer(
-    units, layout=LAYOUT, mesh=mesh, micro_batches=2, consumer=0, num_consumers=2,
-    locality_slack=1e9, pack=PackSpec(pack_len=PACK_LEN, multiple=4),
+    units, row_spec=ROW_SPEC, mesh=mesh, micro_batches=2, consumer=0, num_consumers=2,
+    locality_slack=1e9, layout=layouts.Packed(PackSpec(pack_len=PACK_LEN, multiple=4)),
   )  # fmt: skip
   with pytest.raises(ValueError, match="consumer 0: the rows need 6 packed sequences .* metadata"):
     prepare(minibatch)
@@ -136,9 +137,9 @@ def test_two_packing_consumers_give_the_padded_update():
   spec = PackSpec(pack_len=PACK_LEN, multiple=4)
   # Each consumer's local part (one process holds one of the 2 batch shards in a real run).
   one = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  host = [jax.device_get(b) for b, _ in _consumer_parts(minibatch, units, one, LAYOUT, spec)]
+  host = [jax.device_get(b) for b, _ in _consumer_parts(minibatch, units, one, ROW_SPEC, spec)]
   packed = {k: np.concatenate([h[k] for h in host], axis=1) for k in host[0]}
-  padded, _ = MiniBatchPreparer(units, layout=LAYOUT, mesh=mesh, micro_batches=2)(minibatch)
+  padded, _ = MiniBatchPreparer(units, row_spec=ROW_SPEC, mesh=mesh, micro_batches=2)(minibatch)
   cfg = dataclasses.replace(tiny.TINY, vocab_size=VOCAB)  # the stored groups' vocab
   hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05, kl_penalty="reward"), max_new_tokens=N_NEW)
   out = []
