@@ -96,8 +96,18 @@ class Padded:
     return 0, {}
 
 
+class _OfSpec:
+  """A layout that is a spec of the layout's math (``spec.with_metrics``, ``spec.multiple``)."""
+
+  def for_consumers(self, consumers: int):
+    return dataclasses.replace(self, spec=_per_consumer(self.spec, consumers))
+
+  def lay_out(self, rows, *, count=0):
+    return self.spec.with_metrics(rows, count=count)
+
+
 @dataclasses.dataclass(frozen=True)
-class Packed:
+class Packed(_OfSpec):
   """Several rows per sequence (`knitjax.train.packing.PackSpec`)."""
 
   spec: packing.PackSpec
@@ -105,19 +115,13 @@ class Packed:
   packed = True
   shared = False
 
-  def for_consumers(self, consumers: int) -> Packed:
-    return dataclasses.replace(self, spec=_per_consumer(self.spec, consumers))
-
-  def lay_out(self, rows, *, count=0):
-    return self.spec.with_metrics(rows, count=count)
-
   def plan_count(self, parts, *, row_len):
     lengths = [[p + r for g in groups for p, r in zip(*g, strict=True)] for groups in parts]
     return self.spec.plan_parts(lengths, row_len=row_len)
 
 
 @dataclasses.dataclass(frozen=True)
-class Shared:
+class Shared(_OfSpec):
   """Each group's prompt once, its responses after it
   (`knitjax.train.prompt_sharing.ShareSpec`); a VLM batch's images pass through."""
 
@@ -125,12 +129,6 @@ class Shared:
   row_images: bool = False
   packed = True
   shared = True
-
-  def for_consumers(self, consumers: int) -> Shared:
-    return dataclasses.replace(self, spec=_per_consumer(self.spec, consumers))
-
-  def lay_out(self, rows, *, count=0):
-    return self.spec.with_metrics(rows, count=count)
 
   def plan_count(self, parts, *, row_len):
     return self.spec.plan_parts(parts, row_len=row_len)
