@@ -309,6 +309,13 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   elif config.get("vision"):
     vision_fields = {"dtype": model.dtype, **config["vision"]}  # default: the decoder's dtype
     vision = build_section(VisionConfig, vision_fields, "config.vision")
+  if sections["layout"].prompt_sharing == "prefix" and (
+    vision is not None or sections["layout"].packing != "off"
+  ):
+    raise ValueError(
+      "config.layout.prompt_sharing='prefix' takes a text model's padded rows; it is not accepted "
+      "with packing 'pack' or a VLM (config.vision): use 'group' there."
+    )
   if vision is not None and sections["layout"].packing != "off":
     raise ValueError(
       "config.layout.packing='pack' is not accepted with a VLM (config.vision); its step takes "

@@ -164,8 +164,8 @@ class PrefixSpec:
   def with_metrics(
     self, batch: Mapping[str, np.ndarray], *, count: int = 0
   ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """The layout and its :func:`prefix_metrics`; ``count``: the row count agreed between
-    consumers (0: the rows'), which the layout never changes."""
+    """The layout and its :func:`prefix_metrics`; ``count``: the row count planned
+    (:meth:`plan_parts`; 0: the rows'), which the layout never changes."""
     rows = len(np.asarray(batch["group_id"]).reshape(-1))
     if count and count != rows:
       raise ValueError(f"a prompt-prefix layout keeps its {rows} rows; count={count} was asked.")
@@ -182,10 +182,12 @@ class PrefixSpec:
   def plan_parts(
     self, parts: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], *, row_len: int
   ) -> tuple[int, dict[str, float]]:
-    """0 (every consumer keeps its rows) and the whole mini-batch's metrics from the groups'
-    token counts alone (a group with equal prompt lengths taken to share its prompt)."""
+    """The rows each consumer keeps (the most of any part) and the whole mini-batch's metrics
+    from the groups' token counts alone (a group with equal prompt lengths taken to share its
+    prompt)."""
     del row_len
     padded = prompt = row = rows = prompts = 0
+    count = max((sum(len(p) for p, _ in groups) for groups in parts), default=0)
     for groups in parts:
       for p_tokens, r_tokens in groups:
         shares = len(set(p_tokens)) == 1
@@ -195,7 +197,7 @@ class PrefixSpec:
         rows += len(p_tokens)
         prompts += 1 if shares else len(p_tokens)
         prompt += max(p_tokens[0] - 1, 0) if shares else sum(max(p - 1, 0) for p in p_tokens)
-    return 0, prefix_metrics(padded, prompt, row, rows, prompts)
+    return count, prefix_metrics(padded, prompt, row, rows, prompts)
 
 
 # ---- device side: the step's math ---------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_planned_metrics_are_the_laid_out_ones():
   spec = prefix.PrefixSpec(P, SLOTS)
   out, metrics = spec.with_metrics(batch)
   count, planned = spec.plan_parts([counts], row_len=P + N)
-  assert count == 0 and planned == pytest.approx(metrics)
+  assert count == len(group) and planned == pytest.approx(metrics)
   assert metrics["share_prompts"] == GROUPS - 1 and metrics["share_token_ratio"] > 1.2
   assert out["tokens"].shape == (len(group), N + 1)
 
@@ -213,3 +213,20 @@ def test_rows_continue_their_prompts(scan_layers):
   np.testing.assert_allclose(
     np.asarray(rows)[valid], np.asarray(padded)[:, P - 1 :][valid], rtol=1e-5, atol=1e-5
   )
+
+
+def test_a_config_chooses_the_layout():
+  """``layout.prompt_sharing="prefix"`` (configs/arith_tiny.py:prefix) builds `SharedPrefix`
+  with a prompt slot per group of a mini-batch; packing or a VLM is refused in one sentence."""
+  from configs import arith_tiny  # noqa: PLC0415
+  from knitjax.config import from_config_dict  # noqa: PLC0415
+  from knitjax.runtime.builder import build_layout  # noqa: PLC0415
+  from knitjax.train import layouts  # noqa: PLC0415
+
+  c = arith_tiny.get_config("prefix,quick")
+  mesh = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])
+  layout = build_layout(from_config_dict(c), mesh, prompt_len=8)
+  assert isinstance(layout, layouts.SharedPrefix) and layout.spec == prefix.PrefixSpec(8, 32)
+  c.layout.packing = "pack"
+  with pytest.raises(ValueError, match="prompt_sharing='prefix' takes a text model's padded"):
+    from_config_dict(c)
