@@ -310,11 +310,12 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     vision_fields = {"dtype": model.dtype, **config["vision"]}  # default: the decoder's dtype
     vision = build_section(VisionConfig, vision_fields, "config.vision")
   if sections["layout"].prompt_sharing == "prefix" and (
-    vision is not None or sections["layout"].packing != "off"
+    sections["layout"].packing != "off"
+    or (vision is not None and not sections["vlm"].encoder_dedup)
   ):
     raise ValueError(
-      "config.layout.prompt_sharing='prefix' takes a text model's padded rows; it is not accepted "
-      "with packing 'pack' or a VLM (config.vision): use 'group' there."
+      "config.layout.prompt_sharing='prefix' takes padded rows and, with a VLM, each unique image "
+      "once: it is not accepted with packing 'pack' or config.vlm.encoder_dedup off."
     )
   if vision is not None and sections["layout"].packing != "off":
     raise ValueError(

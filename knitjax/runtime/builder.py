@@ -323,6 +323,7 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
       encoder_dedup=config.vlm.encoder_dedup,
       remat_encoder=config.vlm.remat_encoder,
       shared=layout.shared,
+      prefixed=layout.prefixed,
       **compile_kwargs,
     )
   elif frozen is not None:
@@ -432,7 +433,8 @@ def build_layout(config: Config, mesh, prompt_len: int) -> layouts.Layout:
     )
     return layouts.Shared(spec, row_images=row_images)
   if config.layout.prompt_sharing == "prefix":
-    return layouts.SharedPrefix(prefix.PrefixSpec(prompt_len, prefix_slots(config, mesh)))
+    spec = prefix.PrefixSpec(prompt_len, prefix_slots(config, mesh))
+    return layouts.SharedPrefix(spec, row_images=row_images)
   if config.layout.packing == "pack":
     spec = packing.PackSpec(
       pack_len=config.layout.pack_len or prompt_len + n,

@@ -212,5 +212,5 @@ def shardings(
   """The step's batch fields and their shardings on ``mesh`` (rows split over the batch axes;
   a VLM's images too)."""
   if vlm:
-    return mm_step.batch_shardings(mesh, shared=layout.shared)
+    return mm_step.batch_shardings(mesh, shared=layout.shared, prefixed=layout.prefixed)
   return batch_shardings(mesh, packed=layout.packed, shared=layout.shared, prefixed=layout.prefixed)

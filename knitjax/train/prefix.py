@@ -55,6 +55,9 @@ from knitjax.train import batch as batch_lib
 
 # The mini-batch's prompts, [U, P - 1] each: laid out once, not split into micro-batches.
 PROMPT_FIELDS = ("prefix_tokens", "prefix_positions", "prefix_valid")
+# A VLM's: each prompt's image, [U] (an index into the mini-batch's unique images; -1: none).
+PROMPT_IMAGE_FIELD = "prefix_image_index"
+_ALL_PROMPT_FIELDS = (*PROMPT_FIELDS, PROMPT_IMAGE_FIELD)
 # Each row's prompt: an index into them ([R], -1: none).
 INDEX_FIELD = "prefix_index"
 
@@ -91,7 +94,9 @@ def prefix_batch(
 
   Returns:
     The ``[R, N + 1]`` token fields (the padded rows' columns ``[P - 1, P + N)``), the other row
-    fields unchanged, ``prefix_index`` ``[R]`` and the ``PROMPT_FIELDS`` ``[U, P - 1]``.
+    fields unchanged, ``prefix_index`` ``[R]`` and the ``PROMPT_FIELDS`` ``[U, P - 1]`` (a VLM
+    batch, with ``image_index``: also ``prefix_image_index`` ``[U]``, each prompt's image; its
+    image tokens must sit in the prefix, not in the prompt's last column).
 
   Raises:
     ValueError: ``prompt_len`` < 2, or the rows hold more than ``slots`` prompts.
@@ -121,6 +126,10 @@ def prefix_batch(
     slot = np.zeros((slots, s), column.dtype)
     slot[: len(units)] = column[first]
     out[field] = slot
+  if "image_index" in batch:
+    image = np.full(slots, -1, np.int32)
+    image[: len(units)] = np.asarray(batch["image_index"])[first]
+    out[PROMPT_IMAGE_FIELD] = image
   return out
 
 
@@ -143,8 +152,8 @@ def prefix_metrics(
 def split_micro_batches(batch: Mapping[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
   """``[K, rows / K, ...]`` row fields (`knitjax.train.batch.split_micro_batches`); the prompts
   stay whole: every micro-batch reads them."""
-  rows = {key: v for key, v in batch.items() if key not in PROMPT_FIELDS}
-  prompts = {key: batch[key] for key in PROMPT_FIELDS if key in batch}
+  rows = {key: v for key, v in batch.items() if key not in _ALL_PROMPT_FIELDS}
+  prompts = {key: batch[key] for key in _ALL_PROMPT_FIELDS if key in batch}
   return {**batch_lib.split_micro_batches(rows, k), **prompts}
 
 
@@ -207,8 +216,8 @@ def split(batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, 
   """``(row fields, the prompts)``; the prompts are None for a batch of another layout."""
   if PROMPT_FIELDS[0] not in batch:
     return batch, None
-  rows = {k: v for k, v in batch.items() if k not in PROMPT_FIELDS}
-  return rows, {k: batch[k] for k in PROMPT_FIELDS}
+  rows = {k: v for k, v in batch.items() if k not in _ALL_PROMPT_FIELDS}
+  return rows, {k: batch[k] for k in _ALL_PROMPT_FIELDS if k in batch}
 
 
 def prompt_kv(graphdef: nnx.GraphDef, params: nnx.State, prompts: dict[str, jax.Array]) -> dict:

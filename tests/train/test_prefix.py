@@ -1,7 +1,8 @@
 """Prompts once per mini-batch (`knitjax.train.prefix`): the layout's invariants, and loss, metrics
 and every gradient entry equal to the padded layout's (float32: rtol 1e-5 on loss and metrics,
 rtol 1e-4 / atol 1e-6 per gradient entry) when a group's rows span 2 and 4 micro-batches, with
-LoRA and on 2 devices; and the check fails when the prompts' cotangent is not accumulated."""
+LoRA, on 2 devices and for a VLM; and the check fails when the prompts' cotangent is not
+accumulated."""
 
 import dataclasses
 import functools
@@ -228,5 +229,43 @@ def test_a_config_chooses_the_layout():
   layout = build_layout(from_config_dict(c), mesh, prompt_len=8)
   assert isinstance(layout, layouts.SharedPrefix) and layout.spec == prefix.PrefixSpec(8, 32)
   c.layout.packing = "pack"
-  with pytest.raises(ValueError, match="prompt_sharing='prefix' takes a text model's padded"):
+  with pytest.raises(ValueError, match="prompt_sharing='prefix' takes padded rows"):
     from_config_dict(c)
+
+
+def test_vlm_step_equals_padded_step():
+  """A VLM (each unique image encoded once, the encoder trained): each image prompt run once,
+  its group's rows shuffled over 4 micro-batches; loss, metric sums and the vision, projector
+  and decoder gradients equal the padded layout's, one encoder forward and backward."""
+  from knitjax.models.vlm import VLM  # noqa: PLC0415
+  from knitjax.train import mm_step  # noqa: PLC0415
+  from tests.tiny import TINY_VISION  # noqa: PLC0415
+  from tests.train.test_prompt_sharing import _vlm_batch  # noqa: PLC0415
+
+  mesh = tiny.one_device_mesh()
+  graphdef, params = sharding.init_sharded(
+    lambda: VLM(TINY, TINY_VISION, image_token_id=3, rngs=nnx.Rngs(0)), mesh
+  )
+  ref = jax.tree.map(lambda x: 0.9 * x, params)
+  batch = _vlm_batch()
+  spec = prefix.PrefixSpec(TINY_VISION.num_patches + 3, 4)
+  layout, info = spec.with_metrics(batch)
+  assert info["share_prompts"] == 4 and info["share_token_ratio"] > 1.5
+  assert max(_spans(layout["prefix_index"], 4).values()) == 3  # a group in 3 micro-batches
+  hp = StepHParams(loss=losses.LossConfig(entropy_coef=0.01, kl_coef=0.05), max_new_tokens=N)
+  out = []
+  for b, k, prefixed in ((batch, 1, False), (layout, 4, True)):
+    dev = jax.device_put(
+      mm_step.prepare_batch(b, k), mm_step.batch_shardings(mesh, prefixed=prefixed)
+    )
+    fn = jax.jit(functools.partial(mm_step.mm_value_and_grad, graphdef=graphdef, hparams=hp))
+    with jax.set_mesh(mesh):
+      out.append(jax.device_get(fn(params, dev, ref_params=ref)))
+  (l0, s0, g0, c0), (l1, s1, g1, c1) = out
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  for key in s0:
+    np.testing.assert_allclose(s1[key], s0[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  tiny.assert_trees_close(g1, g0, rtol=1e-4, atol=1e-6)
+  assert float(np.abs(g1["vision"]["patch_embed"]["kernel"]).max()) > 0
+  assert {k: int(v) for k, v in c1.items()} == {k: int(v) for k, v in c0.items()}
+  assert int(c1["encoder_backward_passes"]) == 1
