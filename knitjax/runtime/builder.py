@@ -413,9 +413,10 @@ def build_feed(config: Config, take, prepare, *, count: int):
 
 def build_layout(config: Config, mesh, prompt_len: int) -> layouts.Layout:
   """How the trainer lays out mini-batches (`knitjax.train.layouts`): with shared prompts
-  (``config.layout.prompt_sharing``, packed or not), packed (``config.layout.packing``), or padded
-  rows; a VLM's images one per row when its encoder runs per row (``config.vlm.encoder_dedup``
-  off), else each unique image once.
+  (``config.layout.prompt_sharing`` "group", packed or not), each prompt once per mini-batch
+  beside its rows ("prefix"), packed (``config.layout.packing``), or padded rows; a VLM's images
+  one per row when its encoder runs per row (``config.vlm.encoder_dedup`` off), else each unique
+  image once.
 
   ``pack_len`` 0 takes the padded row length (``prompt_len + max_new_tokens``), which every row
   fits, or with shared prompts a whole group's (``prompt_len + group_size * max_new_tokens``);

@@ -26,6 +26,12 @@ per response, per-token row fields) whose responses also see their group's promp
 the tree mask) and whose targets are scored from the hidden states at ``score_index``
 (:func:`scored_states`), in every forward: the policy's, the reference's and the in-step ones.
 
+Prompts once per mini-batch (`knitjax.train.prefix`): the batch also holds the mini-batch's
+prompts, ``[U, P - 1]`` and not split; the step computes their keys and values once (a ``vjp``),
+hands each micro-batch's rows theirs (``prefix_index``), accumulates the prompts' cotangent over
+the micro-batches and sends it back once; the reference and in-step forwards read the prompts'
+keys and values under their own params.
+
 With LoRA (`knitjax.models.lora`) the state's params are the adapters only: the step
 differentiates and updates them, while the frozen base comes in as a separate, non-donated
 argument, and the reference policy is that base with the adapters off (no second copy).
