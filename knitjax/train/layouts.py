@@ -145,7 +145,7 @@ class Shared(_OfSpec):
 @dataclasses.dataclass(frozen=True)
 class SharedPrefix:
   """Each group's prompt once per mini-batch, its rows continuing it in any micro-batches
-  (`knitjax.train.prefix.PrefixSpec`): the padded rows' count, each row ``N + 1`` wide."""
+  (`knitjax.train.prefix.PrefixSpec`): the padded rows' count, each row ``N`` wide."""
 
   spec: prefix.PrefixSpec
   row_images: bool = False

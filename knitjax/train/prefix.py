@@ -9,8 +9,11 @@ rows and takes only the prompt out of them, as :mod:`knitjax.train.dedup` takes 
    padded row) run once per mini-batch through the model, ``jax.vjp`` of
    :meth:`~knitjax.models.transformer.Transformer.keys_values`: every layer's keys and values
    ``[L, U, P - 1, K, H]`` of the mini-batch's U prompts, and the residuals of their backward.
-2. **Rows continue them.** A row keeps its padded row's columns ``[P - 1, P + N)``: the prompt's
-   last token, then the response. Its ``prefix_index`` names its prompt; every micro-batch
+2. **Rows continue them.** A row keeps its padded row's columns ``[P - 1, P + N - 1)``: the
+   prompt's last token, then the response but its last column, which scores nothing (position
+   ``t`` predicts token ``t + 1``; the last response token is only a target) and which no
+   scored position attends to: ``N`` columns, the width of the response (block sizes that suit
+   the responses suit the rows). Its ``prefix_index`` names its prompt; every micro-batch
    gathers its rows' prefix keys and values (:func:`attach`; the gather's transpose scatter-adds)
    and the model attends each row over them and its own causal span
    (`knitjax.models.attention.SequenceMask.past_k`). Positions, targets, loss mask and row fields
@@ -32,12 +35,12 @@ a group's rows fall in.
 Memory: the U prompts' keys and values and their float32 cotangent, ``3 x 2 L U (P - 1) K H``
 numbers, plus the prompt forward's residuals (U prompt rows' activations) live across the
 micro-batch scan; each micro-batch gathers ``[L, B, P - 1, K, H]`` keys and values for its B
-rows, the size of its padded rows' prompt keys and values. Attention per row is ``(N + 1)
-(P + N)`` scores, the padded row's last ``N + 1`` query rows.
+rows, the size of its padded rows' prompt keys and values. Attention per row is about ``N (P +
+N / 2)`` causal scores, those of the padded row's last ``N`` query rows.
 
 Host side: ``prefix_tokens``, ``prefix_positions``, ``prefix_valid`` ``[U, P - 1]`` are the
 mini-batch's prompts (``slots`` of them, a static count; unused slots empty), not split into
-micro-batches; the ``[R, N + 1]`` row fields and ``prefix_index`` ``[R]`` are.
+micro-batches; the ``[R, N]`` row fields and ``prefix_index`` ``[R]`` are.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def prefix_batch(
     slots: ``U``, the prompt count laid out (unused slots are empty prompts no row names).
 
   Returns:
-    The ``[R, N + 1]`` token fields (the padded rows' columns ``[P - 1, P + N)``), the other row
+    The ``[R, N]`` token fields (the padded rows' columns ``[P - 1, P + N - 1)``), the other row
     fields unchanged, ``prefix_index`` ``[R]`` and the ``PROMPT_FIELDS`` ``[U, P - 1]`` (a VLM
     batch, with ``image_index``: also ``prefix_image_index`` ``[U]``, each prompt's image; its
     image tokens must sit in the prefix, not in the prompt's last column).
@@ -115,7 +118,7 @@ def prefix_batch(
   out = {}
   for key, value in batch.items():
     value = np.asarray(value)
-    out[key] = value[:, s:] if value.ndim == 2 and value.shape[1] == width else value
+    out[key] = value[:, s : width - 1] if value.ndim == 2 and value.shape[1] == width else value
   first = np.array([u[0] for u in units], np.int64)
   index = np.full(len(np.asarray(batch["group_id"]).reshape(-1)), -1, np.int32)
   for u, rows in enumerate(units):
@@ -137,7 +140,7 @@ def prefix_metrics(
   padded_tokens: float, prompt_tokens: float, row_tokens: float, rows: int, prompts: int
 ) -> dict[str, float]:
   """The layout's token counts, named as the shared layout's (`prompt_sharing.sharing_metrics`):
-  ``share_padded_tokens`` (``G (P + R)`` a group), ``share_tokens`` (``P - 1 + G (R + 1)``),
+  ``share_padded_tokens`` (``G (P + R)`` a group), ``share_tokens`` (``P - 1 + G R`` at most),
   their ratio, ``share_rows`` and ``share_prompts`` (the distinct prompts run once)."""
   tokens = prompt_tokens + row_tokens
   return {
@@ -194,7 +197,7 @@ class PrefixSpec:
     """The rows each consumer keeps (the most of any part) and the whole mini-batch's metrics
     from the groups' token counts alone (a group with equal prompt lengths taken to share its
     prompt)."""
-    del row_len
+    n = row_len - self.prompt_len  # the response width: a row drops its last column
     padded = prompt = row = rows = prompts = 0
     count = max((sum(len(p) for p, _ in groups) for groups in parts), default=0)
     for groups in parts:
@@ -202,7 +205,7 @@ class PrefixSpec:
         shares = len(set(p_tokens)) == 1
         for p, r in zip(p_tokens, r_tokens, strict=True):
           padded += p + r
-          row += min(p, 1) + r
+          row += min(p, 1) + min(r, n - 1)
         rows += len(p_tokens)
         prompts += 1 if shares else len(p_tokens)
         prompt += max(p_tokens[0] - 1, 0) if shares else sum(max(p - 1, 0) for p in p_tokens)

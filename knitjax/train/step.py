@@ -73,7 +73,7 @@ PACKED_FIELDS = (*MICRO_BATCH_FIELDS, "segment_ids")
 # With shared prompts (knitjax.train.prompt_sharing) also the tree mask's prefix segment of each
 # query and the column whose hidden state scores each target:
 SHARED_FIELDS = (*PACKED_FIELDS, "prefix_ids", "score_index")
-# With prompts once per mini-batch (knitjax.train.prefix) the rows are [rows, N + 1], each naming
+# With prompts once per mini-batch (knitjax.train.prefix) the rows are [rows, N], each naming
 # its prompt; the prompts [U, P - 1] are not split into micro-batches.
 PREFIX_ROW_FIELDS = (*MICRO_BATCH_FIELDS, prefix.INDEX_FIELD)
 

@@ -35,7 +35,7 @@ row per response and runs each prompt once per mini-batch, so a group's rows may
 micro-batches. Its points are ``config.points``, each ``(P, R, G, micro_batches_per_group)``: a
 mini-batch of ``groups`` groups split into ``groups x micro_batches_per_group`` micro-batches
 (rows in group order, so each group's G rows fill ``micro_batches_per_group`` of them), the same
-micro-batches for both layouts. Its tokens are ``P - 1 + G (R + 1)`` a group (``tokens_prefix``);
+micro-batches for both layouts. Its tokens are ``P - 1 + G R`` a group (``tokens_prefix``);
 ``token_ratio`` stays the formula ``G (P + R) / (P + G R)``.
 
 Usage: python -m lab.bench --config configs/bench/prompt_sharing.py --workdir DIR

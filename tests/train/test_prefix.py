@@ -74,11 +74,12 @@ def test_hand_example_layout():
   np.testing.assert_array_equal(out["prefix_valid"], [[0, 1, 1], [0, 0, 0], [0, 0, 0]])
   np.testing.assert_array_equal(out["prefix_positions"][0], [0, 0, 1])
   np.testing.assert_array_equal(out["prefix_index"], [0, 0, 1])
-  # Rows: the prompt's last token, then the response, scored where the padded row scores them.
-  np.testing.assert_array_equal(out["tokens"], [[7, 8, 9], [7, 10, 0], [9, 11, 0]])
-  np.testing.assert_array_equal(out["positions"], [[2, 3, 4], [2, 3, 3], [0, 1, 1]])
-  np.testing.assert_array_equal(out["targets"], [[8, 9, 0], [10, 0, 0], [11, 0, 0]])
-  np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 0], [1, 0, 0], [1, 0, 0]])
+  # Rows: the prompt's last token, then the response but its last column (a full response's
+  # last token, 9, is a target only), scored where the padded row scores them.
+  np.testing.assert_array_equal(out["tokens"], [[7, 8], [7, 10], [9, 11]])
+  np.testing.assert_array_equal(out["positions"], [[2, 3], [2, 3], [0, 1]])
+  np.testing.assert_array_equal(out["targets"], [[8, 9], [10, 0], [11, 0]])
+  np.testing.assert_array_equal(out["loss_mask"], [[1, 1], [1, 0], [1, 0]])
   np.testing.assert_array_equal(out["advantages"], [0.5, -0.5, 1.0])
   with pytest.raises(ValueError, match="2 distinct prompts, more than the layout's 1"):
     prefix.prefix_batch(batch, prompt_len=4, slots=1)
@@ -99,7 +100,7 @@ def test_planned_metrics_are_the_laid_out_ones():
   count, planned = spec.plan_parts([counts], row_len=P + N)
   assert count == len(group) and planned == pytest.approx(metrics)
   assert metrics["share_prompts"] == GROUPS - 1 and metrics["share_token_ratio"] > 1.2
-  assert out["tokens"].shape == (len(group), N + 1)
+  assert out["tokens"].shape == (len(group), N)
 
 
 def _hparams(mode):
@@ -188,7 +189,7 @@ def test_the_prompts_cotangent_must_be_accumulated(monkeypatch):
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_rows_continue_their_prompts(scan_layers):
   """The model's states of a row over its prompt's keys and values (`SequenceMask.past_k`) are
-  the padded row's at its columns ``[P - 1, P + N)``, looped or scanned over the layers."""
+  the padded row's at its columns ``[P - 1, P + N - 1)``, looped or scanned over the layers."""
   from knitjax.models.attention import SequenceMask  # noqa: PLC0415
 
   config = dataclasses.replace(TINY, num_layers=2, scan_layers=scan_layers)
@@ -212,7 +213,7 @@ def test_rows_continue_their_prompts(scan_layers):
   padded, rows = both(params, batch, layout)
   valid = layout["valid"]
   np.testing.assert_allclose(
-    np.asarray(rows)[valid], np.asarray(padded)[:, P - 1 :][valid], rtol=1e-5, atol=1e-5
+    np.asarray(rows)[valid], np.asarray(padded)[:, P - 1 : P + N - 1][valid], rtol=1e-5, atol=1e-5
   )
 
 

@@ -53,12 +53,12 @@ def test_quick_bench_writes_points_with_exact_ratios_and_equal_losses(tmp_path):
 # Two train-step compiles of the tiny decoder: ~20 s on two busy cores.
 def test_prefix_point_counts_its_tokens_and_starts_from_the_padded_loss(tmp_path):
   """``:prefix_quick``: prompts once per mini-batch against padded rows, a group's rows over 2
-  micro-batches: its tokens are ``P - 1 + G (R + 1)``, its first loss the padded one."""
+  micro-batches: its tokens are ``P - 1 + G R``, its first loss the padded one."""
   config = bench_config.get_config("prefix_quick")
   (p,) = bench.run(config, str(tmp_path))["points"]
   g, pl, rl = p["group_size"], p["prompt_len"], p["response_len"]
   assert (p["micro_batches_per_group"], p["micro_batches"]) == (2, 2)
-  assert (p["tokens_off"], p["tokens_prefix"]) == (g * (pl + rl), pl - 1 + g * (rl + 1))
+  assert (p["tokens_off"], p["tokens_prefix"]) == (g * (pl + rl), pl - 1 + g * rl)
   np.testing.assert_allclose(p["loss_prefix"], p["loss_off"], rtol=1e-5, atol=1e-7)
   assert p["memory"]["prefix"]["peak_bytes"] >= p["memory"]["prefix"]["temp_bytes"] > 0
   assert p["speedup"] == pytest.approx(p["rounds"][0][0] / p["rounds"][0][1])
