@@ -19,6 +19,8 @@ POINT_KEYS = {
 def test_token_ratio_formula():
   assert bench.token_ratio(32, 32, 8) == pytest.approx(8 * 64 / (32 + 8 * 32))
   assert bench.token_ratio(0, 7, 16) == 1.0  # no prompt: nothing to share
+  assert bench.score_ratio(2048, 512, 8) == pytest.approx(8 * 2560**2 / (2048**2 + 8 * 512 * 4608))
+  assert bench.score_ratio(0, 7, 16) == 1.0
 
 
 # Four train-step compiles of the tiny decoder: ~30 s on two busy cores.
