@@ -8,8 +8,9 @@ Usage:
   python -m knitjax.main --config configs/arith_tiny.py:lora --workdir /tmp/lora  # LoRA r=16
 Variants are comma-separated flags: quick, ppo (advantage "gae", a value head), kl_reward (the
 KL to the initial policy as a reward penalty), lora (adapters only, the base frozen), share (each
-group's prompt laid out once before its responses: layout.prompt_sharing="group"), e.g.
-``:ppo,kl_reward,quick`` or ``:lora,quick``.
+group's prompt laid out once before its responses: layout.prompt_sharing="group"), prefix (each
+group's prompt run once per mini-batch, its 8 responses' rows over 4 micro-batches:
+layout.prompt_sharing="prefix"), e.g. ``:ppo,kl_reward,quick`` or ``:lora,quick``.
 Settings (configs/common.py): 32 prompts x G=8 per step, lr 1e-3, entropy bonus 0.01,
 PPO-clip 0.2, token-mean, no KL; the reward requires the answer digit then the end token.
 """
@@ -55,6 +56,8 @@ def get_config(arg=None):
     c.optimizer.lr = 3e-3
   if "share" in flags:
     c.layout.prompt_sharing = "group"
+  if "prefix" in flags:
+    c.layout.update(prompt_sharing="prefix", micro_batches=4)
   if "quick" in flags:
     c.loop.steps = 2
     c.loop.log_every = 1
@@ -62,6 +65,6 @@ def get_config(arg=None):
   return common.complete(c)
 
 
-VARIANTS = ("quick", "ppo", "kl_reward", "lora", "share")
+VARIANTS = ("quick", "ppo", "kl_reward", "lora", "share", "prefix")
 # PPO with a critic (docs/algorithms.md): gamma = lambda = 1, whitened advantages.
 PPO = dict(gamma=1.0, gae_lambda=1.0, value_coef=0.1, value_clip=0.2)

@@ -309,6 +309,14 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
   elif config.get("vision"):
     vision_fields = {"dtype": model.dtype, **config["vision"]}  # default: the decoder's dtype
     vision = build_section(VisionConfig, vision_fields, "config.vision")
+  if sections["layout"].prompt_sharing == "prefix" and (
+    sections["layout"].packing != "off"
+    or (vision is not None and not sections["vlm"].encoder_dedup)
+  ):
+    raise ValueError(
+      "config.layout.prompt_sharing='prefix' takes padded rows and, with a VLM, each unique image "
+      "once: it is not accepted with packing 'pack' or config.vlm.encoder_dedup off."
+    )
   if vision is not None and sections["layout"].packing != "off":
     raise ValueError(
       "config.layout.packing='pack' is not accepted with a VLM (config.vision); its step takes "

@@ -169,7 +169,9 @@ class LayoutConfig:
   # Shared prompts (knitjax.train.prompt_sharing): "group" lays a group's prompt out once, followed
   # by its responses (a tree mask: each response sees the prompt and itself), so the backbone
   # runs P + G R tokens a group instead of G (P + R), with the padded layout's exact gradients;
-  # with packing "pack" whole groups are packed into pack_len sequences.
+  # with packing "pack" whole groups are packed into pack_len sequences. "prefix" runs each
+  # group's prompt once per mini-batch and keeps a row per response, which continues the prompt's
+  # keys and values in any micro-batch (knitjax.train.prefix): for groups too long for one row.
   prompt_sharing: str = setting("off", off="off", meaning="a row each, its prompt its own")
   # Log-probs and entropies `logprob_chunk` positions at a time from the hidden states
   # (knitjax.train.logprobs), so the [rows, T, V] float32 logits never exist at once.

@@ -16,7 +16,8 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.models.vision import VisionConfig
-from knitjax.train.batch import make_batch, pad_rows, split_micro_batches
+from knitjax.train import prefix
+from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.step import batch_shardings, compile_train_step, host_metrics, init_train_state
 
 TINY = TransformerConfig(
@@ -105,6 +106,7 @@ def train_step(
   ref_scale=None,
   packed=False,
   shared=False,
+  prefixed=False,
   edit_params=None,
 ):
   """One compiled train step of ``config`` from its seed-0 init: (params before, params after,
@@ -129,12 +131,14 @@ def train_step(
     with_ref=ref_scale is not None,
     packed=packed,
     shared=shared,
+    prefixed=prefixed,
   )
   before = jax.device_get(params)
   extra = () if ref_scale is None else (jax.tree.map(lambda x: x * ref_scale, params),)
   if micro_batches is not None:
-    batch = split_micro_batches(batch, micro_batches)
-  batch = jax.device_put(dict(batch), batch_shardings(mesh, packed=packed, shared=shared))
+    batch = prefix.split_micro_batches(batch, micro_batches)
+  layout = dict(packed=packed, shared=shared, prefixed=prefixed)
+  batch = jax.device_put(dict(batch), batch_shardings(mesh, **layout))
   with jax.set_mesh(mesh):
     state, metrics = step(state, batch, *extra)
   return before, jax.device_get(state.params), host_metrics(metrics)
@@ -149,7 +153,9 @@ def lora_step(mesh, graphdef, adapters, base, batch, hparams, *, micro_batches=2
     graphdef=graphdef, optimizer=tx, hparams=hparams, state_shardings=shardings, mesh=mesh,
     frozen_shardings=sharding.state_shardings(base, mesh), **layout,
   )  # fmt: skip
-  dev = jax.device_put(split_micro_batches(batch, micro_batches), batch_shardings(mesh, **layout))
+  dev = jax.device_put(
+    prefix.split_micro_batches(batch, micro_batches), batch_shardings(mesh, **layout)
+  )
   with jax.set_mesh(mesh):
     state, metrics = step(state, dev, base)
   return jax.device_get(state.params), host_metrics(metrics)

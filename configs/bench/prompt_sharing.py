@@ -14,6 +14,12 @@ shape, vocab 49152, d_model 576, 9 heads x 64, 3 KV heads, ffn 1536, tied embedd
 its 30 layers: the ratio measures per-layer work; ``--config.models.smollm2.model.num_layers=30``
 for the whole depth; R = 16: P = 4, 16, 64). 3 alternating rounds a point after a warm-up step.
 ``:quick`` is the arith shape at one small point (P = 4R, G = 4), 1 round, for tests.
+
+``:prefix`` measures prompts once per mini-batch (``layout.prompt_sharing="prefix"``) against
+padded rows: P in {256, 2048} x R in {512, 2048} x G in {8, 16}, one group a mini-batch whose
+rows span ``micro_batches_per_group`` micro-batches (2 for G = 8, 4 for G = 16: 4 rows a
+micro-batch), arith's decoder (2 layers, d_model 64), 2 rounds a point. ``:prefix_quick``: one
+small point, 1 round, for tests.
 """
 
 import ml_collections
@@ -46,6 +52,18 @@ def get_config(arg=None):
   if arg == "quick":
     c.models = dict(arith=dict(model=common.tiny_decoder(vocab_size=16), response_len=4, groups=2))
     c.group_sizes, c.prompt_ratios, c.repeats = (4,), (4.0,), 1
+  elif arg in ("prefix", "prefix_quick"):
+    c.layouts = ("off", "prefix")
+    c.group_sizes, c.prompt_ratios = (), ()
+    # (P, R, G, micro_batches_per_group)
+    c.points = [(p, r, g, g // 4) for p in (256, 2048) for r in (512, 2048) for g in (8, 16)]
+    c.models = dict(arith=dict(model=common.tiny_decoder(vocab_size=16), response_len=0, groups=1))
+    c.repeats = 2
+    if arg == "prefix_quick":
+      c.points, c.repeats = [(8, 4, 4, 2)], 1
   elif arg not in (None, ""):
-    raise ValueError(f"unknown variant {arg!r} of configs/bench/prompt_sharing.py; choose: quick.")
+    raise ValueError(
+      f"unknown variant {arg!r} of configs/bench/prompt_sharing.py; choose: quick, prefix, "
+      "prefix_quick."
+    )
   return c

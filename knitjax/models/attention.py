@@ -54,7 +54,7 @@ IMPLS = ("auto", "xla", "dense", "cudnn", "splash")
 
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=["segment_ids_bt", "prefix_ids_bt"],
+  data_fields=["segment_ids_bt", "prefix_ids_bt", "past_k", "past_v", "past_valid_bs"],
   meta_fields=["spans"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -73,16 +73,34 @@ class SequenceMask:
       (`knitjax.train.prompt_sharing`): the same tree mask computed span by span
       (:func:`attend_spans`), so no query meets another response's keys; the ids are then not
       read. None: :func:`attend` with the ids.
+    past_k: keys of ``S0`` earlier positions each row continues (a group's prompt computed once
+      per mini-batch, `knitjax.train.prefix`): ``[L, B, S0, K, H]`` as the model takes them,
+      ``[B, S0, K, H]`` as a block sees its layer's (:meth:`layer`). A row's queries sit at slots
+      ``S0 ..`` after them: its own keys follow, and it sees the valid past keys and its earlier
+      own ones, exactly as if the past positions were the first ``S0`` columns of the row. Not
+      with segment ids or spans. None: no past.
+    past_v: their values, shaped as ``past_k``.
+    past_valid_bs: bool ``[B, S0]``, True on the past positions that hold a real token.
   """
 
   segment_ids_bt: jax.Array | None = None
   prefix_ids_bt: jax.Array | None = None
   spans: tuple[int, int] | None = None
+  past_k: jax.Array | None = None
+  past_v: jax.Array | None = None
+  past_valid_bs: jax.Array | None = None
 
   @property
   def plain(self) -> bool:
     """One row per sequence: nothing beyond the causal, valid keys."""
-    return self.segment_ids_bt is None and self.prefix_ids_bt is None and self.spans is None
+    ids = self.segment_ids_bt is None and self.prefix_ids_bt is None
+    return ids and self.spans is None and self.past_k is None
+
+  def layer(self, i) -> "SequenceMask":
+    """What block ``i`` takes: layer ``i``'s past keys and values (``i`` may be traced)."""
+    if self.past_k is None:
+      return self
+    return dataclasses.replace(self, past_k=self.past_k[i], past_v=self.past_v[i])
 
   def as_int32(self) -> "SequenceMask":
     """The ids as int32 (a batch may carry them in another integer type)."""

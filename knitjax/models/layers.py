@@ -342,6 +342,8 @@ class Attention(nnx.Module):
       k = jax.lax.dynamic_update_slice(kv_cache[0], k.astype(kv_cache[0].dtype), start)
       v = jax.lax.dynamic_update_slice(kv_cache[1], v.astype(kv_cache[1].dtype), start)
       q_offset = cache_index
+    if mask.past_k is not None:
+      k, v, valid_bs, q_offset = _after_past(k, v, valid_bs, mask)
     if mask.spans is not None:
       out = attention_lib.attend_spans(
         q, k, v, kv_valid_bs=valid_bs, prompt_len=mask.spans[0], span_len=mask.spans[1],
@@ -356,6 +358,17 @@ class Attention(nnx.Module):
     if self.o_lora is not None:
       proj = proj + self.o_lora(out)
     return proj, (k, v)
+
+
+def _after_past(k, v, valid_bs, mask: attention_lib.SequenceMask):
+  """The row's keys, values and key validity behind its past ones (`SequenceMask.past_k`), and
+  its queries' slot offset: the row attends as if the past were its first columns."""
+  if mask.segment_ids_bt is not None or mask.spans is not None:
+    raise ValueError("SequenceMask.past_k continues one sequence a row: no segment ids or spans.")
+  k = jnp.concatenate([mask.past_k.astype(k.dtype), k], axis=1)
+  v = jnp.concatenate([mask.past_v.astype(v.dtype), v], axis=1)
+  valid_bs = jnp.concatenate([mask.past_valid_bs.astype(jnp.bool_), valid_bs], axis=1)
+  return k, v, valid_bs, mask.past_k.shape[1]
 
 
 class MLP(nnx.Module):

@@ -372,27 +372,24 @@ class Transformer(nnx.Module):
     x = self._inputs(tokens_bt, embeddings_btd)
     valid_bt = valid_bt.astype(jnp.bool_)
     sin_cos = self._rope(positions_bt)
-    return self._blocks(x, sin_cos, valid_bt, None, None, mask.as_int32())
+    return self._blocks(x, sin_cos, valid_bt, mask.as_int32())
 
-  def _blocks(self, x_btd: jax.Array, *block_args) -> jax.Array:
-    """Every decoder block over a full sequence, with the configured remat and layer scan.
-
-    ``block_args`` follow ``x_btd`` in `Block.__call__`: (sin_cos, valid_bs, kv_cache,
-    cache_index, mask).
-    """
+  def _blocks(self, x_btd: jax.Array, sin_cos, valid_bs, mask: SequenceMask) -> jax.Array:
+    """Every decoder block over a full sequence, with the configured remat and layer scan
+    (each block with its layer's part of ``mask``, `SequenceMask.layer`)."""
     c = self.config
     graphdef = nnx.graphdef(self.blocks[0])
 
-    def block_fn(state, x):
-      return nnx.merge(graphdef, state)(x, *block_args)[0]
+    def block_fn(state, x, mask):
+      return nnx.merge(graphdef, state)(x, sin_cos, valid_bs, None, None, mask)[0]
 
     policy = REMAT_POLICIES[c.remat]
     if c.remat != "none":
       block_fn = jax.checkpoint(block_fn, policy=policy)
     states = [nnx.state(block) for block in self.blocks]
     if not c.scan_layers:
-      for state in states:
-        x_btd = block_fn(state, x_btd)
+      for i, state in enumerate(states):
+        x_btd = block_fn(state, x_btd, mask.layer(i))
       return x_btd
     # Kernels (every param of 2+ dims) are cast to the compute dtype before stacking, as each
     # block would cast them at use anyway: the stacked copy is the one bf16 compute makes.
@@ -403,8 +400,37 @@ class Transformer(nnx.Module):
       return jnp.stack(cast)
 
     stacked = jax.tree.map(stack, *states)
-    x_btd, _ = jax.lax.scan(lambda x, state: (block_fn(state, x), None), x_btd, stacked)
+    past = (mask.past_k, mask.past_v)  # scanned with the layers' params (None: nothing)
+
+    def body(x, xs):
+      state, (k, v) = xs
+      return block_fn(state, x, dataclasses.replace(mask, past_k=k, past_v=v)), None
+
+    x_btd, _ = jax.lax.scan(body, x_btd, (stacked, past))
     return x_btd
+
+  def keys_values(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    valid_bt: jax.Array,
+    *,
+    embeddings_btd: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """Every layer's keys and values of full sequences (one row per sequence, left-padded as a
+    prompt): ``[L, B, T, K, H]`` each, in the compute dtype, RoPE applied to the keys. Rows that
+    continue these positions take them as `SequenceMask.past_k` / ``past_v``
+    (`knitjax.train.prefix`: a group's prompt computed once per mini-batch). The last block's
+    feed-forward and the output projection are not needed, and under ``jax.jit`` not computed."""
+    x = self._inputs(tokens_bt, embeddings_btd)
+    valid_bt = valid_bt.astype(jnp.bool_)
+    sin_cos = self._rope(positions_bt)
+    ks, vs = [], []
+    for block in self.blocks:
+      x, (k, v) = block(x, sin_cos, valid_bt)
+      ks.append(k)
+      vs.append(v)
+    return jnp.stack(ks), jnp.stack(vs)
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     """An empty cache for `batch` sequences of up to `max_len` positions (prompt + response)."""

@@ -139,6 +139,19 @@ class VLM(nnx.Module):
     x = self.embed(tokens_bt, image_rows_bpd)
     return self.lm.hidden_states(tokens_bt, positions_bt, valid_bt, embeddings_btd=x, mask=mask)
 
+  def keys_values(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    valid_bt: jax.Array,
+    *,
+    image_rows_bpd: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """The decoder's keys and values of every layer (`Transformer.keys_values`) of prompts with
+    their images' features spliced in."""
+    x = self.embed(tokens_bt, image_rows_bpd)
+    return self.lm.keys_values(tokens_bt, positions_bt, valid_bt, embeddings_btd=x)
+
   def unembedding(self) -> tuple[jax.Array, str]:
     """The decoder's output projection and its axes (`Transformer.unembedding`)."""
     return self.lm.unembedding()

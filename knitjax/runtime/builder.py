@@ -26,7 +26,7 @@ from knitjax.tasks.prompts import Prompt, PromptSource
 from knitjax.tasks.registry import make_prompt_source
 from knitjax.tasks.streams import ClassStreams
 from knitjax.tasks.tokenizer import CharTokenizer
-from knitjax.train import layouts, losses, mm_step, packing, prompt_sharing
+from knitjax.train import layouts, losses, mm_step, packing, prefix, prompt_sharing
 from knitjax.train.checkpoint import Checkpointer
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.step import (
@@ -309,7 +309,7 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
   )
   with_ref = config.loss.kl_coef > 0 and frozen is None
   layout = build_layout(config, mesh, prompt_len)
-  packed = dict(packed=layout.packed, shared=layout.shared)
+  packed = dict(packed=layout.packed, shared=layout.shared, prefixed=layout.prefixed)
   compile_kwargs = dict(
     graphdef=graphdef,
     optimizer=optimizer,
@@ -323,6 +323,7 @@ def build_trainer(config: Config, graphdef, params, mesh, *, prompt_len: int = 0
       encoder_dedup=config.vlm.encoder_dedup,
       remat_encoder=config.vlm.remat_encoder,
       shared=layout.shared,
+      prefixed=layout.prefixed,
       **compile_kwargs,
     )
   elif frozen is not None:
@@ -412,9 +413,10 @@ def build_feed(config: Config, take, prepare, *, count: int):
 
 def build_layout(config: Config, mesh, prompt_len: int) -> layouts.Layout:
   """How the trainer lays out mini-batches (`knitjax.train.layouts`): with shared prompts
-  (``config.layout.prompt_sharing``, packed or not), packed (``config.layout.packing``), or padded
-  rows; a VLM's images one per row when its encoder runs per row (``config.vlm.encoder_dedup``
-  off), else each unique image once.
+  (``config.layout.prompt_sharing`` "group", packed or not), each prompt once per mini-batch
+  beside its rows ("prefix"), packed (``config.layout.packing``), or padded rows; a VLM's images
+  one per row when its encoder runs per row (``config.vlm.encoder_dedup`` off), else each unique
+  image once.
 
   ``pack_len`` 0 takes the padded row length (``prompt_len + max_new_tokens``), which every row
   fits, or with shared prompts a whole group's (``prompt_len + group_size * max_new_tokens``);
@@ -431,6 +433,9 @@ def build_layout(config: Config, mesh, prompt_len: int) -> layouts.Layout:
       pack=config.layout.packing == "pack",
     )
     return layouts.Shared(spec, row_images=row_images)
+  if config.layout.prompt_sharing == "prefix":
+    spec = prefix.PrefixSpec(prompt_len, prefix_slots(config, mesh))
+    return layouts.SharedPrefix(spec, row_images=row_images)
   if config.layout.packing == "pack":
     spec = packing.PackSpec(
       pack_len=config.layout.pack_len or prompt_len + n,
@@ -439,6 +444,15 @@ def build_layout(config: Config, mesh, prompt_len: int) -> layouts.Layout:
     )
     return layouts.Packed(spec, row_images=row_images)
   return layouts.Padded(row_images=row_images)
+
+
+def prefix_slots(config: Config, mesh) -> int:
+  """Prompts a mini-batch lays out once (`knitjax.train.prefix`): its groups, rounded up to a
+  multiple of the mesh's batch shards (the prompts are split over them)."""
+  a = config.admission
+  groups = a.groups_per_step // a.minibatches
+  shards = mm_step.batch_shards(mesh)
+  return -(-groups // shards) * shards
 
 
 def build_preparer(config: Config, storage, mesh, prompts: ClassStreams, *, plan_for=None):

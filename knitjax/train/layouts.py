@@ -6,7 +6,9 @@ per row, ``P + N`` tokens). A :class:`Layout` owns everything from there to the 
 - :class:`Padded` keeps one row per sequence (the default);
 - :class:`Packed` puts several rows into each sequence (`knitjax.train.packing`);
 - :class:`Shared` runs each group's prompt once, its responses after it
-  (`knitjax.train.prompt_sharing`), packed or in fixed spans.
+  (`knitjax.train.prompt_sharing`), packed or in fixed spans;
+- :class:`SharedPrefix` runs each group's prompt once per mini-batch, its responses in rows of
+  their own that continue it, in any micro-batches (`knitjax.train.prefix`).
 
 Each lays out a consumer's rows (:meth:`Layout.lay_out`, with its metrics), and, when several
 consumers share a mini-batch, plans the sequence count every one of them lays out from the groups'
@@ -14,7 +16,8 @@ token counts alone (:meth:`Layout.plan_count`: each consumer computes the same c
 whole mini-batch's metrics). :func:`micro_batches` splits the sequences into the step's
 micro-batches (a VLM batch with its images: each unique image once, or one per row for the naive
 encoder, ``row_images``), and :func:`shardings` names the step's fields and their shardings.
-The train step itself reads ``packed`` and ``shared`` (which attention and scoring it compiles).
+The train step itself reads ``packed``, ``shared`` and ``prefixed`` (which fields, attention and
+scoring it compiles).
 
 Adding a layout is one class here that implements :class:`Layout`, and one line in
 `knitjax.runtime.builder.build_layout` where the config chooses it.
@@ -29,7 +32,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from knitjax.train import mm_step, packing, prompt_sharing
+from knitjax.train import mm_step, packing, prefix, prompt_sharing
 from knitjax.train.batch import split_micro_batches
 from knitjax.train.step import batch_shardings
 
@@ -43,12 +46,14 @@ class Layout(Protocol):
   Attributes:
     packed: the sequences hold segments (packed or shared), which the step attends within.
     shared: the sequences share each group's prompt; the step scores at ``score_index``.
+    prefixed: the rows continue the mini-batch's prompts, laid out once beside them.
     row_images: a VLM batch carries one image per row (the naive encoder), not each unique
       image once.
   """
 
   packed: bool
   shared: bool
+  prefixed: bool
   row_images: bool
 
   def for_consumers(self, consumers: int) -> Layout:
@@ -82,6 +87,7 @@ class Padded:
   row_images: bool = False
   packed = False
   shared = False
+  prefixed = False
 
   def for_consumers(self, consumers: int) -> Padded:
     del consumers
@@ -114,6 +120,7 @@ class Packed(_OfSpec):
   row_images: bool = False
   packed = True
   shared = False
+  prefixed = False
 
   def plan_count(self, parts, *, row_len):
     lengths = [[p + r for g in groups for p, r in zip(*g, strict=True)] for groups in parts]
@@ -129,6 +136,35 @@ class Shared(_OfSpec):
   row_images: bool = False
   packed = True
   shared = True
+  prefixed = False
+
+  def plan_count(self, parts, *, row_len):
+    return self.spec.plan_parts(parts, row_len=row_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefix:
+  """Each group's prompt once per mini-batch, its rows continuing it in any micro-batches
+  (`knitjax.train.prefix.PrefixSpec`): the padded rows' count, each row ``N`` wide."""
+
+  spec: prefix.PrefixSpec
+  row_images: bool = False
+  packed = False
+  shared = False
+  prefixed = True
+
+  def for_consumers(self, consumers: int) -> SharedPrefix:
+    # Each consumer would lay out its own prompts; the rows' prompt indices would then have to
+    # point into every consumer's, as a VLM's image indices do. Not built yet.
+    if consumers != 1:
+      raise ValueError(
+        f"config.layout.prompt_sharing='prefix' is not accepted with {consumers} consumers (a "
+        "trainer of several processes); use 'group' or 'off'."
+      )
+    return self
+
+  def lay_out(self, rows, *, count=0):
+    return self.spec.with_metrics(rows, count=count)
 
   def plan_count(self, parts, *, row_len):
     return self.spec.plan_parts(parts, row_len=row_len)
@@ -165,6 +201,8 @@ def micro_batches(
     return mm_step.prepare_batch(
       dict(sequences), k, num_images=num_images, shards=shards, row_images=layout.row_images
     )
+  if layout.prefixed:
+    return prefix.split_micro_batches(sequences, k)
   return split_micro_batches(dict(sequences), k)
 
 
@@ -174,5 +212,5 @@ def shardings(
   """The step's batch fields and their shardings on ``mesh`` (rows split over the batch axes;
   a VLM's images too)."""
   if vlm:
-    return mm_step.batch_shardings(mesh, shared=layout.shared)
-  return batch_shardings(mesh, packed=layout.packed, shared=layout.shared)
+    return mm_step.batch_shardings(mesh, shared=layout.shared, prefixed=layout.prefixed)
+  return batch_shardings(mesh, packed=layout.packed, shared=layout.shared, prefixed=layout.prefixed)

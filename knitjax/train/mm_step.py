@@ -46,17 +46,19 @@ from jax.sharding import NamedSharding
 from knitjax import sharding
 from knitjax.models.vlm import split_params
 from knitjax.train import logprobs as logprobs_lib
-from knitjax.train import losses
-from knitjax.train.batch import split_micro_batches
+from knitjax.train import losses, prefix
 from knitjax.train.dedup import (
   add_counts,
   apply_encoder,
   dedup_gather,
   dedup_value_and_grad,
+  encode_once,
   zero_counts,
 )
+from knitjax.train.prefix import split_micro_batches
 from knitjax.train.step import (
   MICRO_BATCH_FIELDS,
+  PREFIX_ROW_FIELDS,
   SHARED_FIELDS,
   StepHParams,
   TrainState,
@@ -68,9 +70,14 @@ from knitjax.train.step import (
 MM_ROW_FIELDS = (*MICRO_BATCH_FIELDS, "image_index")
 # Shared prompts (knitjax.train.prompt_sharing): a sequence per group, its image once.
 MM_SHARED_FIELDS = (*SHARED_FIELDS, "image_index")
+# Prompts once per mini-batch (knitjax.train.prefix): rows that continue them; each prompt's image
+# is in the prompt fields (prefix_image_index), the rows hold none.
+MM_PREFIX_FIELDS = (*PREFIX_ROW_FIELDS, "image_index")
 
 
 def _row_fields(batch) -> tuple[str, ...]:
+  if prefix.INDEX_FIELD in batch:
+    return MM_PREFIX_FIELDS
   return MM_SHARED_FIELDS if "score_index" in batch else MM_ROW_FIELDS
 
 
@@ -89,11 +96,15 @@ def _logprobs(model, mb, image_rows_bpd, hparams: StepHParams, entropy: str):
   )  # fmt: skip
 
 
-def _policy_loss(model, feats, mb, norm, hparams: StepHParams, ref_model=None, ref_feats=None):
+def _policy_loss(
+  model, feats, mb, norm, hparams: StepHParams, ref_model=None, ref_feats=None, ref_mb=None
+):
+  """``ref_mb``: the reference's view of ``mb`` (its own prompt keys and values); None: ``mb``."""
   logp, entropy = _logprobs(model, mb, feats, hparams, hparams.entropy_mode)
   ref_logp = None
   if ref_model is not None:
-    ref_logp = jax.lax.stop_gradient(_logprobs(ref_model, mb, ref_feats, hparams, "none")[0])
+    ref_in = mb if ref_mb is None else ref_mb
+    ref_logp = jax.lax.stop_gradient(_logprobs(ref_model, ref_in, ref_feats, hparams, "none")[0])
   return losses.policy_loss(
     logp,
     mb["behavior_logp"],
@@ -197,6 +208,45 @@ def _dedup(params, rows, images_u, norm, *, graphdef, hparams, ref_params, remat
   return loss, sums, nnx.merge_state(g_enc, g_backbone), add_counts(counts, ref_counts)
 
 
+def _prefix(params, rows, images_u, prompts, norm, *, graphdef, hparams, ref_params, remat):
+  """Each unique image encoded once and each prompt run once per mini-batch, its rows in any
+  micro-batches (`knitjax.train.prefix`). The prompts' forward reads the images' features, the
+  rows read only the prompts' keys and values: one vjp of (decoder params, features) -> keys
+  and values, its cotangent accumulated over the micro-batches, then one encoder backward of the
+  features' cotangent (`knitjax.train.dedup`)."""
+  enc, backbone = split_params(params)
+  image_u = prompts[prefix.PROMPT_IMAGE_FIELD]
+
+  def kv_of(model, feats_u):
+    k, v = model.keys_values(
+      prompts["prefix_tokens"], prompts["prefix_positions"], prompts["prefix_valid"],
+      image_rows_bpd=dedup_gather(feats_u, image_u),
+    )  # fmt: skip
+    return {"k": k, "v": v}
+
+  ref_kv, ref_model, ref_counts = None, None, zero_counts()
+  if ref_params is not None:
+    ref_feats, ref_counts = _encode_ref(ref_params, images_u, graphdef=graphdef)
+    ref_model = nnx.merge(graphdef, ref_params)
+    ref_kv = jax.lax.stop_gradient(kv_of(ref_model, ref_feats))
+  feats_u, fwd_counts, encoder_backward = encode_once(
+    _encode_with(graphdef, backbone), enc, images_u, remat=remat
+  )
+
+  def loss_fn(p, kv_u, mb):
+    ref_mb = None if ref_kv is None else prefix.attach(mb, ref_kv, prompts)
+    model = nnx.merge(graphdef, enc, p[0])
+    mb = prefix.attach(mb, kv_u, prompts)
+    return _policy_loss(model, None, mb, norm, hparams, ref_model, None, ref_mb)
+
+  loss, sums, (g_backbone, ct_feats) = prefix.value_and_grad(
+    lambda p: kv_of(nnx.merge(graphdef, enc, p[0]), p[1]), loss_fn, (backbone, feats_u), rows
+  )
+  g_enc, bwd_counts = encoder_backward(ct_feats)
+  counts = add_counts(add_counts(fwd_counts, bwd_counts), ref_counts)
+  return loss, sums, nnx.merge_state(g_enc, g_backbone), counts
+
+
 def mm_value_and_grad(
   params: nnx.State,
   batch: dict[str, jax.Array],
@@ -231,6 +281,11 @@ def mm_value_and_grad(
   if ref_params is not None and hparams.loss.kl_coef <= 0:
     ref_params = None
   kwargs = dict(graphdef=graphdef, hparams=hparams, ref_params=ref_params)
+  _, prompts = prefix.split(batch)
+  if prompts is not None:
+    if not encoder_dedup:
+      raise ValueError("prompts once per mini-batch take each unique image once: encoder_dedup.")
+    return _prefix(params, rows, batch["images"], prompts, norm, remat=remat_encoder, **kwargs)
   if encoder_dedup:
     return _dedup(params, rows, batch["images"], norm, remat=remat_encoder, **kwargs)
   return _naive(params, rows, batch["images"], norm, **kwargs)
@@ -277,13 +332,20 @@ def mm_train_step(
   return TrainState(params=params, opt_state=opt_state), metrics
 
 
-def batch_shardings(mesh: jax.sharding.Mesh, *, shared: bool = False) -> dict[str, NamedSharding]:
+def batch_shardings(
+  mesh: jax.sharding.Mesh, *, shared: bool = False, prefixed: bool = False
+) -> dict[str, NamedSharding]:
   """Row fields ``[K, rows, ...]`` split on rows; images ``[U, ...]`` split over the batch axes.
 
-  ``shared``: the fields of shared-prompt sequences (``MM_SHARED_FIELDS``)."""
+  ``shared``: the fields of shared-prompt sequences (``MM_SHARED_FIELDS``); ``prefixed``: rows
+  that continue their prompts (``MM_PREFIX_FIELDS``), the prompts split over the batch axes."""
   rows = sharding.logical_sharding(mesh, (None, "batch"))
-  fields = MM_SHARED_FIELDS if shared else MM_ROW_FIELDS
-  return {**{k: rows for k in fields}, "images": sharding.logical_sharding(mesh, ("batch",))}
+  fields = MM_PREFIX_FIELDS if prefixed else MM_SHARED_FIELDS if shared else MM_ROW_FIELDS
+  once = sharding.logical_sharding(mesh, ("batch",))
+  out = {**{k: rows for k in fields}, "images": once}
+  if prefixed:
+    out.update({k: once for k in (*prefix.PROMPT_FIELDS, prefix.PROMPT_IMAGE_FIELD)})
+  return out
 
 
 def batch_shards(mesh: jax.sharding.Mesh) -> int:
@@ -350,9 +412,11 @@ def compile_mm_train_step(
   remat_encoder: bool = False,
   with_ref: bool = False,
   shared: bool = False,
+  prefixed: bool = False,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
   """``jax.jit`` of :func:`mm_train_step` with explicit shardings and the state donated
-  (``shared``: the batch holds shared-prompt sequences, ``MM_SHARED_FIELDS``)."""
+  (``shared``: the batch holds shared-prompt sequences, ``MM_SHARED_FIELDS``; ``prefixed``: rows
+  that continue their prompts, ``MM_PREFIX_FIELDS``)."""
   fn = functools.partial(
     mm_train_step,
     graphdef=graphdef,
@@ -362,5 +426,9 @@ def compile_mm_train_step(
     remat_encoder=remat_encoder,
   )
   return jit_step(
-    fn, state_shardings, batch_shardings(mesh, shared=shared), mesh, with_ref=with_ref
+    fn,
+    state_shardings,
+    batch_shardings(mesh, shared=shared, prefixed=prefixed),
+    mesh,
+    with_ref=with_ref,
   )

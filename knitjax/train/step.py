@@ -26,6 +26,12 @@ per response, per-token row fields) whose responses also see their group's promp
 the tree mask) and whose targets are scored from the hidden states at ``score_index``
 (:func:`scored_states`), in every forward: the policy's, the reference's and the in-step ones.
 
+Prompts once per mini-batch (`knitjax.train.prefix`): the batch also holds the mini-batch's
+prompts, ``[U, P - 1]`` and not split; the step computes their keys and values once (a ``vjp``),
+hands each micro-batch's rows theirs (``prefix_index``), accumulates the prompts' cotangent over
+the micro-batches and sends it back once; the reference and in-step forwards read the prompts'
+keys and values under their own params.
+
 With LoRA (`knitjax.models.lora`) the state's params are the adapters only: the step
 differentiates and updates them, while the frozen base comes in as a separate, non-donated
 argument, and the reference policy is that base with the adapters off (no second copy).
@@ -48,7 +54,7 @@ from knitjax.models import lora
 from knitjax.models.attention import SequenceMask
 from knitjax.train import kl as kl_lib
 from knitjax.train import logprobs as logprobs_lib
-from knitjax.train import losses, step_advantages, value_loss
+from knitjax.train import losses, prefix, step_advantages, value_loss
 from knitjax.train.step_advantages import AdvantageConfig
 
 MICRO_BATCH_FIELDS = (
@@ -67,6 +73,9 @@ PACKED_FIELDS = (*MICRO_BATCH_FIELDS, "segment_ids")
 # With shared prompts (knitjax.train.prompt_sharing) also the tree mask's prefix segment of each
 # query and the column whose hidden state scores each target:
 SHARED_FIELDS = (*PACKED_FIELDS, "prefix_ids", "score_index")
+# With prompts once per mini-batch (knitjax.train.prefix) the rows are [rows, N], each naming
+# its prompt; the prompts [U, P - 1] are not split into micro-batches.
+PREFIX_ROW_FIELDS = (*MICRO_BATCH_FIELDS, prefix.INDEX_FIELD)
 
 
 @jax.tree_util.register_dataclass
@@ -162,9 +171,13 @@ def forward(
 
 def sequence_mask(mb: dict[str, jax.Array], spans: tuple[int, int] | None) -> SequenceMask:
   """The model's view of a micro-batch's training layout (`knitjax.train.layouts`): packed and
-  shared sequences' ``segment_ids`` and ``prefix_ids``, and fixed ``spans`` ``(P, N)``
-  (``StepHParams.shared_spans``); none of them for padded rows."""
-  return SequenceMask(mb.get("segment_ids"), mb.get("prefix_ids"), spans)
+  shared sequences' ``segment_ids`` and ``prefix_ids``, fixed ``spans`` ``(P, N)``
+  (``StepHParams.shared_spans``), and rows' prompt keys and values (``past_k``, ``past_v``,
+  ``past_valid``: `knitjax.train.prefix.attach`); none of them for padded rows."""
+  return SequenceMask(
+    mb.get("segment_ids"), mb.get("prefix_ids"), spans,
+    mb.get("past_k"), mb.get("past_v"), mb.get("past_valid"),
+  )  # fmt: skip
 
 
 def scored_states(
@@ -240,21 +253,24 @@ def recompute_advantages(
   *,
   graphdef: nnx.GraphDef,
   hparams: StepHParams,
+  prompts: dict[str, jax.Array] | None = None,
 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
   """The batch with its advantages recomputed over the whole mini-batch, and their metrics.
 
   The current params' log-probs and values of every micro-batch (``jax.lax.map``, outside the
   gradient) give the KL penalty (against ``batch["ref_logp"]``) and the critic's old values.
+  ``prompts``: the rows continue these (`knitjax.train.prefix`).
   """
   loss = hparams.loss
   reward_kl = loss.kl_penalty == "reward" and loss.kl_coef > 0
   if reward_kl and "ref_logp" not in batch:
     raise ValueError("kl_penalty='reward' needs the reference policy's params (ref_params).")
   critic = hparams.advantage.critic
+  attach = _prompts_of(graphdef, params, prompts)
   logp, _, values = jax.lax.map(
     lambda mb: forward(
-      graphdef, params, mb, hparams.temperature, values=critic, chunk=hparams.logprob_chunk,
-      entropy="none", spans=hparams.shared_spans,
+      graphdef, params, attach(mb), hparams.temperature, values=critic,
+      chunk=hparams.logprob_chunk, entropy="none", spans=hparams.shared_spans,
     ),
     batch,
   )  # fmt: skip
@@ -268,6 +284,33 @@ def recompute_advantages(
     batch, config=hparams.advantage, old_values=values, kl=kl, kl_coef=loss.kl_coef
   )
   return {**batch, **new}, metrics
+
+
+def _prompts_of(graphdef, params, prompts):
+  """``mb -> mb`` with its rows' prompt keys and values under ``params`` (no gradient;
+  `knitjax.train.prefix`), or unchanged without prompts."""
+  if prompts is None:
+    return lambda mb: mb
+  kv_u = jax.lax.stop_gradient(prefix.prompt_kv(graphdef, params, prompts))
+  return lambda mb: prefix.attach(mb, kv_u, prompts)
+
+
+def _scan_grads(grad_fn, params, batch, norm):
+  """Gradient, loss and metric sums of the K micro-batches, accumulated by a scan."""
+
+  def body(carry, mb):
+    grads_acc, loss_acc, sums_acc = carry
+    (loss, sums), grads = grad_fn(params, mb, norm)
+    grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+    sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
+    return (grads_acc, loss_acc + loss, sums_acc), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  first = jax.tree.map(lambda x: x[0], batch)
+  sums_shape = jax.eval_shape(lambda: grad_fn(params, first, norm)[0][1])
+  sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+  (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
+  return grads, loss, sums
 
 
 def train_step(
@@ -295,6 +338,7 @@ def train_step(
   Returns:
     The new state and a dict of scalar metrics.
   """
+  batch, prompts = prefix.split(batch)  # prompts once per mini-batch: knitjax.train.prefix
   norm = losses.Normalizer.from_mask(
     batch["loss_mask"],
     max_len=float(hparams.max_new_tokens),
@@ -309,10 +353,11 @@ def train_step(
     ref_params = lora.combine(frozen, lora.disabled(state.params))
   if ref_params is not None and hparams.loss.kl_coef > 0:
     # Reference log-probs of every micro-batch, before (and outside) the gradient scan.
+    attach = _prompts_of(graphdef, ref_params, prompts)
     ref_logp = jax.lax.map(
       lambda mb: forward(
-        graphdef, ref_params, mb, hparams.temperature, values=False, chunk=hparams.logprob_chunk,
-        entropy="none", spans=hparams.shared_spans,
+        graphdef, ref_params, attach(mb), hparams.temperature, values=False,
+        chunk=hparams.logprob_chunk, entropy="none", spans=hparams.shared_spans,
       )[0],
       batch,
     )  # fmt: skip
@@ -320,20 +365,20 @@ def train_step(
   adv_metrics = {}
   if hparams.advantages_in_step:
     policy = state.params if frozen is None else lora.combine(frozen, state.params)
-    batch, adv_metrics = recompute_advantages(batch, policy, graphdef=graphdef, hparams=hparams)
-
-  def body(carry, mb):
-    grads_acc, loss_acc, sums_acc = carry
-    (loss, sums), grads = grad_fn(state.params, mb, norm)
-    grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
-    sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
-    return (grads_acc, loss_acc + loss, sums_acc), None
-
-  zeros = jax.tree.map(jnp.zeros_like, state.params)
-  first = jax.tree.map(lambda x: x[0], batch)
-  sums_shape = jax.eval_shape(lambda: grad_fn(state.params, first, norm)[0][1])
-  sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
-  (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
+    batch, adv_metrics = recompute_advantages(
+      batch, policy, graphdef=graphdef, hparams=hparams, prompts=prompts
+    )
+  if prompts is None:
+    grads, loss, sums = _scan_grads(grad_fn, state.params, batch, norm)
+  else:  # each prompt once, its rows in any micro-batches
+    loss_fn = functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams, frozen=frozen)
+    combine = (lambda p: p) if frozen is None else functools.partial(lora.combine, frozen)
+    loss, sums, grads = prefix.value_and_grad(
+      lambda p: prefix.prompt_kv(graphdef, combine(p), prompts),
+      lambda p, kv_u, mb: loss_fn(p, prefix.attach(mb, kv_u, prompts), norm),
+      state.params,
+      batch,
+    )
 
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -358,23 +403,33 @@ def host_metrics(metrics: dict) -> dict[str, float]:
   return {**rest, **losses.finalize_metrics(sums)}
 
 
-def batch_fields(*, packed: bool = False, shared: bool = False) -> tuple[str, ...]:
-  """The fields of a batch: padded rows, packed sequences or shared-prompt sequences."""
+def batch_fields(
+  *, packed: bool = False, shared: bool = False, prefixed: bool = False
+) -> tuple[str, ...]:
+  """The row fields of a batch: padded rows, packed sequences, shared-prompt sequences or rows
+  that continue their prompts (``prefixed``, `knitjax.train.prefix`)."""
+  if prefixed:
+    return PREFIX_ROW_FIELDS
   if shared:
     return SHARED_FIELDS
   return PACKED_FIELDS if packed else MICRO_BATCH_FIELDS
 
 
 def batch_shardings(
-  mesh, *, packed: bool = False, shared: bool = False
+  mesh, *, packed: bool = False, shared: bool = False, prefixed: bool = False
 ) -> dict[str, NamedSharding]:
   """``[K, rows, ...]`` batch arrays: micro-batch axis unsharded, rows on the "batch" rule.
 
   ``packed``: the fields of packed sequences (``PACKED_FIELDS``); ``shared``: of shared-prompt
-  sequences (``SHARED_FIELDS``, `knitjax.train.prompt_sharing`).
+  sequences (``SHARED_FIELDS``, `knitjax.train.prompt_sharing`); ``prefixed``: rows that continue
+  their prompts (``PREFIX_ROW_FIELDS``), and the ``[U, P - 1]`` prompts split over the batch
+  axes (`knitjax.train.prefix`).
   """
   rows = sharding.logical_sharding(mesh, (None, "batch"))
-  return {k: rows for k in batch_fields(packed=packed, shared=shared)}
+  out = {k: rows for k in batch_fields(packed=packed, shared=shared, prefixed=prefixed)}
+  if prefixed:
+    out.update({k: sharding.logical_sharding(mesh, ("batch",)) for k in prefix.PROMPT_FIELDS})
+  return out
 
 
 def compile_train_step(
@@ -388,17 +443,19 @@ def compile_train_step(
   frozen_shardings=None,
   packed: bool = False,
   shared: bool = False,
+  prefixed: bool = False,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
   """``jax.jit`` of :func:`train_step` with explicit shardings and the state donated.
 
   ``packed``: the batch holds packed sequences (``PACKED_FIELDS``, `knitjax.train.packing`);
-  ``shared``: shared-prompt sequences (``SHARED_FIELDS``, `knitjax.train.prompt_sharing`).
+  ``shared``: shared-prompt sequences (``SHARED_FIELDS``, `knitjax.train.prompt_sharing`);
+  ``prefixed``: rows that continue their prompts, each prompt once (`knitjax.train.prefix`).
   """
   fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, hparams=hparams)
   return jit_step(
     fn,
     state_shardings,
-    batch_shardings(mesh, packed=packed, shared=shared),
+    batch_shardings(mesh, packed=packed, shared=shared, prefixed=prefixed),
     mesh,
     with_ref=with_ref,
     frozen_shardings=frozen_shardings,

@@ -29,6 +29,15 @@ Points: P / R in ``prompt_ratios`` x G in ``group_sizes``, for each model shape 
 ``num_layers`` cut to 2 by default, since the ratio measures per-layer work that every layer
 repeats: ``--config.models.smollm2.model.num_layers=30`` runs the whole depth).
 
+Prompts once per mini-batch (``config.layouts = ("off", "prefix")``, the config's ``:prefix``
+variant; `knitjax.train.prefix`, ``layout.prompt_sharing="prefix"``): the second layout keeps a
+row per response and runs each prompt once per mini-batch, so a group's rows may span
+micro-batches. Its points are ``config.points``, each ``(P, R, G, micro_batches_per_group)``: a
+mini-batch of ``groups`` groups split into ``groups x micro_batches_per_group`` micro-batches
+(rows in group order, so each group's G rows fill ``micro_batches_per_group`` of them), the same
+micro-batches for both layouts. Its tokens are ``P - 1 + G R`` a group (``tokens_prefix``);
+``token_ratio`` stays the formula ``G (P + R) / (P + G R)``.
+
 Usage: python -m lab.bench --config configs/bench/prompt_sharing.py --workdir DIR
 """
 
@@ -44,8 +53,8 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models.transformer import Transformer, TransformerConfig
-from knitjax.train import advantages, losses
-from knitjax.train.batch import make_batch, pad_rows, split_micro_batches
+from knitjax.train import advantages, losses, prefix
+from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.optimizer import make_optimizer
 from knitjax.train.prompt_sharing import ShareSpec, sharing_metrics
 from knitjax.train.step import (
@@ -58,13 +67,21 @@ from knitjax.train.step import (
 from lab.bench.compiled_memory import MIB, memory_stats
 from lab.bench.report import format_table, write_json
 
-LAYOUTS = ("off", "group")
+LAYOUTS = ("off", "group")  # config.layouts: the padded rows, then the layout measured against
 
 
 def token_ratio(prompt_len: int, response_len: int, group_size: int) -> float:
   """Tokens of G padded rows over those of one shared unit: ``G (P + R) / (P + G R)``."""
   g = group_size
   return g * (prompt_len + response_len) / (prompt_len + g * response_len)
+
+
+def score_ratio(prompt_len: int, response_len: int, group_size: int) -> float:
+  """Causal attention scores of G padded rows over those of a group whose prompt runs once (a
+  unit or a prefix): ``G (P + R)^2 / (P^2 + G R (2 P + R))``. With a narrow model attention
+  outweighs the tokens' linear work, and the step follows this ratio rather than the tokens'."""
+  p, r, g = prompt_len, response_len, group_size
+  return g * (p + r) ** 2 / (p * p + g * r * (2 * p + r))
 
 
 def workload(
@@ -94,8 +111,9 @@ class _Layout:
 
   def __init__(
     self, config, mesh, graphdef, params, batch, *, prompt_len: int, response_len: int,
-    shared: bool,
+    layout: str, micro_batches: int,
   ):  # fmt: skip
+    shared, prefixed = layout == "group", layout == "prefix"
     optimizer = make_optimizer(config.optimizer)
     fresh = jax.tree.map(lambda x: x.copy(), params)  # the state is donated; the ref is not
     self.state, shardings = init_train_state(fresh, optimizer, mesh)
@@ -108,10 +126,11 @@ class _Layout:
     )
     step = compile_train_step(
       graphdef=graphdef, optimizer=optimizer, hparams=hparams, state_shardings=shardings,
-      mesh=mesh, with_ref=True, packed=shared, shared=shared,
+      mesh=mesh, with_ref=True, packed=shared, shared=shared, prefixed=prefixed,
     )  # fmt: skip
     self.batch = jax.device_put(
-      split_micro_batches(batch, config.micro_batches), batch_shardings(mesh, shared=shared)
+      prefix.split_micro_batches(batch, micro_batches),
+      batch_shardings(mesh, shared=shared, prefixed=prefixed),
     )
     self.mesh = mesh
     with jax.set_mesh(mesh):
@@ -129,70 +148,110 @@ class _Layout:
       return time.perf_counter() - t0, metrics
 
 
+def _layouts(config) -> tuple[str, str]:
+  return tuple(config.get("layouts", LAYOUTS))
+
+
+def _lay_out(name, padded, *, prompt_len, response_len, group_size, groups, multiple):
+  """The padded rows of a point laid out as ``name`` (``off``: as they are)."""
+  if name == "group":
+    spec = ShareSpec(prompt_len, prompt_len + group_size * response_len, multiple)
+    shared = spec(padded)
+    metrics = sharing_metrics(padded, shared)
+    ratio = token_ratio(prompt_len, response_len, group_size)
+    if not math.isclose(ratio, metrics["share_token_ratio"], rel_tol=1e-12):
+      raise AssertionError(
+        f"token ratio {ratio} by the formula, {metrics['share_token_ratio']} by sharing_metrics."
+      )
+    return shared
+  if name == "prefix":
+    slots = -(-groups // multiple) * multiple  # the prompts split over the batch shards
+    return prefix.prefix_batch(padded, prompt_len=prompt_len, slots=slots)
+  return padded
+
+
 def measure_point(
   config, mesh, model: str, graphdef, params, *, vocab_size: int, prompt_len: int,
-  response_len: int, group_size: int, groups: int,
+  response_len: int, group_size: int, groups: int, micro_batches_per_group: int = 0,
 ) -> dict:  # fmt: skip
-  """Both layouts of one point: compile, a warm-up step each, then alternating timed rounds."""
+  """Both layouts of one point: compile, a warm-up step each, then alternating timed rounds.
+
+  ``micro_batches_per_group``: split the mini-batch into ``groups`` times this many
+  micro-batches, each group's rows over this many (0: ``config.micro_batches``)."""
   rng = np.random.default_rng([config.seed, prompt_len, response_len, group_size])
   padded = workload(
     rng, groups=groups, group_size=group_size, prompt_len=prompt_len,
     response_len=response_len, vocab_size=vocab_size,
   )  # fmt: skip
+  k = groups * micro_batches_per_group if micro_batches_per_group else config.micro_batches
   shards = int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES]))
-  spec = ShareSpec(
-    prompt_len=prompt_len,
-    seq_len=prompt_len + group_size * response_len,
-    multiple=config.micro_batches * shards,
-  )
-  shared = spec(padded)
-  metrics = sharing_metrics(padded, shared)
-  ratio = token_ratio(prompt_len, response_len, group_size)
-  if not math.isclose(ratio, metrics["share_token_ratio"], rel_tol=1e-12):
-    raise AssertionError(
-      f"token ratio {ratio} by the formula, {metrics['share_token_ratio']} by sharing_metrics."
-    )
+  names = _layouts(config)
+  batches = {
+    name: _lay_out(
+      name,
+      padded,
+      prompt_len=prompt_len,
+      response_len=response_len,
+      group_size=group_size,
+      groups=groups,
+      multiple=k * shards if name == "group" else shards,
+    )  # fmt: skip
+    for name in names
+  }
   layouts = {
     name: _Layout(
       config,
       mesh,
       graphdef,
       params,
-      batch,
+      batches[name],
       prompt_len=prompt_len,
       response_len=response_len,
-      shared=on,
+      layout=name,
+      micro_batches=k,
     )  # fmt: skip
-    for name, batch, on in (("off", padded, False), ("group", shared, True))
+    for name in names
   }
   first = {name: host_metrics(layout.run()[1])["loss"] for name, layout in layouts.items()}
-  rounds = [[layouts[name].run()[0] for name in LAYOUTS] for _ in range(config.repeats)]
+  rounds = [[layouts[name].run()[0] for name in names] for _ in range(config.repeats)]
   times = np.asarray(rounds)
   speedup = float(np.median(times[:, 0] / times[:, 1]))
-  return {
+  ratio = token_ratio(prompt_len, response_len, group_size)
+  point = {
     "model": model,
     "prompt_len": prompt_len,
     "response_len": response_len,
     "group_size": group_size,
     "groups": groups,
+    "micro_batches": k,
     "token_ratio": ratio,
-    "tokens_off": int(np.count_nonzero(padded["valid"])),
-    "tokens_group": int(np.count_nonzero(shared["valid"])),
-    "positions_off": int(padded["valid"].size),
-    "positions_group": int(shared["valid"].size),
-    "shape_off": list(padded["valid"].shape),
-    "shape_group": list(shared["valid"].shape),
-    "step_s_off": float(np.median(times[:, 0])),
-    "step_s_group": float(np.median(times[:, 1])),
+    "score_ratio": score_ratio(prompt_len, response_len, group_size),
     "rounds": rounds,
     "speedup": speedup,
     "speedup_over_ratio": speedup / ratio,
-    "loss_off": first["off"],
-    "loss_group": first["group"],
-    "compile_s_off": layouts["off"].compile_s,
-    "compile_s_group": layouts["group"].compile_s,
     "memory": {name: layout.memory for name, layout in layouts.items()},
   }
+  if micro_batches_per_group:
+    point["micro_batches_per_group"] = micro_batches_per_group
+  for (name, layout), column in zip(layouts.items(), times.T, strict=True):
+    valid = batches[name]["valid"]
+    point.update({
+      f"tokens_{name}": int(np.count_nonzero(valid)) + _prompt_tokens(batches[name]),
+      f"positions_{name}": int(valid.size) + _prompt_tokens(batches[name], positions=True),
+      f"shape_{name}": list(valid.shape),
+      f"step_s_{name}": float(np.median(column)),
+      f"loss_{name}": first[name],
+      f"compile_s_{name}": layout.compile_s,
+    })  # fmt: skip
+  return point
+
+
+def _prompt_tokens(batch, *, positions=False) -> int:
+  """A prefix layout's prompts: their tokens (or positions), laid out beside the rows."""
+  if "prefix_valid" not in batch:
+    return 0
+  valid = batch["prefix_valid"]
+  return int(valid.size if positions else np.count_nonzero(valid))
 
 
 def _prompt_len(ratio: float, response_len: int) -> int:
@@ -208,6 +267,7 @@ def _prompt_len(ratio: float, response_len: int) -> int:
 def run(config, workdir: str) -> dict:
   mesh = sharding.make_mesh(tuple(config.mesh_shape), devices=jax.devices()[: config.devices])
   points, models = [], {}
+  second = _layouts(config)[1]
   for name, spec in config.models.items():
     model = TransformerConfig(**spec.model)
     models[name] = {
@@ -216,7 +276,14 @@ def run(config, workdir: str) -> dict:
       "config": spec.model.to_dict(),
     }
     graphdef, params = sharding.init_sharded(lambda m=model: Transformer(m, rngs=nnx.Rngs(0)), mesh)
-    for group_size in config.group_sizes:
+    for p in config.get("points", None) or ():  # (P, R, G, micro-batches per group)
+      point = measure_point(
+        config, mesh, name, graphdef, params, vocab_size=model.vocab_size, prompt_len=p[0],
+        response_len=p[1], group_size=p[2], groups=spec.groups, micro_batches_per_group=p[3],
+      )  # fmt: skip
+      points.append(point)
+      _print_point(point, second)
+    for group_size in config.get("group_sizes", ()):
       for ratio in config.prompt_ratios:
         point = measure_point(
           config, mesh, name, graphdef, params, vocab_size=model.vocab_size,
@@ -224,18 +291,15 @@ def run(config, workdir: str) -> dict:
           group_size=group_size, groups=spec.groups,
         )  # fmt: skip
         points.append(point)
-        print(
-          f"{name} G={group_size} P={point['prompt_len']} R={point['response_len']}: "
-          f"off {point['step_s_off']:.3f} s, group {point['step_s_group']:.3f} s, "
-          f"{point['speedup']:.2f}x of {point['token_ratio']:.2f}x",
-          flush=True,
-        )
-  _print_tables(points, config.goal)
+        _print_point(point, second)
+  _print_tables(points, config.goal, second)
   result = {
     "points": points,
     "goal_speedup_over_ratio": config.goal,
-    "group_sizes": list(config.group_sizes),
-    "prompt_ratios": list(config.prompt_ratios),
+    "layouts": list(_layouts(config)),
+    "group_sizes": list(config.get("group_sizes", ())),
+    "prompt_ratios": list(config.get("prompt_ratios", ())),
+    "points_spec": [list(p) for p in config.get("points", None) or ()],
     "micro_batches": config.micro_batches,
     "repeats": config.repeats,
     "kl_coef": config.kl_coef,
@@ -250,9 +314,20 @@ def run(config, workdir: str) -> dict:
   return result
 
 
-def _print_tables(points: list[dict], goal: float) -> None:
-  columns = ["model", "group_size", "prompt_len", "response_len", "token_ratio", "step_s_off",
-             "step_s_group", "speedup", "speedup_over_ratio", "loss_off", "loss_group"]  # fmt: skip
+def _print_point(point: dict, second: str) -> None:
+  print(
+    f"{point['model']} G={point['group_size']} P={point['prompt_len']} "
+    f"R={point['response_len']} K={point['micro_batches']}: off {point['step_s_off']:.3f} s, "
+    f"{second} {point[f'step_s_{second}']:.3f} s, "
+    f"{point['speedup']:.2f}x of {point['token_ratio']:.2f}x",
+    flush=True,
+  )
+
+
+def _print_tables(points: list[dict], goal: float, second: str = "group") -> None:
+  columns = ["model", "group_size", "prompt_len", "response_len", "micro_batches", "token_ratio",
+             "score_ratio", "step_s_off", f"step_s_{second}", "speedup", "speedup_over_ratio",
+             "loss_off", f"loss_{second}"]  # fmt: skip
   print(format_table(points, columns))
   met = sum(p["speedup_over_ratio"] >= goal for p in points)
   print(f"speedup / token ratio >= {goal}: {met} of {len(points)} points")
@@ -260,7 +335,7 @@ def _print_tables(points: list[dict], goal: float) -> None:
     {
       "model": p["model"], "group_size": p["group_size"], "prompt_len": p["prompt_len"],
       **{f"{k}_mib_{name}": p["memory"][name][f"{k}_bytes"] / MIB
-         for k in ("peak", "temp") for name in LAYOUTS},
+         for k in ("peak", "temp") for name in ("off", second)},
     }
     for p in points
   ]  # fmt: skip

@@ -8,6 +8,7 @@ import pytest
 from knitjax import sharding
 from knitjax.train import layouts
 from knitjax.train.packing import PackSpec
+from knitjax.train.prefix import PROMPT_FIELDS, PrefixSpec
 from knitjax.train.prompt_sharing import ShareSpec
 from knitjax.transfer.access import fetch_minibatch
 from tests.transfer.test_access import N_NEW, P_LEN, ROW_SPEC, G
@@ -20,6 +21,7 @@ LAYOUTS = {
   "shared_packed": layouts.Shared(
     ShareSpec(prompt_len=P_LEN, seq_len=P_LEN + G * N_NEW + 4, multiple=2, pack=True)
   ),
+  "shared_prefix": layouts.SharedPrefix(PrefixSpec(prompt_len=P_LEN, slots=4)),
 }
 
 
@@ -57,6 +59,10 @@ def test_consumers_share_the_sequence_multiple_or_are_refused(name):
   if name == "padded":
     assert layout.for_consumers(3) == layout
     return
+  if name == "shared_prefix":  # each consumer's prompts are not laid out yet
+    with pytest.raises(ValueError, match="not accepted with 2 consumers"):
+      layout.for_consumers(2)
+    return
   assert layout.for_consumers(2).spec.multiple == 1
   with pytest.raises(ValueError, match="not accepted with 3 consumers and 2 micro-batch row"):
     layout.for_consumers(3)
@@ -70,4 +76,6 @@ def test_the_step_fields_are_the_sharded_fields(name):
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   shardings = layouts.shardings(layout, mesh, vlm=False)
   assert set(shardings) <= set(host)  # the step reads these; the rest stays on the host
-  assert all(v.shape[0] == 2 for v in host.values())
+  # Every field split into the 2 micro-batches but the prompts laid out once beside them.
+  assert all(v.shape[0] == 2 for k, v in host.items() if k not in PROMPT_FIELDS)
+  assert all(len(host[k]) == 4 for k in PROMPT_FIELDS if k in host)

@@ -19,6 +19,8 @@ POINT_KEYS = {
 def test_token_ratio_formula():
   assert bench.token_ratio(32, 32, 8) == pytest.approx(8 * 64 / (32 + 8 * 32))
   assert bench.token_ratio(0, 7, 16) == 1.0  # no prompt: nothing to share
+  assert bench.score_ratio(2048, 512, 8) == pytest.approx(8 * 2560**2 / (2048**2 + 8 * 512 * 4608))
+  assert bench.score_ratio(0, 7, 16) == 1.0
 
 
 # Four train-step compiles of the tiny decoder: ~30 s on two busy cores.
@@ -48,6 +50,20 @@ def test_quick_bench_writes_points_with_exact_ratios_and_equal_losses(tmp_path):
   (point,) = saved["points"]
   assert point["token_ratio"] > 2
   assert point["memory"]["group"]["temp_bytes"] < point["memory"]["off"]["temp_bytes"]
+
+
+# Two train-step compiles of the tiny decoder: ~20 s on two busy cores.
+def test_prefix_point_counts_its_tokens_and_starts_from_the_padded_loss(tmp_path):
+  """``:prefix_quick``: prompts once per mini-batch against padded rows, a group's rows over 2
+  micro-batches: its tokens are ``P - 1 + G R``, its first loss the padded one."""
+  config = bench_config.get_config("prefix_quick")
+  (p,) = bench.run(config, str(tmp_path))["points"]
+  g, pl, rl = p["group_size"], p["prompt_len"], p["response_len"]
+  assert (p["micro_batches_per_group"], p["micro_batches"]) == (2, 2)
+  assert (p["tokens_off"], p["tokens_prefix"]) == (g * (pl + rl), pl - 1 + g * rl)
+  np.testing.assert_allclose(p["loss_prefix"], p["loss_off"], rtol=1e-5, atol=1e-7)
+  assert p["memory"]["prefix"]["peak_bytes"] >= p["memory"]["prefix"]["temp_bytes"] > 0
+  assert p["speedup"] == pytest.approx(p["rounds"][0][0] / p["rounds"][0][1])
 
 
 def test_unknown_variant_is_named():
