@@ -172,7 +172,9 @@ class LayoutConfig:
   # with packing "pack" whole groups are packed into pack_len sequences. "prefix" runs each
   # group's prompt once per mini-batch and keeps a row per response, which continues the prompt's
   # keys and values in any micro-batch (knitjax.train.prefix): for groups too long for one row.
-  prompt_sharing: str = setting("off", off="off", meaning="a row each, its prompt its own")
+  # "auto": "prefix" where it applies (a text policy, padded rows, one trainer process, G > 1, and
+  # attention that is not a fused GPU/TPU kernel), else "off" (docs/prompt_sharing.md, the rule).
+  prompt_sharing: str = setting("auto", off="off", meaning="a row each, its prompt its own")
   # Log-probs and entropies `logprob_chunk` positions at a time from the hidden states
   # (knitjax.train.logprobs), so the [rows, T, V] float32 logits never exist at once.
   logprob_chunk: int = setting(

@@ -70,8 +70,9 @@ import numpy as np
 from knitjax.train.packing import first_fit_decreasing, sequence_count
 
 # config.layout.prompt_sharing: "group" is this module's layout; "prefix" each prompt once per
-# mini-batch, its rows in any micro-batches (knitjax.train.prefix).
-PROMPT_SHARING_MODES = ("off", "group", "prefix")
+# mini-batch, its rows in any micro-batches (knitjax.train.prefix); "auto" the measured rule
+# (`knitjax.runtime.builder.prompt_sharing_mode`).
+PROMPT_SHARING_MODES = ("auto", "off", "group", "prefix")
 
 
 def units(batch: Mapping[str, np.ndarray], prompt_len: int) -> list[list[int]]:
