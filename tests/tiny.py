@@ -76,6 +76,35 @@ def random_minibatch(seed=0, rows=ROWS):
   return make_batch(packed, adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
 
 
+def groups_batch(seed=0, groups=3, g=4, *, p_len=6, n_new=5, fallback=True):
+  """A padded mini-batch of ``groups`` GRPO groups of ``g`` responses to one random prompt each
+  (what the shared-prompt layouts share); with ``fallback`` the last group's rows hold different
+  prompts (each row its own). Row 1 holds a tool-output token: attended to, no loss."""
+  from knitjax.train import advantages
+
+  rng = np.random.default_rng(seed)
+  prompts, responses, logps = [], [], []
+  for i in range(groups):
+    prompt = rng.integers(3, 32, rng.integers(2, p_len + 1)).astype(np.int32)
+    for _ in range(g):
+      if fallback and i == groups - 1:
+        prompt = rng.integers(3, 32, rng.integers(2, p_len + 1)).astype(np.int32)
+      n = rng.integers(1, n_new + 1)
+      prompts.append(prompt)
+      responses.append(rng.integers(3, 32, n).astype(np.int32))
+      logps.append(rng.normal(-3.0, 0.5, n).astype(np.float32))
+  rows = groups * g
+  rewards = rng.integers(0, 2, rows).astype(np.float32)
+  adv = advantages.compute_advantages(rewards.reshape(-1, g), "grpo").reshape(-1)
+  batch = make_batch(
+    pad_rows(prompts, responses, logps), adv, prompt_len=p_len, max_new_tokens=n_new, pad_id=0,
+    rewards=rewards, group_ids=np.repeat(np.arange(groups) * 7 + 3, g),
+  )  # fmt: skip
+  batch["loss_mask"][1, p_len] = 0.0
+  batch["behavior_logp"][1, p_len] = 0.0
+  return batch
+
+
 def loss_inputs(seed, b=8, t=6, *, ref_noise=0.3):
   """Per-token inputs of a policy loss, ``[b, t]``: log-probs near the behaviour's, a reference
   ``ref_noise`` away, random entropies, and one row (3) with no response tokens."""

@@ -15,7 +15,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models import lora
 from knitjax.models.transformer import Transformer
-from knitjax.train import advantages, losses, prefix
+from knitjax.train import losses, prefix
 from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.step import StepHParams
 from knitjax.train.step_advantages import AdvantageConfig
@@ -30,26 +30,8 @@ def _batch(seed=0):
   """``GROUPS`` groups of ``G`` rows, the last with a different prompt per row (each its own
   prompt), laid out round-robin: micro-batch ``k`` of K holds rows ``k R / K ..``, so with 16
   rows every group has a row in each of 4 micro-batches (2 rows in each of 2)."""
-  rng = np.random.default_rng(seed)
-  prompts, responses, logps = [], [], []
-  for i in range(GROUPS):
-    prompt = rng.integers(3, 32, rng.integers(2, P + 1)).astype(np.int32)
-    for _ in range(G):
-      if i == GROUPS - 1:
-        prompt = rng.integers(3, 32, rng.integers(2, P + 1)).astype(np.int32)
-      n = rng.integers(1, N + 1)
-      prompts.append(prompt)
-      responses.append(rng.integers(3, 32, n).astype(np.int32))
-      logps.append(rng.normal(-3.0, 0.5, n).astype(np.float32))
+  batch = tiny.groups_batch(seed, GROUPS, G, p_len=P, n_new=N)
   rows = GROUPS * G
-  rewards = rng.integers(0, 2, rows).astype(np.float32)
-  adv = advantages.compute_advantages(rewards.reshape(-1, G), "grpo").reshape(-1)
-  batch = make_batch(
-    pad_rows(prompts, responses, logps), adv, prompt_len=P, max_new_tokens=N, pad_id=0,
-    rewards=rewards, group_ids=np.repeat(np.arange(GROUPS) * 7 + 3, G),
-  )  # fmt: skip
-  batch["loss_mask"][1, P] = 0.0  # a tool-output token: attended to, no loss
-  batch["behavior_logp"][1, P] = 0.0
   order = np.arange(rows).reshape(GROUPS, G).T.reshape(-1)  # round-robin over the groups
   return {k: v[order] for k, v in batch.items()}
 

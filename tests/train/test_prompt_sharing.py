@@ -14,7 +14,7 @@ from flax import nnx
 from knitjax import sharding
 from knitjax.models import lora
 from knitjax.models.transformer import Transformer
-from knitjax.train import advantages, losses, prompt_sharing
+from knitjax.train import losses, prompt_sharing
 from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.step import (
   StepHParams,
@@ -30,29 +30,7 @@ P, N, G = 6, 5, 4
 def _groups_batch(seed=0, groups=3, g=G, *, fallback=True):
   """``groups`` groups of ``g`` responses to one prompt each; with ``fallback`` the last group's
   rows hold different prompts (each row its own unit)."""
-  rng = np.random.default_rng(seed)
-  prompts, responses, logps = [], [], []
-  for i in range(groups):
-    prompt = rng.integers(3, 32, rng.integers(2, P + 1)).astype(np.int32)
-    for _ in range(g):
-      if fallback and i == groups - 1:
-        prompt = rng.integers(3, 32, rng.integers(2, P + 1)).astype(np.int32)
-      n = rng.integers(1, N + 1)
-      prompts.append(prompt)
-      responses.append(rng.integers(3, 32, n).astype(np.int32))
-      logps.append(rng.normal(-3.0, 0.5, n).astype(np.float32))
-  rows = groups * g
-  rewards = rng.integers(0, 2, rows).astype(np.float32)
-  adv = advantages.compute_advantages(rewards.reshape(-1, g), "grpo").reshape(-1)
-  batch = make_batch(
-    pad_rows(prompts, responses, logps), adv, prompt_len=P, max_new_tokens=N, pad_id=0,
-    rewards=rewards, group_ids=np.repeat(np.arange(groups) * 7 + 3, g),
-  )  # fmt: skip
-  # A tool-output token (no loss, still attended to) inside one response.
-  row = 1
-  batch["loss_mask"][row, P] = 0.0
-  batch["behavior_logp"][row, P] = 0.0
-  return batch
+  return tiny.groups_batch(seed, groups, g, p_len=P, n_new=N, fallback=fallback)
 
 
 def _share(batch, *, multiple=2, pack=False, seq_len=P + G * N):
