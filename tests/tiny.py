@@ -6,6 +6,7 @@ persistent compilation cache (tests/conftest.py) compiles each once. A test abou
 head ratios, RoPE scaling, a task's vocab, the sharded layouts) keeps its own.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -14,6 +15,7 @@ import optax
 from flax import nnx
 
 from knitjax import sharding
+from knitjax.models import lora
 from knitjax.models.transformer import Transformer, TransformerConfig
 from knitjax.models.vision import VisionConfig
 from knitjax.train import prefix
@@ -74,6 +76,15 @@ def random_minibatch(seed=0, rows=ROWS):
   packed = random_rows(rng, rows)
   adv = rng.normal(size=rows).astype(np.float32)
   return make_batch(packed, adv, prompt_len=P_LEN, max_new_tokens=N_NEW, pad_id=0)
+
+
+def lora_model(mesh, rank=4, alpha=8.0):
+  """TINY with LoRA adapters of ``rank`` on ``mesh``: ``(graphdef, adapters, base)``, the
+  adapters shifted by 0.05 so that B != 0 (they change the model, as trained ones do)."""
+  config = dataclasses.replace(TINY, lora_rank=rank, lora_alpha=alpha)
+  graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
+  adapters, base = lora.split(params)
+  return graphdef, jax.tree.map(lambda x: x + 0.05, adapters), base
 
 
 def groups_batch(seed=0, groups=3, g=4, *, p_len=6, n_new=5, fallback=True):

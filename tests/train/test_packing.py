@@ -2,8 +2,6 @@
 packed train step against the padded one (loss, metrics and updated params) for every
 aggregation of the loss menu."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitjax import sharding
-from knitjax.models import attention, lora
+from knitjax.models import attention
 from knitjax.models.attention import SequenceMask
 from knitjax.models.transformer import Transformer
 from knitjax.train import losses, packing
@@ -264,10 +262,7 @@ def test_packed_step_equals_padded_step(mode):
 def test_packed_lora_step_equals_padded_step():
   """With LoRA (adapters trained, the base frozen and the reference) the packed update too."""
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  config = dataclasses.replace(TINY, lora_rank=4, lora_alpha=8.0)
-  graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
-  adapters, base = lora.split(params)
-  adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # B != 0: the adapters matter
+  graphdef, adapters, base = tiny.lora_model(mesh)  # B != 0: the adapters matter
   batch = _minibatch(seed=7)
   hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05, **MODES["seq_mean_token_mean"]))
   out = []

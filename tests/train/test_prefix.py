@@ -13,7 +13,6 @@ import pytest
 from flax import nnx
 
 from knitjax import sharding
-from knitjax.models import lora
 from knitjax.models.transformer import Transformer
 from knitjax.train import losses, prefix
 from knitjax.train.batch import make_batch, pad_rows
@@ -139,10 +138,7 @@ def test_step_equals_padded_step(k, devices, mode):
 def test_lora_step_equals_padded_step():
   """LoRA (adapters trained, the base frozen and the reference): the same update."""
   mesh = tiny.one_device_mesh()
-  config = dataclasses.replace(TINY, lora_rank=4, lora_alpha=8.0)
-  graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
-  adapters, base = lora.split(params)
-  adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # B != 0: the adapters matter
+  graphdef, adapters, base = tiny.lora_model(mesh)  # B != 0: the adapters matter
   batch = _batch(seed=5)
   hp = StepHParams(loss=losses.LossConfig(kl_coef=0.05), max_new_tokens=N)
   p0, m0 = tiny.lora_step(mesh, graphdef, adapters, base, batch, hp, micro_batches=1)

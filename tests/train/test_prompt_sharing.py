@@ -12,8 +12,6 @@ import pytest
 from flax import nnx
 
 from knitjax import sharding
-from knitjax.models import lora
-from knitjax.models.transformer import Transformer
 from knitjax.train import losses, prompt_sharing
 from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.step import (
@@ -191,10 +189,7 @@ def test_step_equals_padded_step(mode, pack, devices):
 def test_lora_step_equals_padded_step():
   """LoRA (adapters trained, the frozen base the reference): the shared update is the padded one."""
   mesh = tiny.one_device_mesh()
-  config = dataclasses.replace(TINY, lora_rank=4, lora_alpha=8.0)
-  graphdef, params = sharding.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(0)), mesh)
-  adapters, base = lora.split(params)
-  adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # B != 0: the adapters matter
+  graphdef, adapters, base = tiny.lora_model(mesh)  # B != 0: the adapters matter
   batch = _groups_batch(seed=5)
   out = []
   for b, shared in ((batch, False), (_share(batch), True)):
