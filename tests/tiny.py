@@ -211,6 +211,29 @@ def assert_trees_close(actual, desired, *, rtol, atol):
     np.testing.assert_allclose(a, d, rtol=rtol, atol=atol)
 
 
+def vlm_grads(mesh, graphdef, params, hp, batch, micro_batches, *, ref=None, **layout):
+  """``(loss, metric sums, gradient, encoder counts)`` of `mm_step.mm_value_and_grad` on a host
+  ``batch`` split into ``micro_batches``, jitted on ``mesh`` (``layout``: `batch_shardings`'
+  flags)."""
+  from knitjax.train import mm_step
+
+  fn = jax.jit(functools.partial(mm_step.mm_value_and_grad, graphdef=graphdef, hparams=hp))
+  host = mm_step.prepare_batch(batch, micro_batches)
+  dev = jax.device_put(host, mm_step.batch_shardings(mesh, **layout))
+  with jax.set_mesh(mesh):
+    return jax.device_get(fn(params, dev, ref_params=ref))
+
+
+def assert_vlm_grads_equal(actual, desired):
+  """Loss and metric sums (rtol 1e-5) and every gradient entry (rtol 1e-4, atol 1e-6) of two
+  `vlm_grads` results equal."""
+  (l1, s1, g1, _), (l0, s0, g0, _) = actual, desired
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  for key in s0:
+    np.testing.assert_allclose(s1[key], s0[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  assert_trees_close(g1, g0, rtol=1e-4, atol=1e-6)
+
+
 def set_fields(c, **fields) -> None:
   """Sets each field in the one run or training section that has it (``loop``, ``topology``,
   ``sync``, ``pipeline``, ``optimizer``, ``loss``, ``critic``, ``layout``, ``vlm``), so a test

@@ -217,7 +217,6 @@ def test_vlm_step_equals_padded_step():
   its group's rows shuffled over 4 micro-batches; loss, metric sums and the vision, projector
   and decoder gradients equal the padded layout's, one encoder forward and backward."""
   from knitjax.models.vlm import VLM  # noqa: PLC0415
-  from knitjax.train import mm_step  # noqa: PLC0415
   from tests.tiny import TINY_VISION  # noqa: PLC0415
   from tests.train.test_prompt_sharing import _vlm_batch  # noqa: PLC0415
 
@@ -232,19 +231,10 @@ def test_vlm_step_equals_padded_step():
   assert info["share_prompts"] == 4 and info["share_token_ratio"] > 1.5
   assert max(_spans(layout["prefix_index"], 4).values()) == 3  # a group in 3 micro-batches
   hp = StepHParams(loss=losses.LossConfig(entropy_coef=0.01, kl_coef=0.05), max_new_tokens=N)
-  out = []
-  for b, k, prefixed in ((batch, 1, False), (layout, 4, True)):
-    dev = jax.device_put(
-      mm_step.prepare_batch(b, k), mm_step.batch_shardings(mesh, prefixed=prefixed)
-    )
-    fn = jax.jit(functools.partial(mm_step.mm_value_and_grad, graphdef=graphdef, hparams=hp))
-    with jax.set_mesh(mesh):
-      out.append(jax.device_get(fn(params, dev, ref_params=ref)))
-  (l0, s0, g0, c0), (l1, s1, g1, c1) = out
-  np.testing.assert_allclose(l1, l0, rtol=1e-5)
-  for key in s0:
-    np.testing.assert_allclose(s1[key], s0[key], rtol=1e-5, atol=1e-6, err_msg=key)
-  tiny.assert_trees_close(g1, g0, rtol=1e-4, atol=1e-6)
+  padded = tiny.vlm_grads(mesh, graphdef, params, hp, batch, 1, ref=ref)
+  prefixed = tiny.vlm_grads(mesh, graphdef, params, hp, layout, 4, ref=ref, prefixed=True)
+  tiny.assert_vlm_grads_equal(prefixed, padded)
+  (_, _, g1, c1), c0 = prefixed, padded[3]
   assert float(np.abs(g1["vision"]["patch_embed"]["kernel"]).max()) > 0
   assert {k: int(v) for k, v in c1.items()} == {k: int(v) for k, v in c0.items()}
   assert int(c1["encoder_backward_passes"]) == 1

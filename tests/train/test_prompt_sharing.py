@@ -4,7 +4,6 @@ each assertion: rtol 1e-5 on log-probs, loss and metrics, rtol 1e-4 / atol 1e-6 
 entry, the packing tests' summation-order tolerances)."""
 
 import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -260,7 +259,6 @@ def test_vlm_step_equals_padded_step():
   backbone) of the shared layout equal the padded layout's (rtol 1e-5 on the loss and sums, 1e-4
   / atol 1e-6 on each gradient entry); each image's tokens pass the backbone once per group."""
   from knitjax.models.vlm import VLM  # noqa: PLC0415
-  from knitjax.train import mm_step  # noqa: PLC0415
   from tests.tiny import TINY_VISION  # noqa: PLC0415
 
   mesh = tiny.one_device_mesh()
@@ -279,14 +277,7 @@ def test_vlm_step_equals_padded_step():
       loss=losses.LossConfig(entropy_coef=0.01, kl_coef=0.05), max_new_tokens=N,
       shared_spans=(prompt_len, N) if is_shared else None,
     )  # fmt: skip
-    host = mm_step.prepare_batch(b, 2)
-    dev = jax.device_put(host, mm_step.batch_shardings(mesh, shared=is_shared))
-    fn = jax.jit(functools.partial(mm_step.mm_value_and_grad, graphdef=graphdef, hparams=hp))
-    with jax.set_mesh(mesh):
-      out.append(jax.device_get(fn(params, dev, ref_params=ref)))
-  (l0, s0, g0, c0), (l1, s1, g1, c1) = out
-  np.testing.assert_allclose(l1, l0, rtol=1e-5)
-  for key in s0:
-    np.testing.assert_allclose(s1[key], s0[key], rtol=1e-5, atol=1e-6, err_msg=key)
-  tiny.assert_trees_close(g1, g0, rtol=1e-4, atol=1e-6)
+    out.append(tiny.vlm_grads(mesh, graphdef, params, hp, b, 2, ref=ref, shared=is_shared))
+  tiny.assert_vlm_grads_equal(out[1], out[0])
+  c0, c1 = out[0][3], out[1][3]
   assert int(c1["encoder_images_encoded"]) == int(c0["encoder_images_encoded"])
