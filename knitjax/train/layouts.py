@@ -20,7 +20,7 @@ The train step itself reads ``packed``, ``shared`` and ``prefixed`` (which field
 scoring it compiles).
 
 Adding a layout is one class here that implements :class:`Layout`, and one line in
-`knitjax.runtime.builder.build_layout` where the config chooses it.
+`knitjax.runtime.layout_choice.build_layout` where the config chooses it.
 """
 
 from __future__ import annotations

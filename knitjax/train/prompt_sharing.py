@@ -71,7 +71,7 @@ from knitjax.train.packing import first_fit_decreasing, sequence_count
 
 # config.layout.prompt_sharing: "group" is this module's layout; "prefix" each prompt once per
 # mini-batch, its rows in any micro-batches (knitjax.train.prefix); "auto" the measured rule
-# (`knitjax.runtime.builder.prompt_sharing_mode`).
+# (`knitjax.runtime.layout_choice.prompt_sharing_mode`).
 PROMPT_SHARING_MODES = ("auto", "off", "group", "prefix")
 
 

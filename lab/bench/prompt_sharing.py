@@ -121,7 +121,7 @@ class _Layout:
     hparams = StepHParams(
       loss=losses.LossConfig(kl_coef=config.kl_coef),
       max_new_tokens=response_len,
-      # Fixed spans attend span by span, as the runtime's step does (builder.shared_spans).
+      # Fixed spans attend span by span, as the runtime's step does (layout_choice.shared_spans).
       shared_spans=(prompt_len, response_len) if shared else None,
     )
     step = compile_train_step(

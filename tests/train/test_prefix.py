@@ -200,7 +200,7 @@ def test_a_config_chooses_the_layout():
   with a prompt slot per group of a mini-batch; packing or a VLM is refused in one sentence."""
   from configs import arith_tiny  # noqa: PLC0415
   from knitjax.config import from_config_dict  # noqa: PLC0415
-  from knitjax.runtime.builder import build_layout  # noqa: PLC0415
+  from knitjax.runtime.layout_choice import build_layout  # noqa: PLC0415
   from knitjax.train import layouts  # noqa: PLC0415
 
   c = arith_tiny.get_config("prefix,quick")
