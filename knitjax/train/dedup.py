@@ -10,7 +10,8 @@ every micro-batch: R encoder forwards and K encoder backwards (one per micro-bat
    whose backward scatter-adds each row's cotangent into its unique row (rows without an image,
    index -1, get zeros and send nothing back).
 3. The backbone's gradient w.r.t. the unique features is accumulated (float32) across all K
-   micro-batches of the mini-batch, next to the backbone's own gradient.
+   micro-batches of the mini-batch, next to the backbone's own gradient (the scan every train
+   step shares, `knitjax.train.accumulation`).
 4. One encoder backward, with the accumulated cotangent, gives the encoder's gradient.
 
 Because the encoder's backward is linear in its cotangent, step 4 returns exactly the sum of the
@@ -40,6 +41,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from knitjax.train import accumulation
 
 PyTree = Any
 
@@ -189,10 +192,6 @@ def encode_once(
   return feats_u, counts, backward
 
 
-def _zeros_of(tree):
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
-
-
 def dedup_value_and_grad(
   encode_fn: Callable[[PyTree, jax.Array], jax.Array],
   backbone_loss: Callable[[PyTree, jax.Array, dict], tuple[jax.Array, dict]],
@@ -220,25 +219,9 @@ def dedup_value_and_grad(
     micro-batches; counts (COUNT_KEYS) of the encoder forward and backward that ran here.
   """
   feats_u, fwd_counts, backward = encode_once(encode_fn, enc_params, images_u, remat=remat)
-  grad_fn = jax.value_and_grad(backbone_loss, argnums=(0, 1), has_aux=True)
-
-  def body(carry, mb):
-    g_backbone, ct_feats, loss_acc, sums_acc = carry
-    (loss, sums), (g_b, g_f) = grad_fn(backbone_params, feats_u, mb)
-    g_backbone = jax.tree.map(jnp.add, g_backbone, g_b)
-    # Accumulate in float32 even when the features are bfloat16.
-    ct_feats = ct_feats + g_f.astype(jnp.float32)
-    sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
-    return (g_backbone, ct_feats, loss_acc + loss, sums_acc), None
-
-  first = jax.tree.map(lambda x: x[0], micro_batches)
-  sums0 = _zeros_of(jax.eval_shape(lambda: backbone_loss(backbone_params, feats_u, first)[1]))
-  carry0 = (
-    jax.tree.map(jnp.zeros_like, backbone_params),
-    jnp.zeros(feats_u.shape, jnp.float32),
-    jnp.zeros((), jnp.float32),
-    sums0,
+  # The features' cotangent accumulates in float32 even when they are bfloat16.
+  loss, sums, g_backbone, ct_feats = accumulation.value_and_grad(
+    backbone_loss, backbone_params, feats_u, micro_batches
   )
-  (g_backbone, ct_feats, loss, sums), _ = jax.lax.scan(body, carry0, micro_batches)
   g_enc, bwd_counts = backward(ct_feats)
   return loss, sums, g_enc, g_backbone, add_counts(fwd_counts, bwd_counts)

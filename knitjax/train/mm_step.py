@@ -37,7 +37,6 @@ import math
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -45,8 +44,7 @@ from jax.sharding import NamedSharding
 
 from knitjax import sharding
 from knitjax.models.vlm import split_params
-from knitjax.train import logprobs as logprobs_lib
-from knitjax.train import losses, prefix
+from knitjax.train import accumulation, prefix
 from knitjax.train.dedup import (
   add_counts,
   apply_encoder,
@@ -62,9 +60,11 @@ from knitjax.train.step import (
   SHARED_FIELDS,
   StepHParams,
   TrainState,
+  apply_gradients,
   jit_step,
-  scored_states,
-  sequence_mask,
+  model_loss,
+  normalizer,
+  step_forward,
 )
 
 MM_ROW_FIELDS = (*MICRO_BATCH_FIELDS, "image_index")
@@ -81,41 +81,17 @@ def _row_fields(batch) -> tuple[str, ...]:
   return MM_SHARED_FIELDS if "score_index" in batch else MM_ROW_FIELDS
 
 
-def _logprobs(model, mb, image_rows_bpd, hparams: StepHParams, entropy: str):
-  """Log-probs and entropies of the targets (`knitjax.train.logprobs`, as the text step; shared
-  prompts: the tree mask and the scoring gather of `knitjax.train.step.forward`)."""
-  hidden = model.hidden_states(
-    mb["tokens"], mb["positions"], mb["valid"], image_rows_bpd=image_rows_bpd,
-    mask=sequence_mask(mb, hparams.shared_spans),
-  )  # fmt: skip
-  hidden, _ = scored_states(hidden, None, mb.get("score_index"))
-  table, table_axes = model.unembedding()
-  return logprobs_lib.token_logprobs_and_entropy(
-    hidden, table, mb["targets"], table_axes=table_axes, temperature=hparams.temperature,
-    chunk=hparams.logprob_chunk, entropy=entropy,
-  )  # fmt: skip
-
-
 def _policy_loss(
   model, feats, mb, norm, hparams: StepHParams, ref_model=None, ref_feats=None, ref_mb=None
 ):
-  """``ref_mb``: the reference's view of ``mb`` (its own prompt keys and values); None: ``mb``."""
-  logp, entropy = _logprobs(model, mb, feats, hparams, hparams.entropy_mode)
-  ref_logp = None
+  """The step's loss (`knitjax.train.step.model_loss`) of a micro-batch whose image tokens read
+  ``feats``, against the reference's log-probs when ``ref_model`` is given (``ref_mb``: the
+  reference's view of ``mb``, its own prompt keys and values; None: ``mb``)."""
   if ref_model is not None:
     ref_in = mb if ref_mb is None else ref_mb
-    ref_logp = jax.lax.stop_gradient(_logprobs(ref_model, ref_in, ref_feats, hparams, "none")[0])
-  return losses.policy_loss(
-    logp,
-    mb["behavior_logp"],
-    mb["advantages"],
-    mb["loss_mask"],
-    config=hparams.loss,
-    norm=norm,
-    ref_logp_bt=ref_logp,
-    entropy_bt=entropy,
-    segment_ids_bt=mb.get("segment_ids"),
-  )
+    ref_logp = step_forward(ref_model, ref_in, hparams, entropy="none", images=ref_feats)[0]
+    mb = {**mb, "ref_logp": jax.lax.stop_gradient(ref_logp)}
+  return model_loss(model, mb, norm, hparams, images=feats)
 
 
 def _row_images(images, micro_batches: int):
@@ -160,28 +136,12 @@ def _naive(params, rows, images, norm, *, graphdef, hparams, ref_params):
     loss, sums = _policy_loss(model, feats, mb, norm, hparams, ref_model, ref_feats)
     return loss, (sums, add_counts(counts, enc_counts))
 
-  # d loss / d probe: the counts of the encoder backwards that ran (see dedup.apply_encoder).
-  grad_fn = jax.value_and_grad(mb_loss, argnums=(0, 1), has_aux=True)
-
-  def body(carry, mb):
-    grads_acc, loss_acc, sums_acc, counts_acc = carry
-    (loss, (sums, fwd_counts)), (grads, bwd_counts) = grad_fn(params, zero_counts(), mb)
-    grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
-    sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
-    counts_acc = add_counts(counts_acc, add_counts(fwd_counts, bwd_counts))
-    return (grads_acc, loss_acc + loss, sums_acc, counts_acc), None
-
+  # The probe's cotangent: the counts of the encoder backwards that ran (dedup.apply_encoder).
   rows = {**rows, "images": _row_images(images, k)}
-  first = jax.tree.map(lambda x: x[0], rows)
-  sums_shape = jax.eval_shape(lambda: mb_loss(params, zero_counts(), first)[1][0])
-  carry0 = (
-    jax.tree.map(jnp.zeros_like, params),
-    jnp.zeros((), jnp.float32),
-    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
-    zero_counts(),
+  loss, (sums, fwd_counts), grads, bwd_counts = accumulation.value_and_grad(
+    mb_loss, params, zero_counts(), rows
   )
-  (grads, loss, sums, counts), _ = jax.lax.scan(body, carry0, rows)
-  return loss, sums, grads, counts
+  return loss, sums, grads, add_counts(fwd_counts, bwd_counts)
 
 
 def _dedup(params, rows, images_u, norm, *, graphdef, hparams, ref_params, remat):
@@ -272,11 +232,7 @@ def mm_value_and_grad(
   Returns:
     ``(loss, metric sums, grads, counts)``, summed over the micro-batches.
   """
-  norm = losses.Normalizer.from_mask(
-    batch["loss_mask"],
-    max_len=float(hparams.max_new_tokens),
-    segment_ids_bt=batch.get("segment_ids"),
-  )
+  norm = normalizer(batch, hparams)
   rows = {k: batch[k] for k in _row_fields(batch)}
   if ref_params is not None and hparams.loss.kl_coef <= 0:
     ref_params = None
@@ -320,16 +276,7 @@ def mm_train_step(
     remat_encoder=remat_encoder,
     ref_params=ref_params,
   )
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  metrics = {
-    "loss": loss,
-    "grad_norm": optax.tree.norm(grads),
-    "param_norm": optax.tree.norm(params),  # see knitjax.train.step.train_step
-    **counts,
-    **sums,
-  }
-  return TrainState(params=params, opt_state=opt_state), metrics
+  return apply_gradients(state, optimizer, loss, grads, {**counts, **sums})
 
 
 def batch_shardings(

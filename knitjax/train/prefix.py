@@ -20,7 +20,8 @@ rows and takes only the prompt out of them, as :mod:`knitjax.train.dedup` takes 
    are the padded row's own columns, so the first response token is scored inside the row (from
    the prompt's last token) and no scoring moves.
 3. **Cotangent accumulated.** The loss's cotangent w.r.t. the prefix keys and values is summed in
-   float32 over all K micro-batches (:func:`accumulate`), next to the parameters' gradient.
+   float32 over all K micro-batches, next to the parameters' gradient
+   (`knitjax.train.accumulation`).
 4. **One prompt backward.** The sum goes back through the prompt forward once (the one
    ``vjp`` call), and its parameter gradient is added to the micro-batches'.
 
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from knitjax.train import accumulation
 from knitjax.train import batch as batch_lib
 
 # The mini-batch's prompts, [U, P - 1] each: laid out once, not split into micro-batches.
@@ -253,11 +255,6 @@ def attach(
   }
 
 
-def accumulate(total: PyTree, ct: PyTree) -> PyTree:
-  """The prompts' cotangent summed over micro-batches, in float32 (bfloat16 K/V included)."""
-  return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, ct)
-
-
 def value_and_grad(
   prompt_fn: Callable[[PyTree], dict],
   loss_fn: Callable[[PyTree, dict, dict], tuple[jax.Array, dict]],
@@ -274,27 +271,10 @@ def value_and_grad(
     micro_batches: ``[K, ...]`` row fields, scanned over the leading axis.
 
   Returns:
-    ``(loss, metric sums, gradient)``: summed over the K micro-batches, the gradient through the
-    prompts' one backward included.
+    ``(loss, metric sums, gradient)``: summed over the K micro-batches
+    (`knitjax.train.accumulation`), the gradient through the prompts' one backward included.
   """
   kv_u, backward = jax.vjp(prompt_fn, params)
-  grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-
-  def body(carry, mb):
-    grads, ct, loss_acc, sums_acc = carry
-    (loss, sums), (g, g_kv) = grad_fn(params, kv_u, mb)
-    grads = jax.tree.map(jnp.add, grads, g)
-    sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
-    return (grads, accumulate(ct, g_kv), loss_acc + loss, sums_acc), None
-
-  first = jax.tree.map(lambda x: x[0], micro_batches)
-  sums_shape = jax.eval_shape(lambda: loss_fn(params, kv_u, first)[1])
-  carry0 = (
-    jax.tree.map(jnp.zeros_like, params),
-    jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), kv_u),
-    jnp.zeros((), jnp.float32),
-    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
-  )
-  (grads, ct, loss, sums), _ = jax.lax.scan(body, carry0, micro_batches)
+  loss, sums, grads, ct = accumulation.value_and_grad(loss_fn, params, kv_u, micro_batches)
   (g_prompts,) = backward(jax.tree.map(lambda c, x: c.astype(x.dtype), ct, kv_u))
   return loss, sums, jax.tree.map(jnp.add, grads, g_prompts)

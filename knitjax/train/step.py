@@ -52,9 +52,9 @@ from jax.sharding import NamedSharding
 from knitjax import sharding
 from knitjax.models import lora
 from knitjax.models.attention import SequenceMask
+from knitjax.train import accumulation, losses, prefix, step_advantages, value_loss
 from knitjax.train import kl as kl_lib
 from knitjax.train import logprobs as logprobs_lib
-from knitjax.train import losses, prefix, step_advantages, value_loss
 from knitjax.train.step_advantages import AdvantageConfig
 
 MICRO_BATCH_FIELDS = (
@@ -126,36 +126,39 @@ def sequence_logprobs(
   """Per-token log-probs and entropies (no gradient) of the targets, at the sampling
   temperature (``spans``: see :func:`forward`)."""
   logp, entropy, _ = forward(
-    graphdef, params, mb, temperature, values=False, chunk=chunk, entropy="metric", spans=spans
+    nnx.merge(graphdef, params), mb, temperature=temperature, chunk=chunk, spans=spans
   )
   return logp, entropy
 
 
 def forward(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
+  model: nnx.Module,
   mb: dict[str, jax.Array],
-  temperature: float,
   *,
-  values: bool,
+  temperature: float,
   chunk: int = logprobs_lib.DEFAULT_CHUNK,
-  entropy: str = "metric",
   spans: tuple[int, int] | None = None,
+  values: bool = False,
+  entropy: str = "metric",
+  images: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-  """Log-probs and entropies of the targets (at the sampling temperature), and with ``values``
-  the critic's values ``[B, T]`` from the same forward pass (else None).
+  """Log-probs and entropies of a micro-batch's targets under ``model`` (at the sampling
+  temperature), and with ``values`` the critic's values ``[B, T]`` from the same forward pass
+  (else None): the forward of every train step, text and VLM.
 
-  ``chunk`` positions at a time (:mod:`knitjax.train.logprobs`; 0: whole logits); ``entropy``:
-  ``"none"`` (None is returned), ``"metric"`` (no gradient) or ``"loss"``; ``spans``: the
-  batch holds fixed-span shared-prompt rows of this ``(P, N)`` (``StepHParams.shared_spans``).
+  ``chunk`` positions at a time (:mod:`knitjax.train.logprobs`; 0: whole logits); ``spans``: the
+  batch holds fixed-span shared-prompt rows of this ``(P, N)`` (``StepHParams.shared_spans``);
+  ``entropy``: ``"none"`` (None is returned), ``"metric"`` (no gradient) or ``"loss"``;
+  ``images``: a VLM's image rows ``[B, P, D]`` for its rows' image tokens.
   """
-  model = nnx.merge(graphdef, params)
   inputs = (mb["tokens"], mb["positions"], mb["valid"])
-  mask = sequence_mask(mb, spans)
+  kwargs = {"mask": sequence_mask(mb, spans)}
+  if images is not None:
+    kwargs["image_rows_bpd"] = images
   if values:
-    hidden, values_bt = model.hidden_states_and_values(*inputs, mask=mask)
+    hidden, values_bt = model.hidden_states_and_values(*inputs, **kwargs)
   else:
-    hidden, values_bt = model.hidden_states(*inputs, mask=mask), None
+    hidden, values_bt = model.hidden_states(*inputs, **kwargs), None
   hidden, values_bt = scored_states(hidden, values_bt, mb.get("score_index"))
   table, table_axes = model.unembedding()
   if spans is not None and chunk:
@@ -167,6 +170,14 @@ def forward(
     entropy=entropy,
   )  # fmt: skip
   return logp, ent, values_bt
+
+
+def step_forward(model, mb, hparams: StepHParams, **kwargs):
+  """:func:`forward` at the step's temperature, log-prob chunk and spans."""
+  return forward(
+    model, mb, temperature=hparams.temperature, chunk=hparams.logprob_chunk,
+    spans=hparams.shared_spans, **kwargs,
+  )  # fmt: skip
 
 
 def sequence_mask(mb: dict[str, jax.Array], spans: tuple[int, int] | None) -> SequenceMask:
@@ -209,11 +220,24 @@ def micro_batch_loss(
   ``frozen``: the LoRA base; ``params`` are then the adapters (the only differentiated input).
   """
   policy = params if frozen is None else lora.combine(frozen, params)
+  return model_loss(nnx.merge(graphdef, policy), mb, norm, hparams)
+
+
+def model_loss(
+  model: nnx.Module,
+  mb: dict[str, jax.Array],
+  norm: losses.Normalizer,
+  hparams: StepHParams,
+  *,
+  images: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """A micro-batch's loss under ``model`` and its metric sums: the policy loss (against
+  ``mb["ref_logp"]`` when it holds the reference's log-probs) and, with a critic, the clipped
+  value loss; every train step's loss, text and VLM (``images``: see :func:`forward`)."""
   critic = hparams.advantage.critic
-  logp, entropy, values = forward(
-    graphdef, policy, mb, hparams.temperature, values=critic, chunk=hparams.logprob_chunk,
-    entropy=hparams.entropy_mode, spans=hparams.shared_spans,
-  )  # fmt: skip
+  logp, entropy, values = step_forward(
+    model, mb, hparams, values=critic, entropy=hparams.entropy_mode, images=images
+  )
   loss, sums = losses.policy_loss(
     logp,
     mb["behavior_logp"],
@@ -247,6 +271,40 @@ def micro_batch_loss(
   return loss, sums
 
 
+def normalizer(batch: dict[str, jax.Array], hparams: StepHParams) -> losses.Normalizer:
+  """The mini-batch's token and sequence counts that every micro-batch's loss divides by."""
+  return losses.Normalizer.from_mask(
+    batch["loss_mask"],
+    max_len=float(hparams.max_new_tokens),
+    segment_ids_bt=batch.get("segment_ids"),
+  )
+
+
+def apply_gradients(
+  state: TrainState,
+  optimizer: optax.GradientTransformation,
+  loss: jax.Array,
+  grads: nnx.State,
+  sums: dict[str, jax.Array],
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """The optimizer update of a mini-batch's summed gradient, and the step's metrics (every
+  train step's tail, text and VLM).
+
+  Metric sums are finalised on the host (:func:`host_metrics`) after ``device_get``.
+  ``param_norm``: the updated params' L2 norm; each process reads it from its own replica, so
+  multi-host runs can check that the hosts' copies agree.
+  """
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {
+    "loss": loss,
+    "grad_norm": optax.tree.norm(grads),
+    "param_norm": optax.tree.norm(params),
+    **sums,
+  }
+  return TrainState(params=params, opt_state=opt_state), metrics
+
+
 def recompute_advantages(
   batch: dict[str, jax.Array],
   params: nnx.State,
@@ -267,13 +325,10 @@ def recompute_advantages(
     raise ValueError("kl_penalty='reward' needs the reference policy's params (ref_params).")
   critic = hparams.advantage.critic
   attach = _prompts_of(graphdef, params, prompts)
+  model = nnx.merge(graphdef, params)
   logp, _, values = jax.lax.map(
-    lambda mb: forward(
-      graphdef, params, attach(mb), hparams.temperature, values=critic,
-      chunk=hparams.logprob_chunk, entropy="none", spans=hparams.shared_spans,
-    ),
-    batch,
-  )  # fmt: skip
+    lambda mb: step_forward(model, attach(mb), hparams, values=critic, entropy="none"), batch
+  )
   logp, values = jax.lax.stop_gradient((logp, values))
   kl = None
   if reward_kl:
@@ -293,24 +348,6 @@ def _prompts_of(graphdef, params, prompts):
     return lambda mb: mb
   kv_u = jax.lax.stop_gradient(prefix.prompt_kv(graphdef, params, prompts))
   return lambda mb: prefix.attach(mb, kv_u, prompts)
-
-
-def _scan_grads(grad_fn, params, batch, norm):
-  """Gradient, loss and metric sums of the K micro-batches, accumulated by a scan."""
-
-  def body(carry, mb):
-    grads_acc, loss_acc, sums_acc = carry
-    (loss, sums), grads = grad_fn(params, mb, norm)
-    grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
-    sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
-    return (grads_acc, loss_acc + loss, sums_acc), None
-
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  first = jax.tree.map(lambda x: x[0], batch)
-  sums_shape = jax.eval_shape(lambda: grad_fn(params, first, norm)[0][1])
-  sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
-  (grads, loss, sums), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), sums0), batch)
-  return grads, loss, sums
 
 
 def train_step(
@@ -339,28 +376,16 @@ def train_step(
     The new state and a dict of scalar metrics.
   """
   batch, prompts = prefix.split(batch)  # prompts once per mini-batch: knitjax.train.prefix
-  norm = losses.Normalizer.from_mask(
-    batch["loss_mask"],
-    max_len=float(hparams.max_new_tokens),
-    segment_ids_bt=batch.get("segment_ids"),
-  )
-  grad_fn = jax.value_and_grad(
-    functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams, frozen=frozen),
-    has_aux=True,
-  )
-
+  norm = normalizer(batch, hparams)
   if frozen is not None:
     ref_params = lora.combine(frozen, lora.disabled(state.params))
   if ref_params is not None and hparams.loss.kl_coef > 0:
     # Reference log-probs of every micro-batch, before (and outside) the gradient scan.
     attach = _prompts_of(graphdef, ref_params, prompts)
+    ref_model = nnx.merge(graphdef, ref_params)
     ref_logp = jax.lax.map(
-      lambda mb: forward(
-        graphdef, ref_params, attach(mb), hparams.temperature, values=False,
-        chunk=hparams.logprob_chunk, entropy="none", spans=hparams.shared_spans,
-      )[0],
-      batch,
-    )  # fmt: skip
+      lambda mb: step_forward(ref_model, attach(mb), hparams, entropy="none")[0], batch
+    )
     batch = {**batch, "ref_logp": jax.lax.stop_gradient(ref_logp)}
   adv_metrics = {}
   if hparams.advantages_in_step:
@@ -368,10 +393,12 @@ def train_step(
     batch, adv_metrics = recompute_advantages(
       batch, policy, graphdef=graphdef, hparams=hparams, prompts=prompts
     )
+  loss_fn = functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams, frozen=frozen)
   if prompts is None:
-    grads, loss, sums = _scan_grads(grad_fn, state.params, batch, norm)
+    loss, sums, grads, _ = accumulation.value_and_grad(
+      lambda p, _, mb: loss_fn(p, mb, norm), state.params, (), batch
+    )
   else:  # each prompt once, its rows in any micro-batches
-    loss_fn = functools.partial(micro_batch_loss, graphdef=graphdef, hparams=hparams, frozen=frozen)
     combine = (lambda p: p) if frozen is None else functools.partial(lora.combine, frozen)
     loss, sums, grads = prefix.value_and_grad(
       lambda p: prefix.prompt_kv(graphdef, combine(p), prompts),
@@ -379,20 +406,7 @@ def train_step(
       state.params,
       batch,
     )
-
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  # Metric sums are finalised on the host (losses.finalize_metrics) after device_get.
-  # param_norm: the updated params' L2 norm; each process reads it from its own replica, so
-  # multi-host runs can check that the hosts' copies agree.
-  metrics = {
-    "loss": loss,
-    "grad_norm": optax.tree.norm(grads),
-    "param_norm": optax.tree.norm(params),
-    **adv_metrics,
-    **sums,
-  }
-  return TrainState(params=params, opt_state=opt_state), metrics
+  return apply_gradients(state, optimizer, loss, grads, {**adv_metrics, **sums})
 
 
 def host_metrics(metrics: dict) -> dict[str, float]:

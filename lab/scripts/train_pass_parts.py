@@ -47,7 +47,7 @@ def main() -> None:
     return nnx.merge(graphdef, p).hidden_states(mb["tokens"], mb["positions"], mb["valid"])
 
   def logp(p):
-    return step.forward(graphdef, p, mb, 1.0, values=False, entropy="none")[0]
+    return step.forward(nnx.merge(graphdef, p), mb, temperature=1.0, entropy="none")[0]
 
   tokens = args.rows * args.seq_len
   n_all = flops.matmul_params(model)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from knitjax import sharding
 from knitjax.models.transformer import Transformer
-from knitjax.train import losses, prefix
+from knitjax.train import accumulation, losses, prefix
 from knitjax.train.batch import make_batch, pad_rows
 from knitjax.train.step import StepHParams
 from knitjax.train.step_advantages import AdvantageConfig
@@ -154,7 +154,7 @@ def test_lora_step_equals_padded_step():
 def test_the_prompts_cotangent_must_be_accumulated(monkeypatch):
   """The mutation the exactness tests catch: keeping only the last micro-batch's cotangent for
   the prompts (not their sum) changes the gradient; loss and metrics stay the same."""
-  monkeypatch.setattr(prefix, "accumulate", lambda total, ct: jax.tree.map(
+  monkeypatch.setattr(accumulation, "accumulate", lambda total, ct: jax.tree.map(
     lambda a, b: b.astype(a.dtype), total, ct))  # fmt: skip
   layout = prefix.prefix_batch(_batch(), prompt_len=P, slots=SLOTS)
   g1, m1 = _step(1, layout, 2, "grpo", prefixed=True)

@@ -123,7 +123,7 @@ def test_logprobs_equal_the_padded_rows(spans):
   shared = _share(batch)
   graphdef, params = tiny.init()
   run = jax.jit(
-    lambda p, mb, spans: forward(graphdef, p, mb, 1.0, values=False, chunk=4, spans=spans),
+    lambda p, mb, spans: forward(nnx.merge(graphdef, p), mb, temperature=1.0, chunk=4, spans=spans),
     static_argnums=2,
   )
   lp0, ent0, _ = run(params, dict(batch), None)
