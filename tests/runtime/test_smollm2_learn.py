@@ -13,15 +13,19 @@ from knitjax.tasks import gsm8k, word_problems
 @pytest.mark.parametrize("family", sorted(word_problems.FAMILIES))
 def test_generated_splits_share_no_question(family):
   train = word_problems.fixed_split("train", family)
-  heldout = word_problems.fixed_split("heldout", family)
-  assert len(train) == word_problems.TRAIN_SIZE and len(heldout) == word_problems.HELDOUT_SIZE
   train_q = {r["question"] for r in train}
-  assert len(train_q) == len(train) and not train_q & {r["question"] for r in heldout}
+  assert len(train) == len(train_q) == word_problems.TRAIN_SIZE
+  for split in word_problems.splits_of(family)[1:]:
+    heldout = word_problems.fixed_split(split, family)
+    assert len(heldout) == word_problems.HELDOUT_SIZE
+    assert not train_q & {r["question"] for r in heldout}
 
 
 def test_generated_paths_name_family_and_split():
   assert gsm8k.generated_path("generated:train") == ("mixed", "train")
   assert gsm8k.generated_path("generated:one_step:heldout") == ("one_step", "heldout")
+  path = "generated:one_step:heldout_phrasings"
+  assert gsm8k.generated_path(path) == ("one_step", "heldout_phrasings")
   for bad in ("generated:", "generated:one_step", "generated:hard:train", "generated:a:b:train"):
     with pytest.raises(ValueError, match=r"unknown generated data .* choose one of: generated:"):
       gsm8k.generated_path(bad)
