@@ -46,6 +46,7 @@ present.
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -162,6 +163,16 @@ def generated_path(path: str) -> tuple[str, str]:
     ]
     raise ValueError(f"unknown generated data {path!r}; choose one of: {', '.join(choices)}.")
   return family, split
+
+
+def set_name(path: str) -> str:
+  """The name of the held-out set at ``path`` in eval metric keys and file names: a generated
+  path's split (``heldout_phrasings``), else the file's name without its extension, lowercased,
+  each character other than a-z, 0-9 and _ made ``_``."""
+  if path.startswith(GENERATED):
+    return generated_path(path)[1]
+  stem = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+  return re.sub(r"[^a-z0-9_]", "_", stem.lower()) or "file"
 
 
 def _use_chat(tokenizer, chat: bool | None, system_prompt: str | None) -> bool:
