@@ -32,6 +32,8 @@ def test_generated_paths_name_family_and_split():
 
 
 def test_the_recipe_never_evaluates_on_what_it_trains_on(smollm2_folder):
+  """Both held-out sets (numbers and phrasings) are the recipe's, full size, none of their
+  prompts trained on."""
   from knitjax.runtime import builder
 
   config = from_config_dict(smollm2_learn.get_config())
@@ -40,8 +42,14 @@ def test_the_recipe_never_evaluates_on_what_it_trains_on(smollm2_folder):
   prompts = builder.build_prompts(config)
   source = prompts.sources["gsm8k"]
   train_texts = {p.text for p in source.next(source.num_examples)}
-  heldout = builder.build_eval_prompts(config, prompts)
-  assert len(heldout) == config.eval.prompts
-  assert len({p.text for p in heldout}) == len(heldout)
-  assert not {p.text for p in heldout} & train_texts
-  assert heldout[0].text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+  sets = builder.build_eval_sets(config, prompts)
+  assert list(sets) == ["", "heldout_phrasings"]
+  for heldout in sets.values():
+    assert len(heldout) == config.eval.prompts
+    assert len({p.text for p in heldout}) == len(heldout)
+    assert not {p.text for p in heldout} & train_texts
+    assert heldout[0].text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+  numbers = word_problems.fixed_split("heldout", "one_step")[: config.eval.prompts]
+  phrasings = word_problems.fixed_split("heldout_phrasings", "one_step")[: config.eval.prompts]
+  for heldout, records in ((sets[""], numbers), (sets["heldout_phrasings"], phrasings)):
+    assert all(r["question"] in p.text for p, r in zip(heldout, records, strict=True))
