@@ -2,9 +2,9 @@
 
 The same contract as `knitjax.tasks.word_problem_templates` (a template takes a `Draw` and returns
 ``(question, solution steps, integer answer)``), one step each. They are the ``one_step`` family
-of the generated data (`knitjax.tasks.word_problems`): SmolLM2-135M-Instruct answers about a
-fifth of them greedily, so GRPO has mixed groups from its first step (docs/smollm2.md measures
-the candidates this family was chosen from).
+of the generated data (`knitjax.tasks.word_problems`): SmolLM2-135M-Instruct answered about a
+fifth of the family's first 8 phrasings greedily, so GRPO has mixed groups from its first step
+(docs/smollm2.md measures the candidates this family was chosen from).
 
 The phrasings come in two disjoint sets, so that a test can tell learning the arithmetic from
 learning the sentences: `ONE_STEP` (36 phrasings, 9 per operation) is what training sees and
