@@ -3,10 +3,9 @@
 Restores the newest intact checkpoint of ``DIR``, runs the held-out evaluation of
 ``config.eval`` (greedy accuracy, and pass@k when ``config.eval.samples`` > 0; on each held-out
 set, ``config.eval.extra_paths`` included) and writes ``DIR/eval_checkpoint.json`` with the
-greedy answers. Training is not resumed or changed; a
-running run's workdir may be evaluated (no lock is taken). A workdir that is missing, a file, or
-holds no checkpoint is refused in one sentence (nothing is created), as is one that cannot be
-written, before anything is evaluated.
+greedy answers. Training is not resumed or changed; a running run's workdir may be evaluated (no
+lock is taken). A workdir that is missing, a file, or holds no checkpoint is refused in one
+sentence (nothing is created), as is one that cannot be written, before anything is evaluated.
 """
 
 import json

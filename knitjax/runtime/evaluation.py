@@ -9,10 +9,10 @@ least 1. Greedy accuracy comes with its 95% Wilson score interval (``eval_greedy
 go to ``eval.jsonl``, ``metrics.jsonl`` (keys ``eval_*``), TensorBoard and
 ``eval.png``; ``python -m knitjax.eval`` runs the same evaluation on a saved checkpoint.
 
-More held-out sets (``config.eval.extra_paths``, e.g. the same problems in phrasings training
-never saw beside the held-out numbers) are scored the same way, each under its name:
-``eval_<name>_greedy_accuracy`` and its interval, ``eval_<name>_prompts``, and so on; the greedy
-answers of set ``<name>`` go to ``eval_answers_<step>_<name>.json``.
+More held-out sets (``config.eval.extra_paths``: e.g. problems in phrasings that training never
+saw, beside the training phrasings with held-out numbers) are scored the same way, each under
+its name: ``eval_<name>_greedy_accuracy`` and its interval, ``eval_<name>_prompts``, and so on;
+the greedy answers of set ``<name>`` go to ``eval_answers_<step>_<name>.json``.
 """
 
 from __future__ import annotations
