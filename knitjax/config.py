@@ -129,11 +129,37 @@ class EvalConfig:
   path: str = setting(
     "", off="", meaning="the task's held-out split (generated:heldout for generated:train)"
   )
+  # More held-out sets, each evaluated as config.eval.path's is (config.eval.prompts of each) and
+  # reported as eval_<name>_* (<name>: a generated path's split, such as heldout_phrasings for
+  # generated:one_step:heldout_phrasings, or a file's name).
+  extra_paths: tuple[str, ...] = setting(
+    (), off=(), meaning="only the held-out set of config.eval.path"
+  )
   max_new_tokens: int = setting(0, off=0, meaning="config.rollout.max_new_tokens")
   batch_prompts: int = 16  # prompts per sampler call
 
   def __post_init__(self):
+    from knitjax.tasks import gsm8k
     from knitjax.tasks.rewards import REWARDS
+
+    names = {}
+    for i, path in enumerate(self.extra_paths):
+      where = f"config.eval.extra_paths[{i}]"
+      if not isinstance(path, str) or not path:
+        raise ValueError(
+          f"{where}={path!r} is not accepted; it must be a held-out data path (a file, or a "
+          "generated split such as 'generated:one_step:heldout_phrasings')."
+        )
+      try:
+        name = gsm8k.set_name(path)
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+      if name in names:
+        raise ValueError(
+          f"{where}={path!r} and config.eval.extra_paths[{names[name]}] would both be reported "
+          f"as eval_{name}_*; give each held-out set another file or split name."
+        )
+      names[name] = i
 
     positive("config.eval.every_steps", self.every_steps, allow_zero=True, at_most=MAX_STEPS)
     positive("config.eval.prompts", self.prompts, at_most=MAX_SAMPLES)
@@ -348,6 +374,7 @@ def from_config_dict(config: Mapping[str, Any]) -> Config:
     )
   model = _with_value_head(model, sections["loss"], vision)
   _check_class_budgets(sections)
+  _check_eval_sets(sections)
   _check_micro_batches(sections)
   _check_group_estimator(sections)
   return Config(
@@ -463,6 +490,18 @@ def _check_class_budgets(sections: dict) -> None:
     raise ValueError(
       f"config.rollout.class_max_new_tokens names {unknown}, which are not quota classes "
       f"{sorted(quotas)}."
+    )
+
+
+def _check_eval_sets(sections: dict) -> None:
+  """More held-out sets (config.eval.extra_paths) are data paths: for the tasks that read them."""
+  from knitjax.tasks.registry import FILE_TASKS
+
+  task, extra = sections["task"].name, sections["eval"].extra_paths
+  if extra and task not in FILE_TASKS:
+    raise ValueError(
+      f"config.eval.extra_paths={list(extra)} is not accepted with config.task.name={task!r}, "
+      f"which reads no files; held-out sets are read by: {', '.join(FILE_TASKS)} (leave it empty)."
     )
 
 

@@ -1,11 +1,11 @@
 """Evaluate a checkpoint alone: ``python -m knitjax.eval --config configs/<x>.py --workdir DIR``.
 
 Restores the newest intact checkpoint of ``DIR``, runs the held-out evaluation of
-``config.eval`` (greedy accuracy, and pass@k when ``config.eval.samples`` > 0) and writes
-``DIR/eval_checkpoint.json`` plus the greedy answers. Training is not resumed or changed; a
-running run's workdir may be evaluated (no lock is taken). A workdir that is missing, a file, or
-holds no checkpoint is refused in one sentence (nothing is created), as is one that cannot be
-written, before anything is evaluated.
+``config.eval`` (greedy accuracy, and pass@k when ``config.eval.samples`` > 0; on each held-out
+set, ``config.eval.extra_paths`` included) and writes ``DIR/eval_checkpoint.json`` with the
+greedy answers. Training is not resumed or changed; a running run's workdir may be evaluated (no
+lock is taken). A workdir that is missing, a file, or holds no checkpoint is refused in one
+sentence (nothing is created), as is one that cannot be written, before anything is evaluated.
 """
 
 import json
@@ -47,8 +47,10 @@ def evaluate(config, workdir: str) -> dict:
   learner.close()
   out = {"step": step, "checkpoint": restored is not None, **metrics}
   file = wd.path(workdir, "eval_checkpoint.json")
+  # The first held-out set's greedy answers under "answers", another set's under "answers_<name>".
+  named = {f"answers_{name}" if name else "answers": records for name, records in answers.items()}
   try:
-    file.write_text(json.dumps({**out, "answers": answers}, indent=1))
+    file.write_text(json.dumps({**out, **named}, indent=1))
   except OSError as e:  # checked writable above; a disk that filled up meanwhile
     print(json.dumps(out))  # the result is not lost
     raise wd.write_error(file, e) from None

@@ -137,16 +137,17 @@ def _heldout_path(config: Config) -> str:
   return ""
 
 
-def build_eval_prompts(config: Config, prompts: ClassStreams) -> list[Prompt]:
+def build_eval_prompts(config: Config, prompts: ClassStreams, *, path: str = "") -> list[Prompt]:
   """``config.eval.prompts`` held-out prompts, spread over the quota classes in order.
 
   A file-backed task needs a held-out file (``config.eval.path``) or a generated split; a
   generated task (arith, longtail, count_images) draws from a stream of another seed, the same
   distribution as training (its examples are not disjoint from the training stream's).
+  ``path``: another held-out set's (one of ``config.eval.extra_paths``) instead.
   """
   from knitjax.tasks.registry import FILE_TASKS
 
-  path = _heldout_path(config)
+  path = path or _heldout_path(config)
   if config.task.name in FILE_TASKS and not path:
     raise ValueError(
       f"config.eval needs held-out prompts for task {config.task.name!r}: set config.eval.path "
@@ -176,6 +177,20 @@ def build_eval_prompts(config: Config, prompts: ClassStreams) -> list[Prompt]:
       )
     out += source.next(min(n, source.num_examples) if path else n)
   return out
+
+
+def build_eval_sets(config: Config, prompts: ClassStreams) -> dict[str, list[Prompt]]:
+  """The held-out sets by name: ``""`` the prompts of `build_eval_prompts`, then one per path of
+  ``config.eval.extra_paths`` under its `gsm8k.set_name`."""
+  sets = {"": build_eval_prompts(config, prompts)}
+  for path in config.eval.extra_paths:
+    if path == _heldout_path(config):
+      raise ValueError(
+        f"config.eval.extra_paths names {path!r}, the held-out set evaluated anyway "
+        "(config.eval.path, or the task's held-out split); drop it from extra_paths."
+      )
+    sets[gsm8k.set_name(path)] = build_eval_prompts(config, prompts, path=path)
+  return sets
 
 
 # Generated tasks draw held-out prompts from a stream of this seed offset (training uses 1000*i).

@@ -23,7 +23,7 @@ from knitjax.rollout.multiturn import MultiTurnRollout, stop_ids
 from knitjax.rollout.sampler import Sampler, SamplingConfig
 from knitjax.rollout.streaming import StreamingRollout
 from knitjax.rollout.worker import BatchedRollout, RolloutWorker
-from knitjax.runtime.builder import build_eval_prompts
+from knitjax.runtime.builder import build_eval_sets
 from knitjax.runtime.evaluation import EvalLog, Evaluator, PeriodicEval
 from knitjax.tasks.registry import make_environment
 from knitjax.tasks.rewards import get_reward_fn
@@ -107,10 +107,10 @@ def eval_rng(config: Config) -> jax.Array:
 
 
 def build_evaluator(config: Config, graphdef, mesh, prompts: ClassStreams) -> Evaluator:
-  """Greedy accuracy and pass@k on ``config.eval``'s held-out prompts (`runtime.evaluation`)."""
+  """Greedy accuracy and pass@k on ``config.eval``'s held-out sets (`runtime.evaluation`)."""
   e = config.eval
-  heldout = build_eval_prompts(config, prompts)
-  prompt_len = max(prompts.prompt_len, *(len(p.tokens) for p in heldout))
+  sets = build_eval_sets(config, prompts)
+  prompt_len = max(prompts.prompt_len, *(len(p.tokens) for s in sets.values() for p in s))
   base = _sampling(config)
   if e.max_new_tokens:
     base = dataclasses.replace(base, max_new_tokens=e.max_new_tokens)
@@ -123,7 +123,8 @@ def build_evaluator(config: Config, graphdef, mesh, prompts: ClassStreams) -> Ev
   return Evaluator(
     greedy=greedy,
     sampled=sampled,
-    prompts=heldout,
+    prompts=sets.pop(""),
+    extra_sets=sets,
     reward_fn=get_reward_fn(reward),
     tokenizer=prompts.tokenizer,
     k=e.k,

@@ -15,6 +15,9 @@ Each example is ``{"question": str, "answer": str}`` where the answer ends in ``
   ``"generated:heldout"`` a policy trained on ``"generated:train"``. ``"generated:one_step:train"``
   / ``"generated:one_step:heldout"`` are the one-step family (one operation each), and
   ``"generated:mixed:<split>"`` is the default family spelled out.
+  ``"generated:one_step:heldout_phrasings"`` (512 problems) is written in templates that the
+  one-step ``train`` and ``heldout`` splits never use: whether what was learned transfers to
+  other wording.
 
 Prompts: with the character tokenizer (``tokenizer=None`` in `make_source`) or ``chat=False`` the
 prompt is the plain text `TEMPLATE` (``"Question: ...\nAnswer:"``) encoded with BOS, for base
@@ -43,6 +46,7 @@ present.
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -152,10 +156,23 @@ def generated_path(path: str) -> tuple[str, str]:
   choices otherwise."""
   parts = path[len(GENERATED) :].split(":")
   family, split = ("mixed", parts[0]) if len(parts) == 1 else (parts[0], parts[-1])
-  if len(parts) > 2 or family not in word_problems.FAMILIES or split not in word_problems.SPLITS:
-    choices = [f"{GENERATED}{f}:{s}" for f in word_problems.FAMILIES for s in word_problems.SPLITS]
+  known = family in word_problems.FAMILIES and split in word_problems.splits_of(family)
+  if len(parts) > 2 or not known:
+    choices = [
+      f"{GENERATED}{f}:{s}" for f in word_problems.FAMILIES for s in word_problems.splits_of(f)
+    ]
     raise ValueError(f"unknown generated data {path!r}; choose one of: {', '.join(choices)}.")
   return family, split
+
+
+def set_name(path: str) -> str:
+  """The name of the held-out set at ``path`` in eval metric keys and file names: a generated
+  path's split (``heldout_phrasings``), else the file's name without its extension, lowercased,
+  each character other than a-z, 0-9 and _ made ``_``."""
+  if path.startswith(GENERATED):
+    return generated_path(path)[1]
+  stem = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+  return re.sub(r"[^a-z0-9_]", "_", stem.lower()) or "file"
 
 
 def _use_chat(tokenizer, chat: bool | None, system_prompt: str | None) -> bool:

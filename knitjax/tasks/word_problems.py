@@ -9,9 +9,11 @@ ASCII, so the character tokenizer reads it too.
 
 Everything is drawn from a seeded ``numpy.random.Generator``: the same seed gives the same
 records. `splits` gives a training set and a held-out set that share no question text (the
-held-out set is the same templates with other names and numbers), and `fixed_split` is the one
-pair of splits the ``"generated:train"`` / ``"generated:heldout"`` task paths read
-(`DATA_SEED`, `TRAIN_SIZE`, `HELDOUT_SIZE`).
+held-out set is the same templates with other names and numbers: held-out numbers), and
+`heldout_phrasings` a set drawn from templates no split trains on (held-out phrasings: only
+families with such templates, `HELDOUT_PHRASINGS`). `fixed_split` is the one set of splits the
+``"generated:[<family>:]<split>"`` task paths read (`DATA_SEED`, `TRAIN_SIZE`, `HELDOUT_SIZE`):
+``train``, ``heldout`` and ``heldout_phrasings``.
 """
 
 import json
@@ -20,7 +22,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from knitjax.tasks.one_step_templates import ONE_STEP
+from knitjax.tasks.one_step_templates import ONE_STEP, ONE_STEP_HELDOUT
 from knitjax.tasks.word_problem_draws import Draw
 from knitjax.tasks.word_problem_templates import TEMPLATES, Template
 
@@ -28,9 +30,14 @@ from knitjax.tasks.word_problem_templates import TEMPLATES, Template
 DATA_SEED = 20240607
 TRAIN_SIZE = 4096
 HELDOUT_SIZE = 512
-SPLITS = ("train", "heldout")
-# Template families: "mixed" (1-3 steps, the default) and "one_step" (one operation).
+# "heldout": the training templates with other names and numbers; "heldout_phrasings": templates
+# never trained on (HELDOUT_SIZE records too).
+SPLITS = ("train", "heldout", "heldout_phrasings")
+# Template families: "mixed" (1-3 steps, the default) and "one_step" (one operation): the
+# templates of "train" and "heldout".
 FAMILIES: dict[str, dict[str, Template]] = {"mixed": TEMPLATES, "one_step": ONE_STEP}
+# The families' held-out phrasings: the templates of "heldout_phrasings", none of them in FAMILIES.
+HELDOUT_PHRASINGS: dict[str, dict[str, Template]] = {"one_step": ONE_STEP_HELDOUT}
 
 
 def _templates(family: str) -> dict[str, Template]:
@@ -94,15 +101,46 @@ def splits(
   return train_records, heldout_records
 
 
-def fixed_split(name: str, family: str = "mixed") -> list[dict]:
-  """Returns split ``name`` (``"train"`` or ``"heldout"``) of the generated task data of
-  ``family``.
+def heldout_phrasings(*, seed: int, n: int, family: str = "one_step") -> list[dict]:
+  """Returns ``n`` records of ``family``'s held-out phrasings: templates that neither `splits`
+  set draws from, so none of their sentences is trained on.
 
-  Both come from ``splits(seed=DATA_SEED, train=TRAIN_SIZE, heldout=HELDOUT_SIZE)``, so training
-  on ``"train"`` never sees a ``"heldout"`` question.
+  They come from a third stream of ``seed`` (``SeedSequence(seed).spawn(3)[2]``; `splits` uses
+  the first two), so they depend on neither split's size.
   """
-  if name not in SPLITS:
-    raise ValueError(f"unknown generated split {name!r}; choose one of: {', '.join(SPLITS)}.")
+  _check_count("n", n)
+  _templates(family)
+  if family not in HELDOUT_PHRASINGS:
+    raise ValueError(
+      f"the {family!r} word problems have no held-out phrasings; families that do: "
+      f"{', '.join(HELDOUT_PHRASINGS)}."
+    )
+  seq = np.random.SeedSequence(seed).spawn(3)[2]
+  return _draw_unique(np.random.default_rng(seq), n, frozenset(), HELDOUT_PHRASINGS[family])
+
+
+def splits_of(family: str) -> tuple[str, ...]:
+  """The splits ``family`` has: ``train`` and ``heldout``, and ``heldout_phrasings`` if it has
+  held-out phrasings."""
+  _templates(family)
+  return SPLITS if family in HELDOUT_PHRASINGS else SPLITS[:2]
+
+
+def fixed_split(name: str, family: str = "mixed") -> list[dict]:
+  """Returns split ``name`` (one of `SPLITS`) of the generated task data of ``family``.
+
+  ``"train"`` and ``"heldout"`` come from ``splits(seed=DATA_SEED, train=TRAIN_SIZE,
+  heldout=HELDOUT_SIZE)``, so training on ``"train"`` never sees a ``"heldout"`` question;
+  ``"heldout_phrasings"`` from ``heldout_phrasings(seed=DATA_SEED, n=HELDOUT_SIZE)``, whose
+  templates ``"train"`` never uses.
+  """
+  if name not in splits_of(family):
+    raise ValueError(
+      f"unknown generated split {name!r} of the {family!r} word problems; choose one of: "
+      f"{', '.join(splits_of(family))}."
+    )
+  if name == "heldout_phrasings":
+    return heldout_phrasings(seed=DATA_SEED, n=HELDOUT_SIZE, family=family)
   train, heldout = splits(seed=DATA_SEED, train=TRAIN_SIZE, heldout=HELDOUT_SIZE, family=family)
   return train if name == "train" else heldout
 

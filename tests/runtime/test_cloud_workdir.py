@@ -118,7 +118,7 @@ def test_metrics_eval_log_and_plot_go_to_the_bucket(bucket):
   ]
 
   log = EvalLog(URL, start_step=0)
-  log.write(1, {"eval_greedy_accuracy": 0.5}, [{"prompt_id": 0, "solved": True}])
+  log.write(1, {"eval_greedy_accuracy": 0.5}, {"": [{"prompt_id": 0, "solved": True}]})
   assert log.done(1) and read_eval(URL) == [{"step": 1, "eval_greedy_accuracy": 0.5}]
   assert json.loads((bucket / "eval_answers_1.json").read_text())[0]["solved"] is True
 

@@ -456,3 +456,12 @@ def test_chat_prompt_length_limit(path):
   assert len(gsm8k.load_examples(path, tok, max_prompt_tokens=longest)) == 4
   with pytest.raises(ValueError, match=rf"data.jsonl:\d: the prompt is {longest} tokens long"):
     gsm8k.load_examples(path, tok, max_prompt_tokens=longest - 1)
+
+
+def test_heldout_set_names_for_eval_metric_keys():
+  assert gsm8k.set_name("generated:one_step:heldout_phrasings") == "heldout_phrasings"
+  assert gsm8k.set_name("generated:heldout") == "heldout"
+  assert gsm8k.set_name("/data/GSM8K test-v2.jsonl") == "gsm8k_test_v2"
+  assert gsm8k.set_name("main/test-00000-of-00001.parquet") == "test_00000_of_00001"
+  with pytest.raises(ValueError, match=r"unknown generated data 'generated:nope'"):
+    gsm8k.set_name("generated:nope")

@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from knitjax.tasks import gsm8k, word_problems
+from knitjax.tasks import gsm8k, one_step_templates, word_problems
 
 # A step is "<arithmetic> = <integer>" inside a sentence: "The pens cost 4 * 3 = 12 dollars."
 _STEP_RE = re.compile(r"(\d[\d +\-*/()]*?) = (\d+)")
@@ -52,7 +52,10 @@ def test_fixed_split_is_the_generated_task_data():
   assert (train, heldout) == word_problems.splits(
     seed=word_problems.DATA_SEED, train=len(train), heldout=len(heldout)
   )
-  with pytest.raises(ValueError, match=r"unknown generated split 'test'; choose one of: train, "):
+  with pytest.raises(
+    ValueError,
+    match=r"unknown generated split 'test' of the 'mixed' word problems; choose one of: train, ",
+  ):
     word_problems.fixed_split("test")
 
 
@@ -134,3 +137,106 @@ def test_counts_must_be_non_negative_ints(bad):
     word_problems.generate(bad, seed=0)
   with pytest.raises(ValueError, match=r"heldout must be an integer >= 0"):
     word_problems.splits(seed=0, train=1, heldout=bad)
+
+
+# The one-step family split by template: held-out phrasings that training never sees.
+
+
+def _words(text: str) -> list[str]:
+  """A template's words, slots (``{a}``, ``{item}``) counted as words."""
+  return re.findall(r"\{\w+\}|[a-z']+|\$", text.lower())
+
+
+def _sentences(text: str) -> set[str]:
+  return {s.strip().lower() for s in re.split(r"[.?!,]", text) if s.strip()}
+
+
+def _pattern(text: str) -> re.Pattern:
+  """Matches the questions of one template: ``{a}`` and ``{b}`` captured, other slots words."""
+  parts = []
+  for piece in re.split(r"(\{\w+\})", text):
+    if piece in ("{a}", "{b}"):
+      parts.append(rf"(?P<{piece[1]}>\d+)")
+    elif re.fullmatch(r"\{\w+\}", piece):
+      parts.append(r"[A-Za-z]+(?: [a-z]+)?")
+    else:
+      parts.append(re.escape(piece))
+  return re.compile("".join(parts))
+
+
+_OP = {
+  "+": lambda a, b: a + b,
+  "-": lambda a, b: a - b,
+  "*": lambda a, b: a * b,
+  "/": lambda a, b: Fraction(a, b),
+}
+
+
+def test_one_step_heldout_phrasings_share_no_wording_with_train():
+  train, heldout = one_step_templates.ONE_STEP, one_step_templates.ONE_STEP_HELDOUT
+  assert len(train) >= 30 and len(heldout) >= 10
+  assert not set(train) & set(heldout)
+  for ops in ({t.op for t in train.values()}, {t.op for t in heldout.values()}):
+    assert ops == {"+", "-", "*", "/"}
+  train_sentences = set().union(*(_sentences(t.text) for t in train.values()))
+  train_grams = {
+    tuple(w[i : i + 4]) for t in train.values() for w in [_words(t.text)] for i in range(len(w) - 3)
+  }
+  for name, t in heldout.items():
+    assert not _sentences(t.text) & train_sentences, name
+    words = _words(t.text)
+    shared = {tuple(words[i : i + 4]) for i in range(len(words) - 3)} & train_grams
+    assert not shared, (name, shared)  # not a train phrasing with a word swapped
+    assert not any(_pattern(o.text).search(t.text) for o in train.values()), name
+
+
+@pytest.mark.parametrize("split", word_problems.SPLITS)
+def test_one_step_splits_keep_to_their_templates_and_answer_exactly(split):
+  """Every question of a split is written in one of its templates only (train and heldout: the
+  training ones; heldout_phrasings: the held-out ones), and its answer, recomputed from the
+  question's two numbers, is a whole number that the record gives."""
+  own, other = one_step_templates.ONE_STEP, one_step_templates.ONE_STEP_HELDOUT
+  if split == "heldout_phrasings":
+    own, other = other, own
+  patterns = {name: _pattern(t.text) for name, t in own.items()}
+  others = [_pattern(t.text) for t in other.values()]
+  records = word_problems.fixed_split(split, "one_step")
+  assert len(records) == (word_problems.TRAIN_SIZE if split == "train" else 512)
+  used = set()
+  for r in records:
+    (name,) = [n for n, p in patterns.items() if p.fullmatch(r["question"])]
+    assert not any(p.fullmatch(r["question"]) for p in others), r
+    used.add(name)
+    m = patterns[name].fullmatch(r["question"])
+    value = _OP[own[name].op](int(m["a"]), int(m["b"]))
+    assert value == int(value) >= 0 and int(value) == _answer(r), r
+    assert r["answer"].startswith(f"{m['a']} {own[name].op} {m['b']} = {_answer(r)}"), r
+  assert used == set(own)  # every template is drawn
+
+
+def test_one_step_phrasing_split_is_deterministic_and_apart():
+  a = word_problems.heldout_phrasings(seed=4, n=100)
+  assert (
+    a
+    == word_problems.heldout_phrasings(seed=4, n=100)
+    != word_problems.heldout_phrasings(seed=5, n=100)
+  )
+  assert word_problems.heldout_phrasings(seed=4, n=30) == a[:30]
+  train, _ = word_problems.splits(seed=4, train=500, heldout=50, family="one_step")
+  assert not {r["question"] for r in train} & {r["question"] for r in a}
+  assert word_problems.fixed_split("heldout_phrasings", "one_step") == (
+    word_problems.heldout_phrasings(seed=word_problems.DATA_SEED, n=word_problems.HELDOUT_SIZE)
+  )
+
+
+def test_only_a_family_with_heldout_phrasings_has_that_split():
+  assert word_problems.splits_of("one_step") == ("train", "heldout", "heldout_phrasings")
+  assert word_problems.splits_of("mixed") == ("train", "heldout")
+  with pytest.raises(ValueError, match=r"unknown generated split 'heldout_phrasings' of the "):
+    word_problems.fixed_split("heldout_phrasings", "mixed")
+  with pytest.raises(ValueError, match=r"'mixed' word problems have no held-out phrasings"):
+    word_problems.heldout_phrasings(seed=0, n=3, family="mixed")
+  path = "generated:one_step:heldout_phrasings"
+  assert gsm8k.generated_path(path) == ("one_step", "heldout_phrasings")
+  with pytest.raises(ValueError, match=r"unknown generated data .*one_step:heldout_phrasings\."):
+    gsm8k.generated_path("generated:mixed:heldout_phrasings")

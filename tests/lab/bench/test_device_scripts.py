@@ -6,6 +6,7 @@ configs/bench/real_model.py:quick, ALLOW_CPU=1.
 """
 
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -109,10 +110,11 @@ def test_the_tiny_recipe_and_benchmark_on_the_cpu(tmp_path, smollm2_folder):
     assert 0.0 <= r["signal_groups"] <= 1.0 and 1 <= r["response_len_mean"] <= 8
   evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
   assert [r["step"] for r in evals] == [0, 2]
-  for r in evals:
-    assert r["eval_prompts"] == 4
-    assert r["eval_greedy_accuracy_low"] <= r["eval_greedy_accuracy"]
-    assert r["eval_greedy_accuracy"] <= r["eval_greedy_accuracy_high"]
+  for r, prefix in itertools.product(evals, ("eval_", "eval_heldout_phrasings_")):
+    # Held-out numbers and held-out phrasings, each with its interval.
+    assert r[f"{prefix}prompts"] == 4
+    assert r[f"{prefix}greedy_accuracy_low"] <= r[f"{prefix}greedy_accuracy"]
+    assert r[f"{prefix}greedy_accuracy"] <= r[f"{prefix}greedy_accuracy_high"]
   result = json.loads((out / "real_model.json").read_text())
   assert (out / "real_model.png").stat().st_size > 0
   check_quick_result(result)  # the real-model bench's quick run, checked in full
