@@ -52,6 +52,7 @@ from knitjax.transfer.group import GroupMeta
 from knitjax.transfer.storage import StorageLimits, StorageUnit
 
 _WAIT_S = 0.5  # a step returns after this long even if no actor finished (the caller polls)
+_CLOSE_AFTER_S = 10.0  # a drained unit is closed this long after it left the storage mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +224,7 @@ class RayRollout:
     self._workers: dict[int, _Worker] = {}
     self._units: dict[int, RayStorageUnit] = {}  # replaced, never changed (see `_Units`)
     self._draining: set[int] = set()  # units of retired actors, closed once empty
+    self._closing: list[tuple[float, RayStorageUnit]] = []  # empty, out of the mapping
     self._drain_checked = 0.0
     # Named, so every trainer process of a multi-process trainer reaches them (`unit_names`).
     self.unit_names: dict[int, str] = {}
@@ -344,15 +346,18 @@ class RayRollout:
     logging.info("Ray rollout worker %d left; %d working or joining.", i, self.workers)
 
   def _close_drained(self, every_s: float = 1.0) -> None:
-    if not self._draining or time.monotonic() - self._drain_checked < every_s:
+    if not (self._draining or self._closing) or time.monotonic() - self._drain_checked < every_s:
       return
-    self._drain_checked = time.monotonic()
+    now = self._drain_checked = time.monotonic()
     for i in sorted(self._draining):
       if self._units[i].stats()["groups"] == 0:  # every group it held consumed or rejected
-        unit = self._units[i]
+        self._closing.append((now, self._units[i]))
         self._units = {k: u for k, u in self._units.items() if k != i}
         self._draining.discard(i)
-        unit.close()
+    # closed a while after it left the mapping: a reader in another thread (the step metrics)
+    # may still hold the dict it was in
+    while self._closing and now - self._closing[0][0] > _CLOSE_AFTER_S:
+      self._closing.pop(0)[1].close()
 
   def _replace(self, i: int, share: list[tuple[Prompt, int]], error: Exception) -> None:
     """Replaces dead actor ``i``, or drops it when its node is gone for good; either way its
@@ -491,7 +496,7 @@ class RayRollout:
   def close(self) -> None:
     for w in self._workers.values():
       ray.kill(w.actor, no_restart=True)
-    for u in self._units.values():
+    for u in [*self._units.values(), *(u for _, u in self._closing)]:
       u.close()
 
 
