@@ -24,14 +24,14 @@ def get_config(arg: str | None = None) -> mc.ConfigDict:
   t.checkpoint.every_steps = 1000  # none in the run: it measures scaling, not saving
   t.loop.log_every = 1
   c.workers = 3
-  c.up_after = 4  # train steps with one worker before the request for ``workers``
-  c.hold_s = 20.0  # seconds with every new worker working before the request for one
-  c.after_steps = 8  # train steps at least after the request for one
-  t.loop.steps = 80
+  c.up_after = 20  # train steps with one worker before the request for ``workers``
+  c.hold_s = 30.0  # seconds with every new worker working before the request for one
+  c.after_steps = 100  # train steps at least after the request for one
+  t.loop.steps = 600
   if arg in (None, ""):
     return c
   if arg == "quick":
-    c.up_after, c.hold_s, c.after_steps = 2, 4.0, 4
+    c.up_after, c.hold_s, c.after_steps = 6, 4.0, 30
     t.loop.steps = 150
     return c
   raise ValueError(f"elastic config arg={arg!r} is not accepted; use '' or 'quick'.")

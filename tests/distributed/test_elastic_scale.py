@@ -78,6 +78,82 @@ def test_the_watch_applies_each_new_request_once_and_records_the_workers(tmp_pat
   assert again.asked == [1]
 
 
+def test_a_resume_puts_groups_of_units_gone_since_the_checkpoint_into_a_unit_it_has():
+  """Scaled 1 -> 3 -> 1, saved while retired unit 2 still held groups: the resumed process has
+  unit 0 only; the index's groups, the queued mini-batches and the snapshot move together."""
+  from knitjax.runtime.disaggregated import onto_units
+  from knitjax.runtime.learner import RunState
+  from knitjax.transfer.admission import MiniBatch
+  from knitjax.transfer.group import GroupMeta
+
+  def meta(gid, unit):
+    return GroupMeta(
+      group_id=gid, cls="arith", gen_version=0, num_samples=2, prompt_tokens=(3, 3),
+      response_tokens=(1, 2), reward_mean=0.5, reward_std=0.5, storage_unit=unit,
+    )  # fmt: skip
+
+  state = RunState(
+    admission={"open": [meta(1, 2).to_dict()], "waiting": [[0, meta(2, 0).to_dict()]]},
+    queued=(MiniBatch(0, 0, (meta(3, 2), meta(4, 0))),),
+    payloads={"groups": [{"group_id": g, "storage_unit": u} for g, u in ((1, 2), (2, 0))]},
+  )
+  moved = onto_units(state, [0])
+  assert [g["storage_unit"] for g in moved.admission["open"]] == [0]
+  assert [g["storage_unit"] for _, g in moved.admission["waiting"]] == [0]
+  assert [g.storage_unit for g in moved.queued[0].groups] == [0, 0]
+  assert [g["storage_unit"] for g in moved.payloads["groups"]] == [0, 0]
+  assert onto_units(state, [0, 2]) == state  # every unit there: nothing moves
+
+
+def test_a_worker_whose_node_is_gone_is_dropped_and_its_share_generated_again(monkeypatch):
+  """Ray counts the node of worker 0 dead (as after a partition): its share goes to worker 1,
+  every group id comes back once, the run goes on with one worker; no restart is counted."""
+  ray = pytest.importorskip("ray")
+  import jax
+
+  from configs import arith_tiny
+  from knitjax.config import from_config_dict
+  from knitjax.distributed import ray_rollout
+  from knitjax.distributed.local_ray import ensure_ray
+  from knitjax.distributed.topology import choose
+  from knitjax.runtime import builder
+
+  if ray.is_initialized():
+    ray.shutdown()
+  c = arith_tiny.get_config("quick")
+  c.topology.rollout_workers = 2
+  config = from_config_dict(c)
+  ensure_ray(config.topology.ray_address)
+  try:
+    prompts = builder.build_prompts(config)
+    mesh = builder.build_mesh(config)
+    graphdef, params = builder.build_model(config, mesh)
+    pool = choose(config).rollout(config, graphdef, mesh, prompts)
+    pool.adopt(params, 0)
+    ids = list(range(100, 108))
+    for prompt, gid in zip(prompts.next({"arith": len(ids)}), ids, strict=True):
+      pool.start(prompt, gid)
+    rng = jax.random.key(0)
+    metas = pool.step(rng)  # a share to each worker
+    gone = pool.members()["working"][0]
+    node = pool._workers[gone].node
+    monkeypatch.setattr(ray_rollout, "_node_alive", lambda n: n != node)
+    os.kill(pool.pids()["rollout"][0], 9)
+    call = 1
+    while pool.inflight:
+      metas += pool.step(jax.random.fold_in(rng, call))
+      call += 1
+      assert call < 10_000
+    assert sorted(m.group_id for m in metas) == ids  # each group id exactly once
+    assert pool.members()["working"] == [1] and pool.workers == 1
+    s = pool.stats()
+    assert s.actor_restarts == 0 and s.groups_regenerated == 4
+    assert {m.storage_unit for m in metas} == {1} and sorted(pool.storage) == [1]
+    pool.close()
+  finally:
+    ray.shutdown()
+
+
 def test_elastic_bench_quick_scales_1_to_3_to_1_and_loses_nothing(tmp_path):
   pytest.importorskip("ray")
   from configs.bench import elastic as elastic_config
