@@ -134,11 +134,10 @@ def test_a_worker_whose_node_is_gone_is_dropped_and_its_share_generated_again(mo
     for prompt, gid in zip(prompts.next({"arith": len(ids)}), ids, strict=True):
       pool.start(prompt, gid)
     rng = jax.random.key(0)
-    metas = pool.step(rng)  # a share to each worker
-    gone = pool.members()["working"][0]
-    node = pool._workers[gone].node
+    node = pool._workers[0].node
     monkeypatch.setattr(ray_rollout, "_node_alive", lambda n: n != node)
-    os.kill(pool.pids()["rollout"][0], 9)
+    os.kill(pool.pids()["rollout"][0], 9)  # before its share reaches it (a share can be quick)
+    metas = pool.step(rng)  # a share to each worker; worker 0's call fails
     call = 1
     while pool.inflight:
       metas += pool.step(jax.random.fold_in(rng, call))
