@@ -113,8 +113,9 @@ class ScaleWatch:
   """
 
   def __init__(self, workdir: str, rollout, workers: int):
+    del workers  # the rollout's own count (``members()["asked"]``) is the one that holds
     self._request, self._status = wd.path(workdir, REQUEST), wd.path(workdir, STATUS)
-    self._rollout, self._asked, self._requested_at = rollout, workers, None
+    self._rollout, self._requested_at = rollout, None
     self._seen = None  # the request file's (mtime, size) last read
     self._members = None
     self._started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -149,18 +150,19 @@ class ScaleWatch:
       )
       return
     self._requested_at = req.get("requested_at")
-    if n == self._asked:
+    asked = self._rollout.members()["asked"]
+    if n == asked:
       return
-    logging.info("scaling the Ray rollout workers from %d to %d (%s)", self._asked, n, REQUEST)
+    logging.info("scaling the Ray rollout workers from %d to %d (%s)", asked, n, REQUEST)
     self._rollout.scale(n)
-    self._asked = n
     self._write_status()
 
   def _write_status(self) -> None:
     self._members = self._rollout.members()
+    members = dict(self._members)
     status = {
-      "rollout_workers": self._asked,
-      **self._members,
+      "rollout_workers": members.pop("asked"),
+      **members,
       "requested_at": self._requested_at,
       "t": time.time(),
       "pid": os.getpid(),

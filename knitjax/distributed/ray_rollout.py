@@ -296,12 +296,14 @@ class RayRollout:
     """Actors generating or joining (retiring ones not counted)."""
     return sum(not w.retiring for w in self._workers.values())
 
-  def members(self) -> dict[str, list[int]]:
-    """Unit ids of the actors ``working`` (built, taking shares), ``joining`` and ``leaving``
-    (finishing their last share), and of the units ``draining`` (their actor gone, groups still
-    held); read from any thread."""
+  def members(self) -> dict:
+    """The count ``asked`` for (lowered when a worker's node is gone), and the unit ids of the
+    actors ``working`` (built, taking shares), ``joining`` and ``leaving`` (finishing their last
+    share), and of the units ``draining`` (their actor gone, groups still held); read from any
+    thread."""
     workers = dict(self._workers)
     return {
+      "asked": self._target,
       "working": sorted(i for i, w in workers.items() if w.ready and not w.retiring),
       "joining": sorted(i for i, w in workers.items() if not w.ready and not w.retiring),
       "leaving": sorted(i for i, w in workers.items() if w.retiring),

@@ -41,11 +41,12 @@ def test_the_command_refuses_bad_input_in_one_sentence(tmp_path):
 class _Rollout:
   """What the watch asks of a Ray rollout."""
 
-  def __init__(self):
-    self.asked, self._members = [], {"working": [0], "joining": []}
+  def __init__(self, n=1):
+    self.asked, self._members = [], {"asked": n, "working": [0], "joining": []}
 
   def scale(self, n):
     self.asked.append(n)
+    self._members["asked"] = n
 
   def members(self):
     return dict(self._members)
@@ -63,9 +64,10 @@ def test_the_watch_applies_each_new_request_once_and_records_the_workers(tmp_pat
   watch.poll()
   watch.poll()  # the same request again: nothing more
   assert rollout.asked == [3]
-  rollout._members = {"working": [0, 1, 2], "joining": []}
+  rollout._members["working"] = [0, 1, 2]
   watch.poll()
-  assert json.loads((tmp_path / elastic.STATUS).read_text())["working"] == [0, 1, 2]
+  status = json.loads((tmp_path / elastic.STATUS).read_text())
+  assert status["working"] == [0, 1, 2] and status["rollout_workers"] == 3
   (tmp_path / elastic.REQUEST).write_text('{"rollout_workers": "many"}')  # by hand: ignored
   watch.poll()
   assert rollout.asked == [3]
@@ -73,7 +75,7 @@ def test_the_watch_applies_each_new_request_once_and_records_the_workers(tmp_pat
   watch.poll()
   assert rollout.asked == [3, 1]
   # a later process of the same run starts with the count last asked for
-  again = _Rollout()
+  again = _Rollout(3)
   elastic.ScaleWatch(str(tmp_path), again, 3)
   assert again.asked == [1]
 
@@ -145,6 +147,7 @@ def test_a_worker_whose_node_is_gone_is_dropped_and_its_share_generated_again(mo
       assert call < 10_000
     assert sorted(m.group_id for m in metas) == ids  # each group id exactly once
     assert pool.members()["working"] == [1] and pool.workers == 1
+    assert pool.members()["asked"] == 1  # the count asked for drops with the node
     s = pool.stats()
     assert s.actor_restarts == 0 and s.groups_regenerated == 4
     assert {m.storage_unit for m in metas} == {1} and sorted(pool.storage) == [1]
