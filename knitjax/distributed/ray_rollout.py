@@ -368,6 +368,12 @@ class RayRollout:
     if not _node_alive(w.node):
       self._drop(i, share, error)
       return
+    if w.retiring:  # it was leaving: the others take its share, nothing is restarted
+      self._units[i].release([gid for _, gid in share])
+      self._leave(i)
+      self._pending[:0] = share
+      self._stats.groups_regenerated += len(share)
+      return
     self._stats.actor_restarts += 1
     if self._stats.actor_restarts > self._max_restarts:
       earlier = self._stats.actor_restarts - 1
@@ -386,8 +392,6 @@ class RayRollout:
     if self._published is not None:
       _send_version(actor, *self._published)
     self._workers[i] = _Worker(actor, node=w.node, pid=ray.get(actor.pid.remote()))
-    if w.retiring:
-      self._retire(i)
     self._pending[:0] = share
     self._stats.groups_regenerated += len(share)
 
