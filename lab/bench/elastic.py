@@ -54,19 +54,17 @@ def check_config(config: mc.ConfigDict) -> None:
 
 
 @contextlib.contextmanager
-def local_ray(workdir: str, cpus: int):
-  """A local Ray as `knitjax.distributed.local_ray.ensure_ray` starts it for a run (its own
-  token in the workdir, no dashboard, no idle workers), offering ``cpus`` CPUs: each rollout
-  actor reserves one, and this machine may have fewer cores than the bench has actors."""
+def local_ray(cpus: int):
+  """A local Ray as `knitjax.distributed.local_ray.ensure_ray` starts it without a run's token
+  folder (the user's Ray token, as the Ray tests start it: Ray keeps the first token a process
+  used), offering ``cpus`` CPUs: each rollout actor reserves one, and this machine may have fewer
+  cores than the bench has actors."""
   import ray
 
   from knitjax.distributed import local_ray as lr
 
   if ray.is_initialized():
     ray.shutdown()
-  saved = os.environ.get("RAY_AUTH_TOKEN_PATH")
-  if not os.environ.get("RAY_AUTH_TOKEN") and saved is None:
-    os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.join(os.path.abspath(workdir), lr.RUN_TOKEN)
   try:
     lr.check_ray_token()
     lr.private_ray_token()
@@ -74,8 +72,6 @@ def local_ray(workdir: str, cpus: int):
     yield
   finally:
     ray.shutdown()
-    if saved is None:
-      os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 
 class _Schedule:
@@ -191,7 +187,7 @@ def run(config: mc.ConfigDict, workdir: str) -> dict:
   os.makedirs(run_dir)
   schedule = _Schedule(config, run_dir)
   t0 = time.time()
-  with local_ray(run_dir, cpus=config.workers):
+  with local_ray(cpus=config.workers):
     train(from_config_dict(copy.deepcopy(config.train)), run_dir, on_step=schedule)
   seconds = time.time() - t0
   rows = read_metrics(run_dir)
