@@ -167,7 +167,7 @@ class _Worker:
   node_ref: object = None  # the actor's node id, asked at spawn
   pid_ref: object = None
   node: str | None = None
-  attached: object = None  # the attach call, while it runs
+  attached: list | None = None  # the attach call (and a warm-up), while they run
   pid: int | None = None
   retiring: bool = False
 
@@ -236,7 +236,6 @@ class RayRollout:
     self._running: dict[ray.ObjectRef, tuple[int, list[tuple[Prompt, int]]]] = {}
     self._stats = RolloutStats(shards=workers)
     self._target, self._next_id = workers, 0
-    self.joined: dict[int, float] = {}  # unit id -> wall time its actor took its first share
     for _ in range(workers):
       self._spawn()
     for i in list(self._workers):
@@ -244,10 +243,9 @@ class RayRollout:
 
   # ---- actors joining and leaving ------------------------------------------------------------
 
-  def _spawn(self, node: str | None = None) -> int:
+  def _spawn(self) -> int:
     i, self._next_id = self._next_id, self._next_id + 1
-    if node is None and self._node_ids is not None and i < len(self._node_ids):
-      node = self._node_ids[i]
+    node = self._node_ids[i] if self._node_ids is not None and i < len(self._node_ids) else None
     options: dict = {"num_cpus": self._num_cpus}
     if node is not None:
       options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
@@ -272,13 +270,13 @@ class RayRollout:
       )  # fmt: skip
       self._units = {**self._units, i: unit}
     if w.attached is None:
-      w.attached = w.actor.attach.remote(self._units[i])
+      w.attached = [w.actor.attach.remote(self._units[i])]
       if self._published is not None:  # queued behind attach: the newest adopted version
         _send_version(w.actor, *self._published)
         # joined mid-run: ready once it has generated, so its first share is not a compile
         key = np.asarray(jax.random.key_data(jax.random.key(i)))
-        w.attached = [w.attached, w.actor.warm.remote(key)]
-    calls = [*(w.attached if isinstance(w.attached, list) else [w.attached]), w.pid_ref]
+        w.attached.append(w.actor.warm.remote(key))
+    calls = [*w.attached, w.pid_ref]
     if not block and len(ray.wait(calls, num_returns=len(calls), timeout=0)[0]) < len(calls):
       return
     ray.get(calls)
@@ -468,7 +466,6 @@ class RayRollout:
           key = np.asarray(jax.random.key_data(jax.random.fold_in(rng, i)))
           ref = self._workers[actor].actor.generate.remote(share, key)
           self._running[ref] = (actor, share)
-          self.joined.setdefault(actor, time.time())
       self._pending = []
     if not self._running:
       return []
