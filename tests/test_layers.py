@@ -33,7 +33,7 @@ PACKAGES = ("knitjax", "lab")
 #   7  distribution: where things run (the topologies), Ray rollout actors and storage units,
 #      the trainer's processes, weights out of a mesh that spans processes. The loops declare
 #      the Topology protocol they take (runtime/loop.py) and never import this layer.
-#   8  entry points: main, run (the one library call), eval, export, chat, cli.
+#   8  entry points: main, run (the one library call), eval, export, chat, cli, scale.
 #   9  the lab: benchmarks, the fault suite, the emulated cluster, local launchers, scripts.
 LAYERS = (
   (
@@ -66,6 +66,7 @@ LAYERS = (
     "knitjax.export",
     "knitjax.chat",
     "knitjax.cli",
+    "knitjax.scale",
   ),
   ("lab.*",),
 )

@@ -20,6 +20,7 @@ lost and nothing consumed is consumed again.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -30,6 +31,46 @@ from knitjax.config import Config
 from knitjax.runtime import builder, loop, rollout_builder
 from knitjax.transfer.snapshot import restore_groups
 from knitjax.transfer.storage import release_groups
+
+
+def onto_units(resumed, units: list[int]):
+  """``resumed`` with every group whose storage unit is not among ``units`` moved to the first
+  of them: a Ray rollout scaled down before the checkpoint (`knitjax.distributed.elastic`) had
+  units this process does not start. The payloads come from the snapshot either way; only
+  where they are put back changes (the admission index's groups, the queued mini-batches and
+  the snapshot, together)."""
+  have = set(units)
+  if not have:
+    return resumed
+
+  def fix(unit: int) -> int:
+    return unit if unit in have else units[0]
+
+  def group(g: dict) -> dict:
+    return {**g, "storage_unit": fix(g["storage_unit"])} if "storage_unit" in g else g
+
+  adm = dict(resumed.admission)
+  if "open" in adm:
+    adm["open"] = [group(g) for g in adm["open"]]
+  if "waiting" in adm:
+    adm["waiting"] = [[s, group(g)] for s, g in adm["waiting"]]
+  queued = tuple(
+    dataclasses.replace(
+      mb,
+      groups=tuple(dataclasses.replace(g, storage_unit=fix(g.storage_unit)) for g in mb.groups),
+    )
+    for mb in resumed.queued
+  )
+  payloads = resumed.payloads
+  if payloads is not None and "groups" in payloads:
+    payloads = {**payloads, "groups": [group(g) for g in payloads["groups"]]}
+  moved = {
+    g["storage_unit"] for g in (payloads or {}).get("groups", []) if g["storage_unit"] not in have
+  }
+  if moved:
+    logging.info("groups of storage units %s (gone since the checkpoint) go to unit %d",
+                 sorted(moved), units[0])  # fmt: skip
+  return dataclasses.replace(resumed, admission=adm, queued=queued, payloads=payloads)
 
 
 def run(
@@ -71,6 +112,7 @@ def run(
     )
   resumed = learner.restore()
   if resumed is not None and rollout is not None:
+    resumed = onto_units(resumed, sorted(rollout.storage))
     prompts.load_state_dict(resumed.prompts)
     admission.load_state_dict(resumed.admission)
     if resumed.payloads is not None:

@@ -71,6 +71,8 @@ class Pipeline:
       `knitjax.distributed.weight_shards.ShardPublisher` to Ray rollout actors).
     plans, watch: a multi-process trainer's plan book, and its pulse watch, told when this
       process has finished.
+    scale: polled before each train step (`knitjax.distributed.elastic.ScaleWatch`: a request
+      for more or fewer Ray rollout workers), or None.
   """
 
   def __init__(
@@ -87,6 +89,7 @@ class Pipeline:
     weights,
     plans=None,
     watch=None,
+    scale=None,
   ):
     restarts = 0 if resumed is None else resumed.restarts + 1
     resumed = resumed or RunState()
@@ -111,7 +114,7 @@ class Pipeline:
       lag_unit=config.pipeline.lag_unit,
     )
     self.weights = weights
-    self.plans = plans
+    self.plans, self.scale = plans, scale
     # The first version is complete before the rollout starts, so it never idles waiting for it.
     self.weights.publish(learner.state.params, learner.version, block=True)
     # consumed.jsonl: one row per consumed mini-batch; offered.jsonl: one row per offered group.
@@ -144,6 +147,7 @@ class Pipeline:
         "group_id": meta.group_id,
         "prompt_id": prompt.prompt_id,
         "cls": meta.cls,
+        "storage_unit": meta.storage_unit,
         "gen_version": meta.gen_version,
         "rejected": bool(rejected),
         # Wall times (time.time()): the group started, its last sample done, offered here.
@@ -167,6 +171,8 @@ class Pipeline:
     return None
 
   def begin_step(self, step: int) -> None:
+    if self.scale is not None:
+      self.scale.poll()
     if self.feed is None:  # the first step: the rollout starts, then the feed that takes from it
       self.thread.start()
       self.feed = builder.build_feed(self.config, self._take, self._prepare, count=self._count)

@@ -188,8 +188,10 @@ def test_rollout_replaces_a_killed_actor_and_regenerates_its_groups(local_ray):
   for prompt, gid in zip(prompts.next({"arith": len(ids)}), ids, strict=True):
     pool.start(prompt, gid)
   rng = jax.random.key(0)
-  metas = pool.step(rng)  # hands shares to both actors (they compile first: seconds)
+  # Killed before its share reaches it: with the compilation cache warm a share can be done
+  # within the first step's wait, so a kill after it would not always meet a share in flight.
   _kill(pool.pids()["rollout"][0])
+  metas = pool.step(rng)  # hands shares to both actors; the dead one's call fails
   call = 1
   while pool.inflight:
     metas += pool.step(jax.random.fold_in(rng, call))
