@@ -32,6 +32,10 @@ hands each micro-batch's rows theirs (``prefix_index``), accumulates the prompts
 the micro-batches and sends it back once; the reference and in-step forwards read the prompts'
 keys and values under their own params.
 
+The VLM step (`knitjax.train.mm_step`) is this step's core with images: the same forward
+(:func:`forward`), loss (:func:`model_loss`), micro-batch scan (`knitjax.train.accumulation`) and
+update (:func:`apply_gradients`); a step only chooses what its mini-batch computes once.
+
 With LoRA (`knitjax.models.lora`) the state's params are the adapters only: the step
 differentiates and updates them, while the frozen base comes in as a separate, non-donated
 argument, and the reference policy is that base with the adapters off (no second copy).
