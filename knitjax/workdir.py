@@ -150,11 +150,14 @@ def _remove_stale_temps(file: epath.Path) -> None:
   process is gone): a kill -9 mid-replace skips the cleanup, and each would stay forever."""
   for tmp in file.parent.glob(f".{file.name}.tmp-*"):
     pid = tmp.name.rpartition("-")[2]
-    if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+    if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
       tmp.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid) -> bool:
+  """Whether a process of this machine has this pid (another user's counts; not an int: no)."""
+  if not isinstance(pid, int) or pid <= 0:
+    return False
   try:
     os.kill(pid, 0)
   except ProcessLookupError:

@@ -80,7 +80,7 @@ def request(workdir: str, workers: int) -> str:
   )
   asked = status.get("rollout_workers")
   here = status.get("host") == socket.gethostname()
-  if here and not _alive(status.get("pid")):
+  if here and not wd.pid_alive(status.get("pid")):
     return (
       f"asked for {workers} Ray rollout workers; the run in {workdir} is not running now, so it "
       "starts with them when it resumes."
@@ -89,18 +89,6 @@ def request(workdir: str, workers: int) -> str:
     f"asked the run in {workdir} for {workers} Ray rollout workers (it had asked for {asked}); "
     f"it takes the request at its next train step (see {STATUS})."
   )
-
-
-def _alive(pid) -> bool:
-  if not isinstance(pid, int) or pid <= 0:
-    return False
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # another user's process
-    return True
-  return True
 
 
 class ScaleWatch:
