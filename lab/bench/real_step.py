@@ -391,9 +391,13 @@ class VllmGenerate:
     command = [python, VLLM_SCRIPT, "--model", folder, "--prompts", prompts, "--dtype", dtype]
     command += ["--new_tokens", str(new_tokens), "--threads", str(real_model.cpu_threads())]
     self.log = log
+    # vLLM's default binding ("auto") keeps a CPU for its front end and computes on the rest (1 of
+    # 2 here); its OpenMP threads get the CPUs XLA's and torch's threads get, unless set outside.
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **os.environ}
     with open(log, "w") as err:
       self.proc = subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env
       )
     self.info = self._read()
 
