@@ -31,7 +31,9 @@ FLOPs: the recipe's jitted train step compiled twice at the shape the knitjax st
 batch), with LoRA and with every param trained, and XLA's ``compiled.cost_analysis()["flops"]``
 of each: their ratio says whether the LoRA step computes gradients for the frozen weights (no:
 about 2/3 of the full step, the weights' gradient products gone). XLA counts a loop's body once,
-so its figure is one micro-batch's (and one layer's when the layers are scanned, ``:quick``).
+so its figure is one micro-batch's (and one layer's when the layers are scanned, ``:quick``); the
+log-probs' loop over position chunks (`knitjax.train.logprobs`, 128 positions, G times that with
+prompts once per mini-batch) makes one trip over the recipe's 64 scored columns a row.
 
 ``train_fraction_of_ceiling``: the LoRA step's FLOPs per update (micro-batches x XLA's count)
 over knitjax's median train seconds, against a jitted float32 matmul's FLOP/s measured before and
@@ -537,7 +539,8 @@ def step_flops(config, folder: str, knit: KnitjaxSteps, micro_batches: int) -> d
   out["lora_flops_per_update"] = micro_batches * out["lora_xla_flops"]
   out["counted_as"] = (
     "XLA's compiled.cost_analysis()['flops'] of the jitted step; a loop's body counted once "
-    "(one micro-batch; one layer when the layers are scanned); per update = micro_batches x it"
+    "(one micro-batch; one layer when the layers are scanned; the log-probs' position chunks, "
+    "one trip at the recipe's 64 scored columns a row); per update = micro_batches x it"
   )
   return out
 
