@@ -535,6 +535,7 @@ def step_flops(config, folder: str, knit: KnitjaxSteps, micro_batches: int) -> d
     out[f"{name}_xla_flops"] = float(cost["flops"])
     out[f"{name}_compile_s"] = time.perf_counter() - t0
     out[f"{name}_trained_params"] = int(sum(x.size for x in jax.tree.leaves(state.params)))
+  out["batch_shapes"] = {k: list(v.shape) for k, v in knit.batch.items()}  # [micro-batches, ...]
   out["lora_step_flops_ratio"] = out["lora_xla_flops"] / out["full_xla_flops"]
   out["lora_flops_per_update"] = micro_batches * out["lora_xla_flops"]
   out["counted_as"] = (
@@ -627,6 +628,7 @@ def _plot(workdir: str, steps: dict, generation: dict) -> None:
     left.bar(x, gen, 0.4, label=f"{system} generation", color=f"C{2 * i}")
     left.bar(x, [r["train_s"] for r in rows], 0.4, bottom=gen, label=f"{system} train",
              color=f"C{2 * i + 1}")  # fmt: skip
+  left.set_xticks(range(len(steps["rounds"])))
   left.set_xlabel("round")
   left.set_ylabel("seconds per step")
   left.set_title("SmolLM2 recipe's GRPO step")
@@ -636,6 +638,7 @@ def _plot(workdir: str, steps: dict, generation: dict) -> None:
       values = [r[f"{name}_tokens_per_s"] for r in g["rounds"]]
       if all(isinstance(v, float) for v in values):
         ax.plot(range(len(values)), values, "o-", label=name)
+    ax.set_xticks(range(len(g["rounds"])))
     ax.set_xlabel("round")
     ax.set_ylabel("generated tokens / s")
     ax.set_title(f"{g['prompts']} x {g['new_tokens']} greedy tokens, {dtype}")
