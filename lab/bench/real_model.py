@@ -62,7 +62,7 @@ def chat_prompts(tok: HFTokenizer, n: int, *, seed: int = 0) -> tuple[np.ndarray
   return left_pad(ids, max(map(len, ids)), tok.pad_id)
 
 
-def _transformers_generate(
+def transformers_generate(
   folder: str, tokens_bp, lengths_b, *, pad_id: int, dtype: str, new_tokens: int
 ):
   """A call of transformers' greedy ``generate`` (returns the new tokens), or None without the
@@ -122,7 +122,7 @@ def compare_generation(folder: str, mesh, config) -> dict:
   )
   key = jax.random.key(0)
   knitjax_call = lambda: sampler(params, tokens_bp, lengths_b, key).tokens  # noqa: E731
-  hf_call = _transformers_generate(
+  hf_call = transformers_generate(
     folder, tokens_bp, lengths_b, pad_id=tok.pad_id, dtype=g.dtype, new_tokens=g.new_tokens
   )
   generated = g.prompts * g.new_tokens
