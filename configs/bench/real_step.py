@@ -12,7 +12,8 @@ step each; generation as configs/bench/real_model.py measures it (32 chat prompt
 tokens) in float32 and bfloat16, knitjax's sampler, transformers' ``generate`` and vLLM's CPU
 build, 3 rounds. TRL and transformers need the ``[peers]`` extra; vLLM runs in a venv of its own,
 ``vllm_python`` (empty: its rows say not installed). ``:quick``: 2 prompts x 2 samples, 8 new
-tokens, 2 x 4 greedy tokens, the layers in one scan, 1 round, still the real weights.
+tokens, 2 x 4 greedy tokens in float32, the layers in one scan, 1 round, still the real
+weights.
 """
 
 import ml_collections
@@ -31,7 +32,7 @@ def get_config(arg=None):
   if arg == "quick":
     c.rounds = 1
     c.step.update(prompts=2, group_size=2, new_tokens=8, scan_layers=True)
-    c.generation.update(prompts=2, new_tokens=4)
+    c.generation.update(prompts=2, new_tokens=4, dtypes=("float32",))  # one sampler compile
     c.ceiling = dict(size=256, calls=2)
   elif arg not in (None, ""):
     raise ValueError(f"unknown variant {arg!r} of configs/bench/real_step.py; choose: quick.")
