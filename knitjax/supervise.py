@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 
+MAIN = "knitjax.main"
 GRACE_S = 120.0  # how long the survivors of a lost process get to stop by themselves
 
 
@@ -61,9 +62,9 @@ def _checkpoints(workdir: str) -> list[int]:
   return sorted(int(n) for n in os.listdir(folder) if n.isdigit())
 
 
-def start(args: list[str], processes: int) -> list[subprocess.Popen]:
-  """Starts one run of `knitjax.main` with ``args`` as ``processes`` processes on this machine."""
-  cmd = [sys.executable, "-m", "knitjax.main", *args]
+def start(args: list[str], processes: int, module: str = MAIN) -> list[subprocess.Popen]:
+  """Starts one run of ``python -m MODULE ARGS`` as ``processes`` processes on this machine."""
+  cmd = [sys.executable, "-m", module, *args]
   if processes == 1:
     return [subprocess.Popen(cmd)]
   address = f"127.0.0.1:{_free_port()}"
@@ -88,11 +89,13 @@ def wait(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> list[int]:
     time.sleep(0.2)
 
 
-def supervise(args: list[str], processes: int, *, max_restarts: int = 3) -> int:
-  """Runs the trainer, restarting it on the processes left after each loss; its exit code."""
+def supervise(args: list[str], processes: int, *, max_restarts: int = 3, module: str = MAIN) -> int:
+  """Runs the trainer (``python -m MODULE ARGS``: `knitjax.main` or an entry point that wraps
+  it, such as ``lab.batch_dump``), restarting it on the processes left after each loss; returns
+  its exit code."""
   workdir, restarts = _workdir(args), 0
   while True:
-    procs = start(args, processes)
+    procs = start(args, processes, module)
     try:
       codes = wait(procs)
     except BaseException:  # Ctrl-C or SIGTERM of the supervisor: the trainer stops with it
