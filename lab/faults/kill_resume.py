@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 
 from knitjax import faultpoints
-from lab import REPO, local_processes
+from lab import REPO, local_processes, without_device_count
 
 # Small runs that checkpoint every step, so that a kill anywhere has something to resume from:
 # (config file, variant, overrides), given to `knitjax.main` as flags.
@@ -90,7 +90,7 @@ _DISAGG_SHAPE = (
 RUNS.update(
   shape_2to1=_DISAGG_SHAPE,
   shape_1to2=_DISAGG_SHAPE,
-  devices_2to4=("configs/arith_tiny.py", "quick", {"loop.steps": 4, "checkpoint.every_steps": 1}),
+  devices_2to4=RUNS["colocated"],
 )
 # Resume on another shape: ((trainer processes, CPU devices each) before, the same after).
 SHAPES = {
@@ -295,7 +295,8 @@ def _launch_shape(args, workdir, shape, dumps, kill: str = ""):
       args, workdir, [{k: v for k, v in e.items() if v} for e in envs], module="lab.batch_dump"
     )
   cmd = [sys.executable, "-m", "lab.batch_dump", *args, f"--workdir={workdir}"]
-  p = subprocess.run(cmd, cwd=REPO, env=_env(envs[0]), capture_output=True, text=True, timeout=900)
+  env = without_device_count(_env(envs[0]))  # the config's cpu_devices, not this process's
+  p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   return [(p.returncode, p.stderr)]
 
 
