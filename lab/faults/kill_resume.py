@@ -345,7 +345,11 @@ def _supervise(args: list[str], workdir: str, processes: int = 2) -> subprocess.
   cmd = [sys.executable, "-m", "knitjax.supervise", f"--processes={processes}", "--", *args]
   err = open(os.path.join(workdir, "supervisor.stderr"), "w")  # noqa: SIM115 (kept by the child)
   return subprocess.Popen(
-    [*cmd, f"--workdir={workdir}"], cwd=REPO, env=_env({}), stdout=subprocess.DEVNULL, stderr=err
+    [*cmd, f"--workdir={workdir}"],
+    cwd=REPO,
+    env=without_device_count(_env({})),  # each process takes the config's cpu_devices
+    stdout=subprocess.DEVNULL,
+    stderr=err,
   )
 
 
