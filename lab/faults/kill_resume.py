@@ -376,11 +376,15 @@ def run_supervised(workdir: str, log=print) -> dict:
   metrics = os.path.join(wd, "metrics.jsonl")
   t0 = time.time()
   sup = _supervise(args, wd)
-  problems, t_kill, t_first, restored = [], None, None, None
+  problems, t_kill, t_restart, t_first, restored, cut = [], None, None, None, None, False
   try:
     deadline = time.time() + 900
     while time.time() < deadline and sup.poll() is None:
-      rows = _jsonl(metrics)
+      try:
+        rows = _jsonl(metrics)
+      except ValueError:  # a line being written; read it at the next poll
+        time.sleep(0.05)
+        continue
       if t_kill is None and rows and rows[-1]["step"] >= SUPERVISED_KILL_AFTER:
         pid = _trainer_pid(sup.pid, 1)
         if pid is not None:
@@ -391,7 +395,10 @@ def run_supervised(workdir: str, log=print) -> dict:
           said = [line for line in f if "restart 1 of" in line]
         if said:
           restored = int(said[0].split("from checkpoint ")[1].split()[0])
-      elif restored is not None and any(r["step"] == restored + 1 for r in rows):
+          t_restart = time.time()
+      elif restored is not None and not cut:
+        cut = not rows or rows[-1]["step"] <= restored  # the restarted run cut the log back
+      elif cut and any(r["step"] == restored + 1 for r in rows):
         t_first = time.time()
         break
       time.sleep(0.05)
@@ -417,6 +424,7 @@ def run_supervised(workdir: str, log=print) -> dict:
     "problems": problems,
     "restart_lines": restarts,
     "restored_checkpoint": restored,
+    "seconds_kill_to_restart": None if t_restart is None else t_restart - t_kill,
     "seconds_kill_to_first_step": None if t_first is None else t_first - t_kill,
     "wall_s": wall,
     "wall_s_unkilled": ref_wall,
