@@ -408,7 +408,10 @@ def run_supervised(workdir: str, log=print) -> dict:
       sup.kill()
   wall = time.time() - t0
   with open(os.path.join(wd, "supervisor.stderr")) as f:
-    restarts = [line.strip() for line in f if "knitjax.supervise: restart" in line]
+    err = f.read()
+  restarts = [line.strip() for line in err.splitlines() if "knitjax.supervise: restart" in line]
+  if "Traceback (most recent call last)" in err:
+    problems.append("a trainer process stopped with a traceback, not one sentence")
   if ref_code != 0:
     problems.append(f"the unkilled supervised run exited {ref_code}")
   if t_kill is None:
