@@ -5,8 +5,9 @@
 It starts the ``--processes`` trainer processes of one ``--distributed`` run of `knitjax.main` on
 this machine (coordinator on a free loopback port; one process runs without ``--distributed``)
 and waits for them. A process killed by SIGKILL (``kill -9``, the kernel's OOM killer) is lost;
-the survivors stop by themselves in one sentence (`knitjax.distributed.coordination.PulseWatch`, or
-JAX's runtime when process 0 is lost). The supervisor then starts the run again, same flags, on
+the supervisor stops the survivors at once with SIGTERM (each says so in one line; left alone
+they would stop by themselves in one sentence once the lost one's pulse has been silent for 30 s,
+`knitjax.distributed.coordination.PulseWatch`). It then starts the run again, same flags, on
 the processes left: it resumes from its newest checkpoint on another shape (fewer processes,
 fewer devices; `knitjax.train.checkpoint` reshards on restore), with one log line per restart
 and at most ``--max_restarts`` restarts. A run that stops without losing a process (a config
@@ -73,20 +74,29 @@ def start(args: list[str], processes: int, module: str = MAIN) -> list[subproces
 
 
 def wait(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> list[int]:
-  """Every process's exit code. Once one fails, the others get ``grace_s`` to stop by themselves
-  (they do, in one sentence), then are killed."""
-  deadline = None
+  """Every process's exit code. Once one is lost (SIGKILL), the others get SIGTERM at once:
+  they could only stop by themselves after the lost one's pulse has been silent for 30 s, and
+  SIGTERM stops each in one line (``stopped by SIGTERM after step N; ...``) as soon as it
+  leaves the collective the loss broke. Once one fails otherwise, the others get ``grace_s`` to
+  stop by themselves (they do, in one sentence). Past ``grace_s`` the rest are killed."""
+  deadline, told = None, False
   while True:
     codes = [p.poll() for p in procs]
     if all(c is not None for c in codes):
       return codes
+    if not told and -signal.SIGKILL in codes:
+      told = True
+      for p in procs:
+        if p.poll() is None:
+          with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
     if deadline is None and any(c not in (None, 0) for c in codes):
       deadline = time.monotonic() + grace_s
     if deadline is not None and time.monotonic() > deadline:
       for p in procs:
         if p.poll() is None:
           p.kill()
-    time.sleep(0.2)
+    time.sleep(0.1)
 
 
 def supervise(args: list[str], processes: int, *, max_restarts: int = 3, module: str = MAIN) -> int:

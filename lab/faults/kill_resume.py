@@ -309,7 +309,7 @@ def run_shape(workdir: str, mode: str, log=print) -> dict:
   dumps = [os.path.join(workdir, mode, f"batches.{k}") for k in (1, 2)]
   t0 = time.time()
   first = _launch_shape(args, wd, before, dumps[0], kill=SHAPE_KILL)
-  problems = []
+  problems, figures = [], {}
   if first[0][0] != -signal.SIGKILL:
     problems.append(f"process 0 was not killed as planned (exit {first[0][0]})")
   t1 = time.time()
@@ -327,9 +327,14 @@ def run_shape(workdir: str, mode: str, log=print) -> dict:
       if [r["step"] for r in rows] != list(range(1, steps + 1)):
         problems.append(f"metrics steps {[r['step'] for r in rows]}")
     if not problems:
-      problems += compare_replay(wd, run, dumps, before, after)
+      more, figures = compare_replay(wd, run, dumps, before, after)
+      problems += more
+      ids = [g for c in _jsonl(os.path.join(wd, "consumed.jsonl")) for g in c["group_ids"]]
+      if ids:  # disaggregated: each group consumed once
+        figures.update(groups_consumed=len(ids), distinct=len(set(ids)))
   ok = not problems
   trial = {
+    **figures,
     "before": before,
     "after": after,
     "ok": ok,
@@ -493,8 +498,9 @@ def replay_params(run, dumps: list[str], shapes, resumed_at: int, total: int):
   return state, learner
 
 
-def compare_replay(workdir: str, run, dumps: list[str], before, after) -> list[str]:
-  """The resumed run's final parameters against `replay_params`' (rtol 1e-5)."""
+def compare_replay(workdir: str, run, dumps: list[str], before, after) -> tuple[list, dict]:
+  """The resumed run's final train state (parameters and optimizer state) against
+  `replay_params`' (rtol 1e-5, atol 1e-6): ``(problems, figures)``."""
   import jax
 
   from knitjax.train.checkpoint import Checkpointer
@@ -503,21 +509,19 @@ def compare_replay(workdir: str, run, dumps: list[str], before, after) -> list[s
   second = {int(f.split("-")[0]) for f in os.listdir(dumps[1]) if f.endswith(".npz")}
   resumed_at = min(second) if second else steps
   if resumed_at == 0:
-    return ["the resumed run started from step 0: no checkpoint was restored"]
+    return ["the resumed run started from step 0: no checkpoint was restored"], {}
   state, learner = replay_params(run, dumps, (before, after), resumed_at, steps)
   ckpt = Checkpointer(workdir)
   restored, _ = ckpt.restore(state)
   ckpt.close()
-  got = jax.tree.leaves(jax.device_get(restored.params))
-  want = jax.tree.leaves(jax.device_get(state.params))
-  worst = max(
-    float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))) for a, b in zip(got, want, strict=True)
-  )
-  ok = all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want, strict=True))
   learner.close()
-  if ok:
-    return []
-  return [f"final params differ from the replay (resumed at step {resumed_at}): rel {worst:.2e}"]
+  pairs = list(zip(*(jax.tree.leaves(jax.device_get(x)) for x in (restored, state)), strict=True))
+  pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64)) for a, b in pairs]
+  worst = max(float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6), initial=0.0)) for a, b in pairs)
+  figures = {"resumed_at_step": resumed_at, "arrays": len(pairs), "max_rel_diff": worst}
+  if all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs):
+    return [], figures
+  return [f"final train state differs from the replay (resumed at step {resumed_at})"], figures
 
 
 def _jsonl(path: str) -> list[dict]:
