@@ -5,9 +5,10 @@
 It starts the ``--processes`` trainer processes of one ``--distributed`` run of `knitjax.main` on
 this machine (coordinator on a free loopback port; one process runs without ``--distributed``)
 and waits for them. A process killed by SIGKILL (``kill -9``, the kernel's OOM killer) is lost;
-the supervisor stops the survivors at once with SIGTERM (each says so in one line; left alone
-they would stop by themselves in one sentence once the lost one's pulse has been silent for 30 s,
-`knitjax.distributed.coordination.PulseWatch`). It then starts the run again, same flags, on
+the supervisor kills the survivors at once (left alone they would stop by themselves, in one
+sentence, once the lost one's pulse has been silent for 30 s:
+`knitjax.distributed.coordination.PulseWatch`; see `wait`). It then starts the run again, same
+flags, on
 the processes left: it resumes from its newest checkpoint on another shape (fewer processes,
 fewer devices; `knitjax.train.checkpoint` reshards on restore), with one log line per restart
 and at most ``--max_restarts`` restarts. A run that stops without losing a process (a config
@@ -33,7 +34,7 @@ import sys
 import time
 
 MAIN = "knitjax.main"
-GRACE_S = 120.0  # how long the survivors of a lost process get to stop by themselves
+GRACE_S = 120.0  # how long the others get to stop by themselves after a failure that is no loss
 
 
 def _log(line: str) -> None:
@@ -73,28 +74,30 @@ def start(args: list[str], processes: int, module: str = MAIN) -> list[subproces
   return [subprocess.Popen([*cmd, f"--process_id={k}"]) for k in range(processes)]
 
 
-def wait(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> list[int]:
-  """Every process's exit code. Once one is lost (SIGKILL), the others get SIGTERM at once:
-  they could only stop by themselves after the lost one's pulse has been silent for 30 s, and
-  SIGTERM stops each in one line (``stopped by SIGTERM after step N; ...``) as soon as it
-  leaves the collective the loss broke. Once one fails otherwise, the others get ``grace_s`` to
-  stop by themselves (they do, in one sentence). Past ``grace_s`` the rest are killed."""
-  deadline, told = None, False
+def wait(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> tuple[list[int], set[int]]:
+  """Every process's exit code, and the indices of those the supervisor killed.
+
+  Once one is lost (SIGKILL), the others are killed at once: they cannot take another step (the
+  mesh lost a process), a kill anywhere is survived (the run resumes from its checkpoint), and
+  left alone they would stop only once the lost one's pulse has been silent for 30 s (SIGTERM
+  does not help: a survivor is blocked in the collective the loss broke, or in orbax's wait for
+  a save that needs the lost process, and orbax logs the interrupted wait with a stack trace).
+  Once one fails otherwise, the others get ``grace_s`` to stop by themselves (they do, in one
+  sentence); past it they are killed.
+  """
+  deadline, ours = None, set()
   while True:
     codes = [p.poll() for p in procs]
     if all(c is not None for c in codes):
-      return codes
-    if not told and -signal.SIGKILL in codes:
-      told = True
-      for p in procs:
-        if p.poll() is None:
-          with contextlib.suppress(ProcessLookupError):
-            p.send_signal(signal.SIGTERM)
+      return codes, ours
+    now = time.monotonic()
+    lost = any(c == -signal.SIGKILL for k, c in enumerate(codes) if k not in ours)
     if deadline is None and any(c not in (None, 0) for c in codes):
-      deadline = time.monotonic() + grace_s
-    if deadline is not None and time.monotonic() > deadline:
-      for p in procs:
+      deadline = now + grace_s
+    if lost or (deadline is not None and now > deadline):
+      for k, p in enumerate(procs):
         if p.poll() is None:
+          ours.add(k)
           p.kill()
     time.sleep(0.1)
 
@@ -107,7 +110,7 @@ def supervise(args: list[str], processes: int, *, max_restarts: int = 3, module:
   while True:
     procs = start(args, processes, module)
     try:
-      codes = wait(procs)
+      codes, ours = wait(procs)
     except BaseException:  # Ctrl-C or SIGTERM of the supervisor: the trainer stops with it
       for p in procs:
         with contextlib.suppress(ProcessLookupError):
@@ -117,7 +120,7 @@ def supervise(args: list[str], processes: int, *, max_restarts: int = 3, module:
       raise
     if all(c == 0 for c in codes):
       return 0
-    lost = [k for k, c in enumerate(codes) if c == -signal.SIGKILL]
+    lost = [k for k, c in enumerate(codes) if c == -signal.SIGKILL and k not in ours]
     if not lost:  # stopped without a loss: the processes said why; rerunning would not help
       return next(c for c in codes if c != 0) if all(c >= 0 for c in codes) else 1
     left = max(1, processes - len(lost))
