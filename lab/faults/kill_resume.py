@@ -10,8 +10,8 @@ a disaggregated trainer of two processes (``--distributed``,
 and 1 in turn (the other must stop with one sentence, and both resume), and one more kills a
 rollout actor's process mid-run (survived: Ray replaces it, its groups are generated again).
 
-The shape modes (`SHAPES`: ``shape_2to1``, ``shape_1to2``, ``devices_2to4``) resume on another
-shape: a run of one shape (trainer processes x CPU devices each) is killed mid-run (process 0 at
+The shape modes (`SHAPES`: ``shape_2to1``, ``shape_1to2``, ``devices_2to4``, ``colocated_2to1``)
+resume on another shape: a run of one shape (trainer processes x CPU devices each) is killed mid-run (process 0 at
 its fifth update, after a checkpoint) and resumed by the same command with another number of
 processes or devices. Every process dumps its shards of each train batch (`lab.batch_dump`); the
 check replays those batches from the same initial state in this process, on the first shape's
@@ -91,12 +91,14 @@ RUNS.update(
   shape_2to1=_DISAGG_SHAPE,
   shape_1to2=_DISAGG_SHAPE,
   devices_2to4=RUNS["colocated"],
+  colocated_2to1=RUNS["colocated"],  # no Ray: the quickest change of the process count
 )
 # Resume on another shape: ((trainer processes, CPU devices each) before, the same after).
 SHAPES = {
   "shape_2to1": ((2, 1), (1, 1)),
   "shape_1to2": ((1, 1), (2, 1)),
   "devices_2to4": ((1, 2), (1, 4)),
+  "colocated_2to1": ((2, 1), (1, 1)),
 }
 RUNS["supervised"] = (
   "configs/arith_disagg.py",
