@@ -1,8 +1,8 @@
 """``python -m lab.faults --workdir DIR``: the fault suite; writes ``DIR/faults.json``.
 
 Parts (``--parts``): ``kill`` (SIGKILL at fault points and resume, both runtime modes; with
-``--kill_modes`` also a resume on another shape, ``shape_2to1``, ``shape_1to2``, ``devices_2to4``, ``colocated_2to1``,
-and the supervisor's failover, ``supervised``), ``actors``
+``--kill_modes`` also a resume on another shape, ``shape_2to1``, ``shape_1to2``,
+``devices_2to4``, ``colocated_2to1``, and the supervisor's failover, ``supervised``), ``actors``
 (a Ray storage unit and a rollout actor killed mid-run), ``inputs`` (generated bad inputs: configs
 and their extremes, payloads, records, prompt files, checkpoints, hostile model folders),
 ``entry_points`` (every command fed a hostile command line), ``workdir`` (two runs on one workdir,
