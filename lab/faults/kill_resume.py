@@ -14,11 +14,12 @@ The shape modes (`SHAPES`: ``shape_2to1``, ``shape_1to2``, ``devices_2to4``, ``c
 resume on another shape: a run of one shape (trainer processes x CPU devices each) is killed
 mid-run (process 0 at its fifth update, after a checkpoint) and resumed by the same command with
 another number of processes or devices. Every process dumps its shards of each train batch
-(`lab.batch_dump`); the check replays those batches from the same initial state in this process, on the first shape's
-mesh up to the restored checkpoint and on the second's after it (`replay_params`), and the
-resumed run's final parameters must equal the replay's (rtol 1e-5): parameters and optimizer
-state survived the reshard, and the run trained on exactly the logged mini-batches. A
-disaggregated run must also keep conservation by group id (`check_disaggregated`).
+(`lab.batch_dump`); the check replays those batches from the same initial state in this
+process, on the first shape's mesh up to the restored checkpoint and on the second's after it
+(`replay_params`), and the resumed run's final train state (parameters and optimizer state) must
+equal the replay's (rtol 1e-5, atol 1e-6): the state survived the reshard, and the run trained
+on exactly the mini-batches it logged. A disaggregated run must also keep conservation by group
+id (`check_disaggregated`).
 
 ``supervised`` is a failover: a two-process trainer started by `knitjax.supervise`, trainer
 process 1 killed with SIGKILL after step `SUPERVISED_KILL_AFTER`; the supervisor must restart
