@@ -45,7 +45,8 @@ _LAYOUT = "_layout"
 
 def layout(state: Any) -> dict[str, int]:
   """The layout of ``state``: this run's processes, and the devices its arrays are spread over."""
-  sets = [leaf.sharding.device_set for leaf in jax.tree.leaves(state) if hasattr(leaf, "sharding")]
+  shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(state)]
+  sets = [s.device_set for s in shardings if s is not None]
   return {"processes": jax.process_count(), "devices": max(map(len, sets), default=1)}
 
 

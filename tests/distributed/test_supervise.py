@@ -7,9 +7,17 @@ with its figures in docs/reliability.md.
 
 import os
 
+import pytest
+
 from knitjax import supervise
 
 FAKE = "tests.distributed.fake_trainer"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+  monkeypatch.chdir(REPO)  # the stand-in is started as `python -m tests.distributed...`
 
 
 def _run(tmp_path, plan: str, processes: int, max_restarts: int = 3):
@@ -57,8 +65,6 @@ def test_a_run_that_stops_without_a_loss_is_not_restarted(tmp_path, capfd):
 
 
 def test_the_command_line_is_checked_in_one_sentence(capsys):
-  import pytest
-
   for argv in (["--processes=2"], ["--processes=0", "--", "--workdir=/tmp/x"]):
     with pytest.raises(SystemExit):
       supervise.main(argv)
