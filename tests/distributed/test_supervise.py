@@ -1,6 +1,7 @@
 """`knitjax.supervise`: restarts on the processes left after a loss, with a limit, a line each.
 
-These run a stand-in trainer (tests/distributed/fake_trainer.py); the real failover (a
+Most run a stand-in trainer (tests/distributed/fake_trainer.py); the last, a real two-process run
+without Ray (about 30 s). The measured failover (a
 two-process trainer, process 1 killed mid-run) is the fault suite's ``supervised`` kill mode,
 with its figures in docs/reliability.md.
 """
@@ -71,3 +72,19 @@ def test_the_command_line_is_checked_in_one_sentence(capsys):
   with pytest.raises(SystemExit):
     supervise.main(["--processes=2", "--", "--workdir=/tmp/x", "--distributed"])
   assert "are the supervisor's to set" in capsys.readouterr().err
+
+
+def test_a_real_two_process_run_finishes_by_itself_after_a_kill(tmp_path):
+  # Two trainer processes of the colocated kill run (no Ray), process 1 killed with SIGKILL
+  # after step 2: the supervisor restarts the run on one process, which resumes from the
+  # newest checkpoint on another shape and logs every step once.
+  from lab.faults import kill_resume
+
+  result = kill_resume.run_supervised(
+    str(tmp_path), log=lambda _: None, run=kill_resume.RUNS["colocated"], kill_after=2,
+    reference=False,
+  )  # fmt: skip
+  (trial,) = result["trials"]
+  assert trial["problems"] == [], trial
+  assert trial["restart_lines"][0].endswith("on 1 process.")
+  assert trial["seconds_kill_to_restart"] < 5  # seen at once, not after the 30 s pulse silence
