@@ -1,9 +1,9 @@
 """`knitjax.supervise`: restarts on the processes left after a loss, with a limit, a line each.
 
-Most run a stand-in trainer (tests/distributed/fake_trainer.py); the last, a real two-process run
-without Ray (about 30 s). The measured failover (a
-two-process trainer, process 1 killed mid-run) is the fault suite's ``supervised`` kill mode,
-with its figures in docs/reliability.md.
+Most run a stand-in trainer (tests/distributed/fake_trainer.py); the last is a real two-process
+run without Ray (about 30 s). The measured failover (a two-process disaggregated trainer, process
+1 killed mid-run) is the fault suite's ``supervised`` kill mode, with its figures in
+docs/reliability.md.
 """
 
 import os
