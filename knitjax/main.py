@@ -133,10 +133,13 @@ def main(argv, *, on_batch=None):
   except (ValueError, FileNotFoundError, TimeoutError) as e:
     sys.exit(f"error: {e}")
   except Exception as e:
-    from knitjax.distributed.coordination import peer_left, said
+    from knitjax.distributed.coordination import PULSE_S, SILENCE_S, peer_left, said
     from knitjax.distributed.local_ray import ray_failure
 
-    if sentence := peer_left():  # a collective failed because another process stopped
+    # A collective failed because another process stopped; one killed outright is named by the
+    # pulse watch once its silence is long enough (it then ends this process in one sentence).
+    failed_collective = isinstance(e, jax.errors.JaxRuntimeError)
+    if sentence := peer_left(wait_s=SILENCE_S + 5 * PULSE_S if failed_collective else 0.0):
       sys.exit(f"error: {said(sentence)}")
     if sentence := ray_failure(e):  # an actor or node of the run's Ray cluster is gone
       sys.exit(f"error: {sentence} {stopped_how()}")

@@ -23,8 +23,7 @@ def train(
 
   ``config_name`` (the config's file and variant, ``configs/arith_tiny.py:quick``) titles the
   reward plot. ``on_step(step, metrics)`` runs after each train step; ``on_batch(mini-batch,
-  train batch)`` in each process of a trainer of several processes, for each mini-batch it
-  prepared.
+  train batch)`` in each process before each update, with that process's shards of the batch.
 
   Raises:
     ValueError: one step needs more memory than this machine has
@@ -46,14 +45,18 @@ def train(
 
     check_one_run(config, workdir)
   with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
-    topology = choose(config, workdir=_local(workdir), on_batch=on_batch)
+    topology = choose(config, workdir=_local(workdir))
     if config.topology.mode == "colocated":
       from knitjax.runtime import colocated
 
-      return colocated.run(config, workdir, topology, on_step=on_step, config_name=config_name)
+      return colocated.run(
+        config, workdir, topology, on_step=on_step, on_batch=on_batch, config_name=config_name
+      )
     from knitjax.runtime import disaggregated
 
-    return disaggregated.run(config, workdir, topology, on_step=on_step, config_name=config_name)
+    return disaggregated.run(
+      config, workdir, topology, on_step=on_step, on_batch=on_batch, config_name=config_name
+    )
 
 
 def _local(workdir: str) -> str:

@@ -33,7 +33,7 @@ PACKAGES = ("knitjax", "lab")
 #   7  distribution: where things run (the topologies), Ray rollout actors and storage units,
 #      the trainer's processes, weights out of a mesh that spans processes. The loops declare
 #      the Topology protocol they take (runtime/loop.py) and never import this layer.
-#   8  entry points: main, run (the one library call), eval, export, chat, cli, scale.
+#   8  entry points: main, run (the one library call), eval, export, chat, cli, scale, supervise.
 #   9  the lab: benchmarks, the fault suite, the emulated cluster, local launchers, scripts.
 LAYERS = (
   (
@@ -67,6 +67,7 @@ LAYERS = (
     "knitjax.chat",
     "knitjax.cli",
     "knitjax.scale",
+    "knitjax.supervise",
   ),
   ("lab.*",),
 )

@@ -147,19 +147,29 @@ def _left_sentence(k: int) -> str:
   )
 
 
-def peer_left() -> str | None:
+def peer_left(wait_s: float = 0.0) -> str | None:
   """The sentence naming another process of this run that stopped before its last step, else
   None: an error of this process's (a collective whose peer went away) is then that, and the
-  entry point says so instead of a stack trace."""
+  entry point says so instead of a stack trace.
+
+  ``wait_s``: how long to wait for a verdict. A process killed outright (SIGKILL) leaves no mark,
+  and a collective with it fails at once ("Connection reset by peer") while the pulse watch
+  names it only after ``SILENCE_S``: waiting that long lets the watch end this process with its
+  one sentence (exit 1) instead of the collective's stack trace.
+  """
   if jax.process_count() < 2:
     return None
   store = jax_compat.key_value_store()
-  for k in range(jax.process_count()):
-    if k != jax.process_index() and store is not None:
-      with contextlib.suppress(Exception):
-        if store.try_get(f"{_PREFIX}left/{k}") is not None:
-          return _left_sentence(k)
-  return None
+  deadline = time.monotonic() + wait_s
+  while True:
+    for k in range(jax.process_count()):
+      if k != jax.process_index() and store is not None:
+        with contextlib.suppress(Exception):
+          if store.try_get(f"{_PREFIX}left/{k}") is not None:
+            return _left_sentence(k)
+    if time.monotonic() >= deadline:
+      return None
+    time.sleep(PULSE_S)
 
 
 _said: set[str] = set()  # sentences the entry point already printed (not printed twice)

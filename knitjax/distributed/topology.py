@@ -27,20 +27,17 @@ from knitjax.config import Config
 from knitjax.runtime.loop import Topology
 
 
-def choose(config: Config, *, workdir: str = "", on_batch=None) -> Topology:
+def choose(config: Config, *, workdir: str = "") -> Topology:
   """The topology ``config.topology`` (with ``jax.process_count()``) describes.
 
   ``workdir``: the run's; a local Ray started for it authenticates with a token kept there
   (`knitjax.distributed.local_ray`). Empty: the user's Ray token.
-
-  ``on_batch``: a trainer of several processes calls it in each process with ``(mini-batch,
-  train batch)`` for each mini-batch that process prepared (tests replay the global batch).
   """
   t = config.topology
   if jax.process_count() > 1 and t.mode == "disaggregated":
     from knitjax.distributed.trainer_processes import TrainerProcesses
 
-    return TrainerProcesses(config, workdir=workdir, on_batch=on_batch)
+    return TrainerProcesses(config, workdir=workdir)
   if t.rollout_workers:
     from knitjax.distributed.ray_workers import RayWorkers
 

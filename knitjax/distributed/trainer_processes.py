@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 
 import jax
 
@@ -60,8 +59,6 @@ class PlanBook:
     start_step: the first train step this run consumes (a resumed run's).
     locality_slack: see :func:`knitjax.transfer.consumer.plan_consumers`.
     timeout_s: how long a follower waits for the next announcement.
-    on_batch: called with ``(mini-batch, train batch)`` for each mini-batch this process
-      prepared, before its update (tests replay the global batch from every process's shards).
   """
 
   def __init__(
@@ -72,7 +69,6 @@ class PlanBook:
     start_step: int,
     locality_slack: float,
     timeout_s: float = PLAN_TIMEOUT_S,
-    on_batch: Callable[[MiniBatch, dict], None] | None = None,
   ):
     self.process, self.processes = jax.process_index(), jax.process_count()
     self._m, self._slack, self._timeout = minibatches, locality_slack, timeout_s
@@ -80,7 +76,6 @@ class PlanBook:
     self._plans: dict[tuple[int, int], ConsumerPlan] = {}  # announced or heard, not fetched
     self._used: dict[tuple[int, int], ConsumerPlan] = {}  # fetched, not yet recorded
     self._waited = 0.0
-    self._on_batch = on_batch
     name = f"fetched.p{self.process}.jsonl"
     path = wd.path(workdir, name)
     rows = wd.read_rows(path)
@@ -142,8 +137,6 @@ class PlanBook:
     mb = prepared.minibatch
     payload_bytes = prepared.info.get("fetched_bytes", 0.0)
     plan = self._used.pop((mb.step, mb.index))
-    if self._on_batch is not None:
-      self._on_batch(mb, prepared.batch)
     self._log.write(
       {
         "step": plan.step,
@@ -245,9 +238,9 @@ class TrainerProcesses:
   a process lost at any point ends the others with one sentence.
   """
 
-  def __init__(self, config, *, workdir: str = "", on_batch: Callable | None = None):
+  def __init__(self, config, *, workdir: str = ""):
     check_config(config)
-    self._n, self._on_batch, self._workdir = config.topology.rollout_workers, on_batch, workdir
+    self._n, self._workdir = config.topology.rollout_workers, workdir
     self.watch = PulseWatch()
     self.leader = jax.process_index() == 0
 
@@ -264,7 +257,6 @@ class TrainerProcesses:
       minibatches=config.admission.minibatches,
       start_step=start,
       locality_slack=config.pipeline.locality_slack,
-      on_batch=self._on_batch,
     )
     if self.leader:
       import ray

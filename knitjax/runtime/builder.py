@@ -375,10 +375,10 @@ def init_state(
 
 
 def build_learner(
-  config: Config, mesh, workdir: str, *, prompt_len: int = 0
+  config: Config, mesh, workdir: str, *, prompt_len: int = 0, on_batch=None
 ) -> tuple[nnx.GraphDef, Learner]:
   """The policy's graph definition and a Learner over its freshly initialised train state
-  (``prompt_len``: see `build_trainer`)."""
+  (``prompt_len``: see `build_trainer`; ``on_batch``: see `Learner`)."""
   graphdef, state, _, step, extra = init_state(config, mesh, prompt_len=prompt_len)
   lora_base = extra if config.model.lora_rank else None
   learner = Learner(
@@ -389,6 +389,7 @@ def build_learner(
     checkpointer=Checkpointer(workdir, keep=config.checkpoint.keep),
     every_steps=config.checkpoint.every_steps,
     mode=config.topology.mode,
+    on_batch=on_batch,
   )
   return graphdef, learner
 

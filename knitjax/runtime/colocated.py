@@ -32,6 +32,7 @@ def run(
   topology: loop.Topology,
   *,
   on_step: Callable[[int, dict], None] | None = None,
+  on_batch: Callable | None = None,
   config_name: str | None = None,
 ) -> dict:
   """Trains for ``config.loop.steps`` train steps, resuming from ``workdir`` if possible.
@@ -41,6 +42,7 @@ def run(
     workdir: where checkpoints, ``metrics.jsonl``, TensorBoard files and plots go.
     topology: where the rollout and its storage units are (`knitjax.distributed.topology`).
     on_step: called after each train step with ``(step, metrics)``.
+    on_batch: called with ``(mini-batch, train batch)`` before each update (`Learner`).
     config_name: the config's file and variant (``configs/arith_tiny.py:quick``), for the title
       of ``reward.png``.
 
@@ -49,7 +51,9 @@ def run(
   """
   mesh = builder.build_mesh(config)
   prompts = builder.build_prompts(config)
-  graphdef, learner = builder.build_learner(config, mesh, workdir, prompt_len=prompts.prompt_len)
+  graphdef, learner = builder.build_learner(
+    config, mesh, workdir, prompt_len=prompts.prompt_len, on_batch=on_batch
+  )
   rollout = topology.rollout(config, graphdef, mesh, prompts)
   admission = builder.build_admission(
     config, on_reject=lambda g: release_groups(rollout.storage, [g])

@@ -79,6 +79,7 @@ def run(
   topology: loop.Topology,
   *,
   on_step: Callable[[int, dict], None] | None = None,
+  on_batch: Callable | None = None,
   config_name: str | None = None,
 ) -> dict:
   """Trains for ``config.loop.steps`` train steps, resuming from ``workdir`` if possible.
@@ -89,6 +90,7 @@ def run(
     topology: where the rollout, its storage units and the trainer's processes are
       (`knitjax.distributed.topology.choose`).
     on_step: called after each train step with ``(step, metrics)``.
+    on_batch: called with ``(mini-batch, train batch)`` before each update (`Learner`).
     config_name: the config's file and variant (``configs/arith_tiny.py:quick``), for the title
       of ``reward.png``.
 
@@ -102,7 +104,7 @@ def run(
   )
   prompts = builder.build_prompts(config)
   graphdef, learner = builder.build_learner(
-    config, train_mesh, workdir, prompt_len=prompts.prompt_len
+    config, train_mesh, workdir, prompt_len=prompts.prompt_len, on_batch=on_batch
   )
   rollout = topology.rollout(config, graphdef, rollout_mesh, prompts)
   admission = None

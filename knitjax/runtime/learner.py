@@ -76,6 +76,8 @@ class Learner:
     checkpointer: where checkpoints go.
     every_steps: checkpoint cadence in train steps (the last step is always saved).
     mode: the runtime mode, recorded in checkpoints and checked on resume.
+    on_batch: called with ``(mini-batch, train batch)`` before each update, in every process
+      (this process's shards of the global batch), whatever the topology; None: nothing.
   """
 
   def __init__(
@@ -88,8 +90,10 @@ class Learner:
     checkpointer: Checkpointer,
     every_steps: int,
     mode: str,
+    on_batch: Callable[[MiniBatch, dict], None] | None = None,
   ):
     self.state = state
+    self._on_batch = on_batch
     extra = ref_params if frozen is None else frozen
     self._update = train_step if extra is None else lambda s, b: train_step(s, b, extra)
     self.frozen = frozen
@@ -142,6 +146,8 @@ class Learner:
 
   def consume(self, prepared: Prepared) -> dict[str, float]:
     """One optimizer update from a prepared mini-batch; returns its metrics (host floats)."""
+    if self._on_batch is not None:
+      self._on_batch(prepared.minibatch, prepared.batch)
     self.state, metrics = self._update(self.state, prepared.batch)
     metrics = host_metrics(metrics)  # waits for the update
     self.tracker.record(prepared.minibatch, consume_version=self.version)

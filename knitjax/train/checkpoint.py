@@ -12,6 +12,13 @@ unparseable metadata); the damaged folders are moved to
 ones. A checkpoint written by a different model is refused up front, naming the
 first array that differs, before orbax tries to restore onto this run's shapes.
 
+Resuming on another shape (another number of trainer processes or devices) is a restore onto
+this run's shardings: orbax reads each array's stored chunks into the target's shards, so the
+parameters and optimizer state are resharded as they load. The meta records the layout that
+wrote it (``_layout``: processes and devices); a restore onto another layout says so in one log
+line and records both in :attr:`Checkpointer.resharded`. The host run state is the same whatever
+the layout (process 0 writes it), so it carries over as it is.
+
 The workdir may be a cloud URL (``gs://bucket/run``): paths go through ``etils.epath`` (see
 :mod:`knitjax.workdir`), as orbax's own do.
 """
@@ -32,6 +39,20 @@ from knitjax import workdir as wd
 
 # Orbax's per-step metadata file; it writes it before the step folder is committed.
 _STEP_METADATA = "_CHECKPOINT_METADATA"
+# The meta key of the layout that wrote a checkpoint; kept here, never seen by the caller.
+_LAYOUT = "_layout"
+
+
+def layout(state: Any) -> dict[str, int]:
+  """The layout of ``state``: this run's processes, and the devices its arrays are spread over."""
+  shardings = [getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(state)]
+  sets = [s.device_set for s in shardings if s is not None]
+  return {"processes": jax.process_count(), "devices": max(map(len, sets), default=1)}
+
+
+def _describe(lay: dict) -> str:
+  p, d = lay.get("processes"), lay.get("devices")
+  return f"{p} process{'es' if p != 1 else ''} of {d} device{'s' if d != 1 else ''} in all"
 
 
 class Checkpointer:
@@ -40,12 +61,15 @@ class Checkpointer:
   Attributes:
     directory: ``workdir/checkpoints``, absolute if local (see :func:`knitjax.workdir.path`).
     restored_step: the step the last :meth:`restore` loaded (None before one).
+    resharded: ``(layout that wrote it, this layout)`` when the last restore loaded a
+      checkpoint written by another number of processes or devices, else None.
   """
 
   def __init__(self, workdir: str, *, keep: int = 2):
     self.directory = wd.path(workdir, "checkpoints")
     self.damaged_directory = wd.path(workdir, "checkpoints_damaged")
     self.restored_step: int | None = None
+    self.resharded: tuple[dict, dict] | None = None
     self._saving: tuple[int, int] | None = None  # (step, bytes of arrays) of the last save
     self._manager = ocp.CheckpointManager(
       self.directory,
@@ -74,7 +98,10 @@ class Checkpointer:
     with self._disk_full_named():
       saved = self._manager.save(
         step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          meta=ocp.args.JsonSave({**meta, _LAYOUT: layout(state)}),
+        ),
       )
     if not saved:  # orbax skips a step at or before its newest one without a word
       logging.warning(
@@ -117,9 +144,18 @@ class Checkpointer:
         self._set_aside(bad)
       if damaged:
         self._manager.reload()
-      logging.info("restored checkpoint %s", self.path(s))
+      state, meta = restored
+      written, here = meta.pop(_LAYOUT, None), layout(target)
       self.restored_step = s
-      return restored
+      self.resharded = (written, here) if written and written != here else None
+      if self.resharded:
+        logging.info(
+          "restored checkpoint %s, written by %s, resharded onto %s",
+          self.path(s), _describe(written), _describe(here),
+        )  # fmt: skip
+      else:
+        logging.info("restored checkpoint %s", self.path(s))
+      return state, meta
     listing = "; ".join(f"{self.path(s)} ({reason})" for s, reason in damaged)
     raise ValueError(
       f"no intact checkpoint to resume from in {self.directory}: {listing}; restore those "

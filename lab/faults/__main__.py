@@ -1,6 +1,8 @@
 """``python -m lab.faults --workdir DIR``: the fault suite; writes ``DIR/faults.json``.
 
-Parts (``--parts``): ``kill`` (SIGKILL at fault points and resume, both runtime modes), ``actors``
+Parts (``--parts``): ``kill`` (SIGKILL at fault points and resume, both runtime modes; with
+``--kill_modes`` also a resume on another shape, ``shape_2to1``, ``shape_1to2``,
+``devices_2to4``, ``colocated_2to1``, and the supervisor's failover, ``supervised``), ``actors``
 (a Ray storage unit and a rollout actor killed mid-run), ``inputs`` (generated bad inputs: configs
 and their extremes, payloads, records, prompt files, checkpoints, hostile model folders),
 ``entry_points`` (every command fed a hostile command line), ``workdir`` (two runs on one workdir,
@@ -43,7 +45,9 @@ _KILL_MODES = flags.DEFINE_list(
   "kill_modes",
   ["colocated", "disaggregated", "trainer_processes"],
   "Runtime modes of the kill-resume part (trainer_processes: two trainer processes and two Ray "
-  "rollout actors).",
+  "rollout actors; also shape_2to1, shape_1to2, devices_2to4, colocated_2to1: a resume on "
+  "another shape; "
+  "supervised: knitjax.supervise restarts a two-process run after a kill -9 of process 1).",
 )
 _EXAMPLES = flags.DEFINE_integer(
   "examples", 10_000, "Generated bad inputs (at least one per case of each kind is generated)."

@@ -9,6 +9,23 @@ a disaggregated trainer of two processes (``--distributed``,
 `knitjax.distributed.trainer_processes`) with two Ray rollout actors: trials kill trainer process 0
 and 1 in turn (the other must stop with one sentence, and both resume), and one more kills a
 rollout actor's process mid-run (survived: Ray replaces it, its groups are generated again).
+
+The shape modes (`SHAPES`: ``shape_2to1``, ``shape_1to2``, ``devices_2to4``, ``colocated_2to1``)
+resume on another shape: a run of one shape (trainer processes x CPU devices each) is killed
+mid-run (process 0 at its fifth update, after a checkpoint) and resumed by the same command with
+another number of processes or devices. Every process dumps its shards of each train batch
+(`lab.batch_dump`); the check replays those batches from the same initial state in this
+process, on the first shape's mesh up to the restored checkpoint and on the second's after it
+(`replay_params`), and the resumed run's final train state (parameters and optimizer state) must
+equal the replay's (rtol 1e-5, atol 1e-6): the state survived the reshard, and the run trained
+on exactly the mini-batches it logged. A disaggregated run must also keep conservation by group
+id (`check_disaggregated`).
+
+``supervised`` is a failover: a two-process trainer started by `knitjax.supervise`, trainer
+process 1 killed with SIGKILL after step `SUPERVISED_KILL_AFTER`; the supervisor must restart
+the run on the one process left, by itself, which must finish with the invariants held. It
+measures the seconds from the kill to the first step the restarted run logs and the wall time
+against an unkilled supervised run of the same command.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -26,7 +44,7 @@ from collections.abc import Callable
 import numpy as np
 
 from knitjax import faultpoints
-from lab import REPO, local_processes
+from lab import REPO, local_processes, without_device_count
 
 # Small runs that checkpoint every step, so that a kill anywhere has something to resume from:
 # (config file, variant, overrides), given to `knitjax.main` as flags.
@@ -60,6 +78,41 @@ RUNS = {
   ),
 }
 PROCESSES = {"trainer_processes": 2}  # trainer processes per run (--distributed); others: 1
+_DISAGG_SHAPE = (
+  "configs/arith_disagg.py",
+  "quick",
+  {
+    "loop.steps": 4,
+    "checkpoint.every_steps": 1,
+    "mesh.cpu_devices": 1,
+    "topology.rollout_workers": 1,  # a Ray rollout: a trainer of several processes needs one
+  },
+)
+RUNS.update(
+  shape_2to1=_DISAGG_SHAPE,
+  shape_1to2=_DISAGG_SHAPE,
+  devices_2to4=RUNS["colocated"],
+  colocated_2to1=RUNS["colocated"],  # no Ray: the quickest change of the process count
+)
+# Resume on another shape: ((trainer processes, CPU devices each) before, the same after).
+SHAPES = {
+  "shape_2to1": ((2, 1), (1, 1)),
+  "shape_1to2": ((1, 1), (2, 1)),
+  "devices_2to4": ((1, 2), (1, 4)),
+  "colocated_2to1": ((2, 1), (1, 1)),
+}
+RUNS["supervised"] = (
+  "configs/arith_disagg.py",
+  "quick",
+  {
+    "loop.steps": 12,
+    "checkpoint.every_steps": 1,
+    "mesh.cpu_devices": 1,
+    "topology.rollout_workers": 1,
+  },
+)
+SUPERVISED_KILL_AFTER = 4  # the step metrics.jsonl must show before trainer process 1 is killed
+SHAPE_KILL = "update:5"  # process 0, in the first train step after checkpoint 2 was started
 
 
 def _argv(run) -> list[str]:
@@ -233,6 +286,265 @@ def run_processes(workdir: str, mode: str, *, kills: int, rng, log=print) -> dic
   return {"ok": sum(t["ok"] for t in trials), "trials": trials, "points_passed": counts}
 
 
+def _launch_shape(args, workdir, shape, dumps, kill: str = ""):
+  """Runs ``args`` as a trainer of ``shape`` (processes, devices each) through `lab.batch_dump`
+  (each process's shards of every train batch into ``dumps``), ``kill`` armed in process 0.
+  Returns each process's ``(exit code, stderr)``."""
+  n, devices = shape
+  args = [*args, f"--config.mesh.cpu_devices={devices}", f"--dump_batches={dumps}"]
+  envs = [{"KNITJAX_KILL_AT": kill}] + [{}] * (n - 1)
+  if n > 1:
+    return local_processes.launch(
+      args, workdir, [{k: v for k, v in e.items() if v} for e in envs], module="lab.batch_dump"
+    )
+  cmd = [sys.executable, "-m", "lab.batch_dump", *args, f"--workdir={workdir}"]
+  env = without_device_count(_env(envs[0]))  # the config's cpu_devices, not this process's
+  p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  return [(p.returncode, p.stderr)]
+
+
+def run_shape(workdir: str, mode: str, log=print) -> dict:
+  """One resume on another shape (`SHAPES`; see the module docstring)."""
+  run = RUNS[mode]
+  before, after = SHAPES[mode]
+  args, steps = _argv(run), run[2]["loop.steps"]
+  wd = os.path.join(workdir, mode, "run")
+  dumps = [os.path.join(workdir, mode, f"batches.{k}") for k in (1, 2)]
+  t0 = time.time()
+  first = _launch_shape(args, wd, before, dumps[0], kill=SHAPE_KILL)
+  problems, figures = [], {}
+  if first[0][0] != -signal.SIGKILL:
+    problems.append(f"process 0 was not killed as planned (exit {first[0][0]})")
+  t1 = time.time()
+  second = _launch_shape(args, wd, after, dumps[1])
+  t2 = time.time()
+  if any(code != 0 for code, _ in second):
+    problems.append(f"resume failed: {[_last_line(e) for _, e in second]}")
+  else:
+    if before != after and "resharded onto" not in second[0][1]:
+      problems.append("the resumed run did not log the reshard of its checkpoint")
+    if run[0].endswith("arith_disagg.py"):
+      problems += check_disaggregated(wd, steps, run)
+    else:
+      rows = _jsonl(os.path.join(wd, "metrics.jsonl"))
+      if [r["step"] for r in rows] != list(range(1, steps + 1)):
+        problems.append(f"metrics steps {[r['step'] for r in rows]}")
+    if not problems:
+      more, figures = compare_replay(wd, run, dumps, before, after)
+      problems += more
+      ids = [g for c in _jsonl(os.path.join(wd, "consumed.jsonl")) for g in c["group_ids"]]
+      if ids:  # disaggregated: each group consumed once
+        figures.update(groups_consumed=len(ids), distinct=len(set(ids)))
+  ok = not problems
+  trial = {
+    **figures,
+    "before": before,
+    "after": after,
+    "ok": ok,
+    "problems": problems,
+    "seconds": [t1 - t0, t2 - t1],
+  }
+  log(f"[kill-resume] {mode}: {before} -> {after} -> {'ok' if ok else problems}")
+  return {"ok": int(ok), "trials": [trial]}
+
+
+def _supervise(args: list[str], workdir: str, processes: int = 2) -> subprocess.Popen:
+  os.makedirs(workdir, exist_ok=True)
+  cmd = [sys.executable, "-m", "knitjax.supervise", f"--processes={processes}", "--", *args]
+  err = open(os.path.join(workdir, "supervisor.stderr"), "w")  # noqa: SIM115 (kept by the child)
+  return subprocess.Popen(
+    [*cmd, f"--workdir={workdir}"],
+    cwd=REPO,
+    env=without_device_count(_env({})),  # each process takes the config's cpu_devices
+    stdout=subprocess.DEVNULL,
+    stderr=err,
+  )
+
+
+def _trainer_pid(supervisor: int, process_id: int) -> int | None:
+  import psutil
+
+  for child in psutil.Process(supervisor).children():
+    with_id = f"--process_id={process_id}"
+    if with_id in child.cmdline():
+      return child.pid
+  return None
+
+
+def run_supervised(
+  workdir: str, log=print, *, run=None, kill_after: int = SUPERVISED_KILL_AFTER, reference=True
+) -> dict:
+  """The ``supervised`` failover (see the module docstring): its figures and problems.
+
+  ``run``: another `RUNS` entry to supervise (a colocated one runs without Ray: the quick test);
+  ``reference``: also time an unkilled run of the same command first."""
+  run = RUNS["supervised"] if run is None else run
+  args, steps = _argv(run), run[2]["loop.steps"]
+  ref_code, ref_wall = 0, None
+  if reference:
+    t0 = time.time()
+    ref = _supervise(args, os.path.join(workdir, "supervised", "reference"))
+    ref_code = ref.wait(timeout=900)
+    ref_wall = time.time() - t0
+  wd = os.path.join(workdir, "supervised", "killed")
+  metrics = os.path.join(wd, "metrics.jsonl")
+  t0 = time.time()
+  sup = _supervise(args, wd)
+  problems, t_kill, t_restart, t_first, restored, cut = [], None, None, None, None, False
+  try:
+    deadline = time.time() + 900
+    while time.time() < deadline and sup.poll() is None:
+      try:
+        rows = _jsonl(metrics)
+      except ValueError:  # a line being written; read it at the next poll
+        time.sleep(0.05)
+        continue
+      if t_kill is None and rows and rows[-1]["step"] >= kill_after:
+        pid = _trainer_pid(sup.pid, 1)
+        if pid is not None:
+          os.kill(pid, signal.SIGKILL)
+          t_kill = time.time()
+      elif t_kill is not None and restored is None:
+        with open(os.path.join(wd, "supervisor.stderr")) as f:
+          said = [line for line in f if "restart 1 of" in line]
+        if said:
+          restored = int(said[0].split("from checkpoint ")[1].split()[0])
+          t_restart = time.time()
+      elif restored is not None and not cut:
+        cut = not rows or rows[-1]["step"] <= restored  # the restarted run cut the log back
+      elif cut and any(r["step"] == restored + 1 for r in rows):
+        t_first = time.time()
+        break
+      time.sleep(0.05)
+    code = sup.wait(timeout=max(1.0, deadline - time.time()))
+  finally:
+    if sup.poll() is None:
+      sup.kill()
+  wall = time.time() - t0
+  with open(os.path.join(wd, "supervisor.stderr")) as f:
+    err = f.read()
+  restarts = [line.strip() for line in err.splitlines() if "knitjax.supervise: restart" in line]
+  if "Traceback (most recent call last)" in err:
+    problems.append("a trainer process stopped with a traceback, not one sentence")
+  if ref_code != 0:
+    problems.append(f"the unkilled supervised run exited {ref_code}")
+  if t_kill is None:
+    problems.append("trainer process 1 was not found to kill")
+  if code != 0:
+    problems.append(f"the supervised run did not finish by itself (exit {code})")
+  if len(restarts) != 1:
+    problems.append(f"{len(restarts)} restart lines, not 1")
+  if not problems and run[0].endswith("arith_disagg.py"):
+    problems += check_disaggregated(wd, steps, run)
+  elif not problems:
+    rows = _jsonl(metrics)
+    if [r["step"] for r in rows] != list(range(1, steps + 1)):
+      problems.append(f"metrics steps {[r['step'] for r in rows]}")
+  result = {
+    "ok": int(not problems),
+    "problems": problems,
+    "restart_lines": restarts,
+    "restored_checkpoint": restored,
+    "seconds_kill_to_restart": None if t_restart is None else t_restart - t_kill,
+    "seconds_kill_to_first_step": None if t_first is None else t_first - t_kill,
+    "wall_s": wall,
+    "wall_s_unkilled": ref_wall,
+  }
+  log(f"[kill-resume] supervised: {json.dumps(result)}")
+  return {"ok": int(not problems), "trials": [result]}
+
+
+def _replay_batch(folder: str, step: int, index: int) -> dict[str, np.ndarray]:
+  """The global train batch of mini-batch (step, index), from every process's shards."""
+  import glob
+
+  out: dict[str, np.ndarray] = {}
+  for path in sorted(glob.glob(os.path.join(folder, f"{step}-{index}.p*.npz"))):
+    with np.load(path) as z:
+      for name in z.files:
+        key, n, *what = name.split("|")
+        if what == ["data"]:
+          target = out.setdefault(key, np.zeros(tuple(z[f"{key}|shape"]), z[name].dtype))
+          target[tuple(slice(a, b) for a, b in z[f"{key}|{n}|index"])] = z[name]
+  return out
+
+
+def replay_params(run, dumps: list[str], shapes, resumed_at: int, total: int):
+  """``(state of an uninterrupted replay, its learner)``: the dumped batches applied from the
+  initial state, steps before ``resumed_at`` on ``shapes[0]``'s mesh (``dumps[0]``), the rest
+  on ``shapes[1]``'s (``dumps[1]``), the state moved between the two meshes as a restore does.
+  Each phase lays batches out as its run did: a trainer of several processes never shares a
+  prompt prefix (`knitjax.runtime.layout_choice.prompt_sharing_mode`), so its phase is replayed
+  with ``layout.prompt_sharing="off"``. Needs as many devices here as the larger shape has."""
+  import jax
+
+  from knitjax.config import from_config_dict
+  from knitjax.runtime import builder
+  from knitjax.runtime.layout_choice import build_layout
+  from knitjax.train.layouts import shardings as layout_shardings
+
+  state, learner = None, None
+  scratch = tempfile.mkdtemp(prefix="replay")
+  for phase, (n, d) in enumerate(shapes):
+    c = _config(run)
+    if n > 1:
+      c.layout.prompt_sharing = "off"
+    config = from_config_dict(c)
+    m = config.admission.minibatches
+    mesh = builder.build_mesh(config, devices=jax.devices()[: n * d])
+    prompt_len = builder.build_prompts(config).prompt_len
+    _, learner = builder.build_learner(config, mesh, scratch, prompt_len=prompt_len)
+    if state is not None:
+      learner.state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state, learner.state)
+    layout = build_layout(config, mesh, prompt_len)
+    on = layout_shardings(layout, mesh, vlm=False)
+    steps = range(0, resumed_at) if phase == 0 else range(resumed_at, total)
+    with jax.set_mesh(mesh):
+      for step in steps:
+        for j in range(m):
+          batch = _replay_batch(dumps[phase], step, j)
+          if not batch:
+            raise RuntimeError(f"no dumped batch of mini-batch {(step, j)} in {dumps[phase]}")
+          batch = jax.device_put(batch, {k: on[k] for k in batch})
+          learner.state, _ = learner._update(learner.state, batch)
+    state = learner.state
+  return state, learner
+
+
+def compare_replay(workdir: str, run, dumps: list[str], before, after) -> tuple[list, dict]:
+  """The resumed run's final train state (parameters and optimizer state) against
+  `replay_params`' (rtol 1e-5, atol 1e-6): ``(problems, figures)``."""
+  import jax
+
+  from knitjax.train.checkpoint import Checkpointer
+
+  steps = run[2]["loop.steps"]
+  second = {int(f.split("-")[0]) for f in os.listdir(dumps[1]) if f.endswith(".npz")}
+  resumed_at = min(second) if second else steps
+  if resumed_at == 0:
+    return ["the resumed run started from step 0: no checkpoint was restored"], {}
+  state, learner = replay_params(run, dumps, (before, after), resumed_at, steps)
+  ckpt = Checkpointer(workdir)
+  restored, _ = ckpt.restore(state)
+  ckpt.close()
+  learner.close()
+  pairs = list(zip(*(jax.tree.leaves(jax.device_get(x)) for x in (restored, state)), strict=True))
+  pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64)) for a, b in pairs]
+  # |a - b| / (atol + rtol |b|): at most 1 where np.allclose(rtol=1e-5, atol=1e-6) holds.
+  worst = max(
+    float(np.max(np.abs(a - b) / (1e-6 + 1e-5 * np.abs(b)), initial=0.0)) for a, b in pairs
+  )
+  figures = {
+    "resumed_at_step": resumed_at,
+    "arrays": len(pairs),
+    "max_abs_diff": max(float(np.max(np.abs(a - b), initial=0.0)) for a, b in pairs),
+    "tolerance_used": worst,
+  }
+  if worst <= 1.0:
+    return [], figures
+  return [f"final train state differs from the replay (resumed at step {resumed_at})"], figures
+
+
 def _jsonl(path: str) -> list[dict]:
   if not os.path.exists(path):
     return []
@@ -382,6 +694,12 @@ def run(
   rng = np.random.default_rng(seed)
   out = {}
   for mode in modes:
+    if mode == "supervised":
+      out[mode] = run_supervised(workdir, log=log)
+      continue
+    if mode in SHAPES:
+      out[mode] = run_shape(workdir, mode, log=log)
+      continue
     if mode in PROCESSES:
       out[mode] = run_processes(workdir, mode, kills=kills, rng=rng, log=log)
       continue

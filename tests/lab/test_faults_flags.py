@@ -8,7 +8,10 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KILL_MODES = "colocated, disaggregated, trainer_processes"
+KILL_MODES = (
+  "colocated, disaggregated, trainer_processes, shape_2to1, shape_1to2, devices_2to4, "
+  "colocated_2to1, supervised"
+)
 PARTS = "kill, actors, inputs, entry_points, workdir, backpressure, network, processes"
 
 

@@ -5,6 +5,7 @@ import logging
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -174,3 +175,36 @@ def test_another_models_arrays_are_named(tmp_path):
   assert "was written by a different model: " in msg
   assert "it lacks params/layers_1/v (and 1 more), which this run's model has" in msg
   assert "it has params/b/k, which this run's model lacks" in msg
+
+
+def _sharded(step, devices):
+  """A state whose arrays are split over ``devices`` along their first axis."""
+  mesh = jax.make_mesh((devices,), ("d",), devices=jax.devices()[:devices])
+  on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  state = {"params": {"w": jnp.arange(32.0).reshape(8, 4) + step}, "mu": jnp.arange(8.0) * step}
+  return jax.device_put(state, on)
+
+
+def test_a_checkpoint_resumes_on_another_number_of_devices(tmp_path):
+  # Written over 2 devices, restored onto 4 (and back onto 1): the values are the saved ones,
+  # laid out as the target asks, and the checkpointer says it resharded, naming both layouts.
+  workdir = str(tmp_path)
+  ckpt = Checkpointer(workdir)
+  ckpt.save(3, _sharded(3, 2), {"version": 6})
+  ckpt.close()
+  for devices in (4, 1):
+    target = _sharded(0, devices)
+    ckpt = Checkpointer(workdir)
+    state, meta = ckpt.restore(target)
+    ckpt.close()
+    assert meta == {"version": 6}  # the layout note stays inside the checkpointer
+    want = _sharded(3, 2)
+    leaves = zip(*map(jax.tree.leaves, (state, want, target)), strict=True)
+    for got, ref, t in leaves:
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+      assert got.sharding == t.sharding
+      assert len(got.addressable_shards) == devices
+    assert ckpt.resharded == (
+      {"processes": 1, "devices": 2},
+      {"processes": 1, "devices": devices},
+    )

@@ -631,6 +631,18 @@ def test_errors_name_the_problem():
     other.load_state_dict(idx.state_dict())
 
 
+def test_a_state_of_another_quota_table_is_refused_naming_both_tables():
+  # Resuming on another shape carries the admission state over; another quota table cannot be.
+  idx = AdmissionIndex(QuotaSpec({"a": 4}, 2))
+  idx.offer(group(1, "a"))
+  other = AdmissionIndex(QuotaSpec({"a": 6}, 2))
+  with pytest.raises(ValueError) as e:
+    other.load_state_dict(json.loads(json.dumps(idx.state_dict())))
+  msg = str(e.value)
+  assert "'class_quotas': {'a': 4}" in msg and "'class_quotas': {'a': 6}" in msg
+  assert "\n" not in msg and msg.count(". ") == 0
+
+
 # ---- hostile input: re-offers and damaged checkpoints -------------------------------------------
 
 
