@@ -56,11 +56,11 @@ def get_config(arg=None):
     c.layouts = ("off", "prefix")
     c.group_sizes, c.prompt_ratios = (), ()
     # (P, R, G, micro_batches_per_group)
-    c.points = [(p, r, g, g // 4) for p in (256, 2048) for r in (512, 2048) for g in (8, 16)]
+    c.points = tuple((p, r, g, g // 4) for p in (256, 2048) for r in (512, 2048) for g in (8, 16))
     c.models = dict(arith=dict(model=common.tiny_decoder(vocab_size=16), response_len=0, groups=1))
     c.repeats = 2
     if arg == "prefix_quick":
-      c.points, c.repeats = [(8, 4, 4, 2)], 1
+      c.points, c.repeats = ((8, 4, 4, 2),), 1
   elif arg not in (None, ""):
     raise ValueError(
       f"unknown variant {arg!r} of configs/bench/prompt_sharing.py; choose: quick, prefix, "
