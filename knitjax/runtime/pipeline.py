@@ -194,8 +194,7 @@ class Pipeline:
     try:
       return self._prepare(mb)
     except Exception as e:
-      # a unit gone from the mapping, or a Ray actor (the unit's) dead; anything else stops
-      if not isinstance(e, KeyError) and not type(e).__module__.startswith("ray."):
+      if not _unit_gone(e):
         raise
       deadline = time.monotonic() + LOSS_WAIT_S
       while time.monotonic() < deadline and self.thread.is_alive():
@@ -258,8 +257,7 @@ class Pipeline:
     self.log.write(_consumed_row(mb, version - 1))
     self.consumed += len(mb.groups)
     self.thread.forget(g.group_id for g in mb.groups)
-    storage = self.rollout.storage  # a lost unit's groups, fetched before it was lost, are gone
-    release_groups(storage, [g for g in mb.groups if g.storage_unit in storage])
+    self._release(mb.groups)
     if self.config.sync.every == "minibatch" or j == self.config.admission.minibatches - 1:
       self.weights.publish(self.learner.state.params, version)
     self.clock.advance(version)
@@ -271,6 +269,18 @@ class Pipeline:
       **exposed_transfer(p, t_wait, t_got),
       "release_to_compute_s": max(0.0, t_got - released_at),
     }
+
+  def _release(self, groups) -> None:
+    """Frees consumed groups' payloads; a unit lost with its node (its groups fetched before it
+    was lost) has nothing to free."""
+    storage = self.rollout.storage
+    for unit in {g.storage_unit for g in groups} & set(storage):
+      try:
+        release_groups(storage, [g for g in groups if g.storage_unit == unit])
+      except Exception as e:
+        if not _unit_gone(e):
+          raise
+        logging.warning("storage unit %d did not answer a release (%s).", unit, type(e).__name__)
 
   def end_step(self, step: int, last: bool) -> dict:
     if last:
@@ -295,7 +305,31 @@ class Pipeline:
     return out
 
   def snapshot(self) -> RunState:
-    """The rollout side of a checkpoint (the Learner adds version and staleness)."""
+    """The rollout side of a checkpoint (the Learner adds version and staleness).
+
+    A unit that died with its node before the rollout thread found it gone fails the snapshot's
+    reads: the snapshot is taken again once the loss is handled (its groups given up).
+    """
+    handled = self.thread.lost_units
+    try:
+      return self._snapshot()
+    except Exception as e:
+      if not _unit_gone(e):
+        raise
+      self._await_loss(handled)
+      return self._snapshot()
+
+  def _await_loss(self, handled: frozenset) -> None:
+    deadline = time.monotonic() + LOSS_WAIT_S
+    while self.thread.lost_units == handled and self.thread.is_alive():
+      if time.monotonic() > deadline:
+        raise RuntimeError(
+          f"a storage unit stopped answering and was not found lost within {LOSS_WAIT_S:.0f} s; "
+          "check the Ray cluster (`ray status`) and rerun to resume."
+        )
+      time.sleep(0.2)
+
+  def _snapshot(self) -> RunState:
     self.log.flush()  # the logs hold at least what the checkpoint covers
     if self.plans is not None:
       self.plans.flush()
@@ -371,6 +405,23 @@ class Pipeline:
     wd.path(self.workdir, "timings.json").write_text(json.dumps(out))
 
 
+def _unit_gone(e: Exception) -> bool:
+  """A unit gone from the rollout's mapping, or its Ray actor dead (its node lost)."""
+  return isinstance(e, KeyError) or type(e).__module__.startswith("ray.")
+
+
+def _unit_stats(storage) -> list[dict]:
+  """The storage units' stats; a unit lost with its node (not yet dropped) is left out."""
+  out = []
+  for unit in list(storage.values()):
+    try:
+      out.append(unit.stats())
+    except Exception as e:
+      if not _unit_gone(e):
+        raise
+  return out
+
+
 def _rollout_counters(rollout: RolloutThread, now: float) -> dict:
   stats = rollout.rollout.stats()
   return {
@@ -419,7 +470,7 @@ def _queue_metrics(admission, queue, thread, rollout, consumed: int, lock) -> di
     s = admission.stats()
     queued = sum(len(mb.groups) for mb in queue.items(whole=True))  # reopened: the index's
   pending = s["pending"] + queued
-  units = [u.stats() for u in rollout.storage.values()]
+  units = _unit_stats(rollout.storage)
   return {
     **fault_counters(rollout, units),
     "groups_offered": float(s["offered"]),

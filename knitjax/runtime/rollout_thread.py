@@ -222,6 +222,11 @@ class RolloutThread:
     else:
       self.queue.put(mb)
 
+  @property
+  def lost_units(self) -> frozenset[int]:
+    """Storage units whose loss has been handled (their groups given up)."""
+    return frozenset(self._lost_units)
+
   def forget(self, group_ids) -> None:
     """The groups were consumed: their prompts are not needed again."""
     for gid in group_ids:
