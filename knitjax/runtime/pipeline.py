@@ -334,23 +334,27 @@ class Pipeline:
     if self.plans is not None:
       self.plans.flush()
     deadline = time.monotonic() + REFILL_WAIT_S
-    while self.admission.refilling and time.monotonic() < deadline:  # not checkpointed
+    while True:  # a mini-batch being refilled is not checkpointed: wait until it is whole
+      with self.lock:
+        if not self.admission.refilling or time.monotonic() > deadline:
+          return self._snapshot_locked()
       time.sleep(0.1)
-    with self.lock:
-      self.lost.flush()
-      self.offered.flush()
-      queued = tuple(self.queue.items())
-      held = list(self.admission.pending()) + [g for mb in queued for g in mb.groups]
-      return RunState(
-        next_group_id=self.thread.next_group_id,
-        prompts=self.prompts.state_dict(),
-        admission=self.admission.state_dict(),
-        consumed=self.consumed,
-        queued=queued,
-        payloads=snapshot_groups(self.rollout.storage, held),
-        generating=tuple(self.thread.inflight_prompts()),
-        restarts=self.restarts,
-      )
+
+  def _snapshot_locked(self) -> RunState:
+    self.lost.flush()
+    self.offered.flush()
+    queued = tuple(self.queue.items())
+    held = list(self.admission.pending()) + [g for mb in queued for g in mb.groups]
+    return RunState(
+      next_group_id=self.thread.next_group_id,
+      prompts=self.prompts.state_dict(),
+      admission=self.admission.state_dict(),
+      consumed=self.consumed,
+      queued=queued,
+      payloads=snapshot_groups(self.rollout.storage, held),
+      generating=tuple(self.thread.inflight_prompts()),
+      restarts=self.restarts,
+    )
 
   def _stop(self) -> None:
     self.clock.stop()

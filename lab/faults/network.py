@@ -51,6 +51,7 @@ DOWN_S = 10.0
 LOSS = 0.01
 JITTER_MS = 50.0
 DEADLINE_S = 360.0  # per attempt: an undisturbed run takes about 90 s, a partition about 240 s
+REMOVED_DEADLINE_S = 600.0  # node_removed: two workers on one core, then Ray's node-death checks
 TRAINER, NODE = 0, 1
 GONE = 2  # node_removed: the host removed for good
 REMOVE_AFTER = 8  # node_removed: train steps logged before the removal
@@ -152,7 +153,9 @@ def _stop(proc: subprocess.Popen) -> str:
     return "SIGKILL"
 
 
-def _attempt(cluster: Cluster, workdir: str, k: int, fault=None, workers: int = 1) -> dict:
+def _attempt(
+  cluster: Cluster, workdir: str, k: int, fault=None, workers: int = 1, deadline_s=DEADLINE_S
+) -> dict:
   """One start of a fresh Ray cluster and the trainer (``fault`` in a thread beside them); the
   hosts' processes are ended afterwards, whatever state the fault left them in."""
   out: dict = {}
@@ -186,7 +189,7 @@ def _attempt(cluster: Cluster, workdir: str, k: int, fault=None, workers: int = 
       for t in threads:
         t.start()
       try:
-        trainer.wait(timeout=DEADLINE_S)
+        trainer.wait(timeout=deadline_s)
       except subprocess.TimeoutExpired:
         out["hung_after_s"] = time.monotonic() - t0
         out["stopped_by"] = _stop(trainer)
@@ -291,7 +294,8 @@ def run(workdir: str, *, trials=TRIALS, log=print) -> dict:
     specs = [HostSpec(cores=(0,), rate_mbit=LINK_MBIT)]
     specs += [HostSpec(cores=(1,), rate_mbit=LINK_MBIT) for _ in nodes]
     with Cluster(specs, log=lambda m: None, **delay) as cluster:
-      attempts = [_attempt(cluster, wd, 0, _faults(trial), workers=len(nodes))]
+      deadline = REMOVED_DEADLINE_S if trial == "node_removed" else DEADLINE_S
+      attempts = [_attempt(cluster, wd, 0, _faults(trial), len(nodes), deadline)]
       while attempts[-1]["trainer_code"] != 0 and len(attempts) < 3:
         if trial == "node_removed":  # resumed on the host left, with one worker
           cluster.hosts = cluster.hosts[:GONE]
