@@ -364,6 +364,12 @@ class RayRollout:
     """Replaces dead actor ``i``, or drops it when its node is gone for good; either way its
     share goes back to the front of the queue."""
     w = self._workers[i]
+    if isinstance(error, ray.exceptions.ActorUnavailableError):
+      # unreachable, not dead: its node may be dying (Ray marks a node dead only after its
+      # health checks fail, up to about a minute): wait for the node's fate before replacing
+      deadline = time.monotonic() + _NODE_FATE_S
+      while _node_alive(w.node) and time.monotonic() < deadline:
+        time.sleep(1.0)
     if not _node_alive(w.node):
       self._drop(i, share, error)
       return
@@ -515,6 +521,9 @@ class RayRollout:
       ray.kill(w.actor, no_restart=True)
     for u in [*self._units.values(), *(u for _, u in self._closing)]:
       u.close()
+
+
+_NODE_FATE_S = 90.0  # how long an unreachable actor's node is given to be marked dead or not
 
 
 def _node_alive(node: str | None) -> bool:
