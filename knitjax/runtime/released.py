@@ -89,9 +89,12 @@ class ReleasedQueue:
       return self._items[0][0]
 
   def reopened(self, minibatch: MiniBatch) -> bool:
+    """Whether ``minibatch`` was reopened: waiting to be refilled, or refilled (its place holds
+    another mini-batch of the same step and index)."""
+    key = _key(minibatch)
     with self._cond:
-      return _key(minibatch) in self._reopened or (
-        (k := self._position(minibatch)) is not None and self._items[k][0] is not minibatch
+      return key in self._reopened or any(
+        _key(mb) == key and mb is not minibatch for mb, _ in self._items
       )
 
   def _position(self, minibatch: MiniBatch) -> int | None:

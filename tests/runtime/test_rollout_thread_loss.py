@@ -66,5 +66,6 @@ def test_lost_groups_are_given_up_once_and_their_prompts_start_first():
   refilled = queue.items()
   assert [[g.group_id for g in mb.groups] for mb in refilled] == [[6, 1], [7, 3]]
   assert index.refilling == [] and queue.get(0) is refilled[0]
+  assert queue.reopened(first[0]) and not queue.reopened(refilled[0])  # a fetch of the old fails
   s = index.stats()
   assert (s["offered"], s["lost"], s["pending"]) == (7, 2, 1)  # 4 released again, 4 pending
