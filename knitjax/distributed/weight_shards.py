@@ -63,13 +63,13 @@ def board_name(run: str) -> str:
 
 def create_board(run: str, processes: int):
   """Process 0: the run's board, named so the other trainer processes find it, on process 0's
-  own node (Ray may place it anywhere else, and a rollout node can be lost mid-run)."""
+  own node (a soft affinity left it on a rollout node, and a rollout node can be lost mid-run)."""
   import ray
   from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
   from knitjax.distributed.ray_storage import NAMESPACE
 
-  here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+  here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
   return (
     ray.remote(_Board)
     .options(
