@@ -226,6 +226,7 @@ class RayRollout:
     self._draining: set[int] = set()  # units of retired actors, closed once empty
     self._closing: list[tuple[float, RayStorageUnit]] = []  # empty, out of the mapping
     self._drain_checked = 0.0
+    self._nodes_checked = 0.0
     # Named, so every trainer process of a multi-process trainer reaches them (`unit_names`).
     self.unit_names: dict[int, str] = {}
     self._per_call = groups_per_call
@@ -363,6 +364,12 @@ class RayRollout:
     """Replaces dead actor ``i``, or drops it when its node is gone for good; either way its
     share goes back to the front of the queue."""
     w = self._workers[i]
+    if isinstance(error, ray.exceptions.ActorUnavailableError):
+      # unreachable, not dead: its node may be dying (Ray marks a node dead only after its
+      # health checks fail, up to about a minute): wait for the node's fate before replacing
+      deadline = time.monotonic() + _NODE_FATE_S
+      while _node_alive(w.node) and time.monotonic() < deadline:
+        time.sleep(1.0)
     if not _node_alive(w.node):
       self._drop(i, share, error)
       return
@@ -398,6 +405,7 @@ class RayRollout:
     with the node); its share is generated again by the others."""
     node = self._workers.pop(i).node
     self._units = {k: u for k, u in self._units.items() if k != i}
+    self._stats.lost_units += (i,)  # the runtime gives up the groups the unit held
     self._draining.discard(i)
     self._target = max(1, self._target - 1)
     if not self._workers:
@@ -456,6 +464,7 @@ class RayRollout:
 
   def step(self, rng: jax.Array, *, want_room: bool = False) -> list[GroupMeta]:
     self._rescale()
+    self._drop_idle_on_dead_nodes()
     idle = self._idle()
     if self._pending and idle:
       n, k = len(self._pending), len(idle)
@@ -485,6 +494,17 @@ class RayRollout:
     self._stats.tokens += sum(sum(m.response_tokens) for m in metas)
     return metas
 
+  def _drop_idle_on_dead_nodes(self, every_s: float = 2.0) -> None:
+    """An idle actor meets no failed call, so its node's death is looked for here."""
+    idle = self._idle()
+    if not idle or time.monotonic() - self._nodes_checked < every_s:
+      return
+    self._nodes_checked = time.monotonic()
+    alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
+    for i in idle:
+      if self._workers[i].node is not None and self._workers[i].node not in alive:
+        self._drop(i, [], RuntimeError(f"node {self._workers[i].node} is dead"))
+
   def stats(self) -> RolloutStats:
     return dataclasses.replace(self._stats)
 
@@ -501,6 +521,9 @@ class RayRollout:
       ray.kill(w.actor, no_restart=True)
     for u in [*self._units.values(), *(u for _, u in self._closing)]:
       u.close()
+
+
+_NODE_FATE_S = 90.0  # how long an unreachable actor's node is given to be marked dead or not
 
 
 def _node_alive(node: str | None) -> bool:

@@ -62,14 +62,23 @@ def board_name(run: str) -> str:
 
 
 def create_board(run: str, processes: int):
-  """Process 0: the run's board, named so the other trainer processes find it."""
+  """Process 0: the run's board, named so the other trainer processes find it, on process 0's
+  own node (a soft affinity left it on a rollout node, and a rollout node can be lost mid-run)."""
   import ray
+  from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
   from knitjax.distributed.ray_storage import NAMESPACE
 
+  here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
   return (
     ray.remote(_Board)
-    .options(name=board_name(run), namespace=NAMESPACE, num_cpus=0, max_concurrency=4)
+    .options(
+      name=board_name(run),
+      namespace=NAMESPACE,
+      num_cpus=0,
+      max_concurrency=4,
+      scheduling_strategy=here,
+    )
     .remote(processes)
   )
 

@@ -50,6 +50,8 @@ class RolloutStats:
   shards: int = 1  # independent decode shards (data-parallel rollout devices)
   actor_restarts: int = 0  # rollout actors replaced after dying (Ray rollouts)
   groups_regenerated: int = 0  # groups generated again because their actor died
+  # storage units lost with their node (Ray rollouts): the groups they held are given up
+  lost_units: tuple[int, ...] = ()
 
 
 @runtime_checkable

@@ -6,11 +6,16 @@ beside the trainer thread: the rollout thread and its released queue, the versio
 logs, and the flow counters behind the step metrics. Each update it applies comes with
 everything around it (order check, Learner, release, publish); its ``snapshot`` is the rollout
 side of a checkpoint, taken under the rollout lock.
+
+Groups lost with a storage unit (its node gone for good) are given up by the rollout thread
+(`RolloutThread._lose`) and recorded once each in ``lost.jsonl``; a mini-batch the feed was
+fetching from the lost unit is fetched again once refilled (see `ReleasedQueue.claim`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +34,9 @@ from knitjax.runtime.weight_sync import WeightSync
 from knitjax.transfer.feed import Prepared, exposed_transfer
 from knitjax.transfer.snapshot import snapshot_groups
 from knitjax.transfer.storage import release_groups
+
+REFILL_WAIT_S = 600.0  # a reopened mini-batch not refilled by then stops the run
+LOSS_WAIT_S = 120.0  # a fetch failed on a dead unit: how long the rollout has to declare it lost
 
 
 def _jsonl_log(workdir: str, name: str, keep: Callable[[dict], bool]) -> wd.JsonlFile:
@@ -121,6 +129,9 @@ class Pipeline:
     self.log = _jsonl_log(workdir, "consumed.jsonl", lambda r: r["step"] < start_step)
     self.offered = _jsonl_log(workdir, "offered.jsonl", lambda r: r["seq"] <= stats0["offered"])
     self._seq = stats0["offered"]
+    # lost.jsonl: one row per group given up with its storage unit
+    self.lost = _jsonl_log(workdir, "lost.jsonl", lambda r: r["seq"] <= stats0["lost"])
+    self._lost_seq = stats0["lost"]
     self.thread = RolloutThread(
       rollout=rollout,
       prompts=prompts,
@@ -134,6 +145,7 @@ class Pipeline:
       restart=list(resumed.generating),
       rng=jax.random.fold_in(jax.random.key(config.seed), 1_000_003 * self.restarts + 1),
       on_offer=self._on_offer,
+      on_lost=self._on_lost,
     )
     self.busy_s, self.idle_s, self.mb_seconds = 0.0, 0.0, []
     self.t_start = time.time()
@@ -157,6 +169,40 @@ class Pipeline:
       }
     )
 
+  def _on_lost(self, groups, where, units) -> None:
+    for g, w in zip(groups, where, strict=True):
+      self._lost_seq += 1
+      self.lost.write(
+        {
+          "seq": self._lost_seq,
+          "group_id": g.group_id,
+          "storage_unit": g.storage_unit,
+          "cls": g.cls,
+          "where": w,  # pending in the admission index, or in a released mini-batch reopened
+          "t": time.time(),
+        }
+      )
+    logging.warning(
+      "storage units %s are lost with their node: %d groups given up (%d pending, %d in "
+      "released mini-batches, reopened), their prompts generated again (lost.jsonl).",
+      sorted(units), len(groups), where.count("pending"), where.count("released"),
+    )  # fmt: skip
+
+  def _prepare_or_stale(self, mb):
+    """The preparer, except that a mini-batch whose fetch failed because a unit of its groups
+    was lost comes back without a batch (the trainer fetches it again once refilled)."""
+    try:
+      return self._prepare(mb)
+    except Exception as e:
+      if not _unit_gone(e):
+        raise
+      deadline = time.monotonic() + LOSS_WAIT_S
+      while time.monotonic() < deadline and self.thread.is_alive():
+        if self.queue.reopened(mb):
+          return None, {}
+        time.sleep(0.2)
+      raise
+
   def _take(self, timeout: float):
     """The feed's source: the next released mini-batch, or an error if rollout is gone."""
     mb = self.queue.get(timeout=timeout)
@@ -175,7 +221,9 @@ class Pipeline:
       self.scale.poll()
     if self.feed is None:  # the first step: the rollout starts, then the feed that takes from it
       self.thread.start()
-      self.feed = builder.build_feed(self.config, self._take, self._prepare, count=self._count)
+      self.feed = builder.build_feed(
+        self.config, self._take, self._prepare_or_stale, count=self._count
+      )
     self._t0, self._busy0, self._idle0 = time.time(), self.busy_s, self.idle_s
     self._w0 = publish_counters(self.weights)
 
@@ -186,11 +234,21 @@ class Pipeline:
     """Takes mini-batch ``j`` of ``step`` from the feed, applies it, publishes, releases."""
     t_wait = time.perf_counter()
     p: Prepared = next(self.feed)
-    t_got = time.perf_counter()
-    self.idle_s += t_got - t_wait
     mb = p.minibatch
     if (mb.step, mb.index) != (step, j):
       raise RuntimeError(f"released mini-batch {(mb.step, mb.index)} came before {(step, j)}.")
+    while (got := self.queue.claim(mb, REFILL_WAIT_S)) is not mb or p.batch is None:
+      if got is None:
+        raise RuntimeError(
+          f"mini-batch {(step, j)} lost groups with their storage unit and was not refilled "
+          f"within {REFILL_WAIT_S:.0f} s; rerun to resume from the last checkpoint."
+        )
+      # reopened (groups lost with their unit) and refilled: fetched again, here
+      t = time.perf_counter()
+      batch, info = self._prepare_or_stale(got)
+      mb, p = got, Prepared(got, batch, info, t, time.perf_counter(), time.perf_counter() - t)
+    t_got = time.perf_counter()
+    self.idle_s += t_got - t_wait
     row = self.learner.consume(p)
     if self.plans is not None:
       self.plans.record(p)
@@ -198,7 +256,8 @@ class Pipeline:
     released_at = self.queue.ack(mb)  # consumed: no longer part of a checkpoint's queue
     self.log.write(_consumed_row(mb, version - 1))
     self.consumed += len(mb.groups)
-    release_groups(self.rollout.storage, mb.groups)
+    self.thread.forget(g.group_id for g in mb.groups)
+    self._release(mb.groups)
     if self.config.sync.every == "minibatch" or j == self.config.admission.minibatches - 1:
       self.weights.publish(self.learner.state.params, version)
     self.clock.advance(version)
@@ -210,6 +269,18 @@ class Pipeline:
       **exposed_transfer(p, t_wait, t_got),
       "release_to_compute_s": max(0.0, t_got - released_at),
     }
+
+  def _release(self, groups) -> None:
+    """Frees consumed groups' payloads; a unit lost with its node (its groups fetched before it
+    was lost) has nothing to free."""
+    storage = self.rollout.storage
+    for unit in {g.storage_unit for g in groups} & set(storage):
+      try:
+        release_groups(storage, [g for g in groups if g.storage_unit == unit])
+      except Exception as e:
+        if not _unit_gone(e):
+          raise
+        logging.warning("storage unit %d did not answer a release (%s).", unit, type(e).__name__)
 
   def end_step(self, step: int, last: bool) -> dict:
     if last:
@@ -234,24 +305,56 @@ class Pipeline:
     return out
 
   def snapshot(self) -> RunState:
-    """The rollout side of a checkpoint (the Learner adds version and staleness)."""
+    """The rollout side of a checkpoint (the Learner adds version and staleness).
+
+    A unit that died with its node before the rollout thread found it gone fails the snapshot's
+    reads: the snapshot is taken again once the loss is handled (its groups given up).
+    """
+    handled = self.thread.lost_units
+    try:
+      return self._snapshot()
+    except Exception as e:
+      if not _unit_gone(e):
+        raise
+      self._await_loss(handled)
+      return self._snapshot()
+
+  def _await_loss(self, handled: frozenset) -> None:
+    deadline = time.monotonic() + LOSS_WAIT_S
+    while self.thread.lost_units == handled and self.thread.is_alive():
+      if time.monotonic() > deadline:
+        raise RuntimeError(
+          f"a storage unit stopped answering and was not found lost within {LOSS_WAIT_S:.0f} s; "
+          "check the Ray cluster (`ray status`) and rerun to resume."
+        )
+      time.sleep(0.2)
+
+  def _snapshot(self) -> RunState:
     self.log.flush()  # the logs hold at least what the checkpoint covers
     if self.plans is not None:
       self.plans.flush()
-    with self.lock:
-      self.offered.flush()
-      queued = tuple(self.queue.items())
-      held = list(self.admission.pending()) + [g for mb in queued for g in mb.groups]
-      return RunState(
-        next_group_id=self.thread.next_group_id,
-        prompts=self.prompts.state_dict(),
-        admission=self.admission.state_dict(),
-        consumed=self.consumed,
-        queued=queued,
-        payloads=snapshot_groups(self.rollout.storage, held),
-        generating=tuple(self.thread.inflight_prompts()),
-        restarts=self.restarts,
-      )
+    deadline = time.monotonic() + REFILL_WAIT_S
+    while True:  # a mini-batch being refilled is not checkpointed: wait until it is whole
+      with self.lock:
+        if not self.admission.refilling or time.monotonic() > deadline:
+          return self._snapshot_locked()
+      time.sleep(0.1)
+
+  def _snapshot_locked(self) -> RunState:
+    self.lost.flush()
+    self.offered.flush()
+    queued = tuple(self.queue.items())
+    held = list(self.admission.pending()) + [g for mb in queued for g in mb.groups]
+    return RunState(
+      next_group_id=self.thread.next_group_id,
+      prompts=self.prompts.state_dict(),
+      admission=self.admission.state_dict(),
+      consumed=self.consumed,
+      queued=queued,
+      payloads=snapshot_groups(self.rollout.storage, held),
+      generating=tuple(self.thread.inflight_prompts()),
+      restarts=self.restarts,
+    )
 
   def _stop(self) -> None:
     self.clock.stop()
@@ -268,6 +371,7 @@ class Pipeline:
     self.rollout.close()
     self.log.close()
     self.offered.close()
+    self.lost.close()
     if self.plans is not None:
       self.plans.close()
     if self.finished:
@@ -303,6 +407,23 @@ class Pipeline:
       "restarts": self.restarts,
     }
     wd.path(self.workdir, "timings.json").write_text(json.dumps(out))
+
+
+def _unit_gone(e: Exception) -> bool:
+  """A unit gone from the rollout's mapping, or its Ray actor dead (its node lost)."""
+  return isinstance(e, KeyError) or type(e).__module__.startswith("ray.")
+
+
+def _unit_stats(storage) -> list[dict]:
+  """The storage units' stats; a unit lost with its node (not yet dropped) is left out."""
+  out = []
+  for unit in list(storage.values()):
+    try:
+      out.append(unit.stats())
+    except Exception as e:
+      if not _unit_gone(e):
+        raise
+  return out
 
 
 def _rollout_counters(rollout: RolloutThread, now: float) -> dict:
@@ -351,16 +472,18 @@ def _flow_metrics(prev: dict, cur: dict, step_s: float, t_busy: float, t_idle: f
 def _queue_metrics(admission, queue, thread, rollout, consumed: int, lock) -> dict:
   with lock:
     s = admission.stats()
-    queued = sum(len(mb.groups) for mb in queue.items())
+    queued = sum(len(mb.groups) for mb in queue.items(whole=True))  # reopened: the index's
   pending = s["pending"] + queued
-  units = [u.stats() for u in rollout.storage.values()]
+  units = _unit_stats(rollout.storage)
   return {
     **fault_counters(rollout, units),
     "groups_offered": float(s["offered"]),
     "groups_consumed": float(consumed),
     "groups_rejected": float(s["rejected"]),
     "groups_pending": float(pending),
-    "groups_lost": float(s["offered"] - consumed - s["rejected"] - pending),
+    # groups_lost: unaccounted for (must stay 0); groups_lost_with_node: given up, in lost.jsonl
+    "groups_lost": float(s["offered"] - consumed - s["rejected"] - pending - s["lost"]),
+    "groups_lost_with_node": float(s["lost"]),
     "queue_pending_groups": float(s["pending"]),
     "queue_waiting_groups": float(s["waiting"]),
     "queue_released_minibatches": float(len(queue)),

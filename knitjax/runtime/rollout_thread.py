@@ -11,6 +11,11 @@ One lock (``lock``) makes "offer a group, queue what it released" atomic with re
 trainer's checkpoint snapshot, so a checkpoint always sees every offered group exactly once:
 pending in the index, queued, or consumed. Generation and storage puts happen outside it, as
 puts may wait for room (backpressure) until the trainer releases consumed groups.
+
+A storage unit lost with its node (``RolloutStats.lost_units``) loses the groups it held: under
+the same lock they are given up (`AdmissionIndex.evict`; released mini-batches not yet claimed
+by the trainer are reopened), each reported once to ``on_lost``, and their prompts start again
+first, on the workers left; the depth bound counts them as never started.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class RolloutThread:
     rng: base key of the rollout's draws.
     on_offer: called under ``lock`` after each offer with ``(group meta, prompt, rejected,
       started)``, ``started`` the wall time (``time.time()``) the group was started.
+    on_lost: called under ``lock`` with the groups given up when storage units are lost, and
+      where each was (``"pending"`` in the index, ``"released"`` in a reopened mini-batch).
   """
 
   def __init__(
@@ -69,6 +76,7 @@ class RolloutThread:
     restart: list[Prompt] = (),
     rng: jax.Array,
     on_offer=None,
+    on_lost=None,
   ):
     self.rollout, self.prompts = rollout, prompts
     self.admission, self.queue = admission, queue
@@ -77,7 +85,9 @@ class RolloutThread:
     self.accepted_started = accepted_started
     self._restart = collections.deque(restart)
     self._rng = rng
-    self._on_offer = on_offer
+    self._on_offer, self._on_lost = on_offer, on_lost
+    self._prompt_of: dict[int, Prompt] = {}  # offered, not consumed: regenerated if lost
+    self._lost_units: set[int] = set(rollout.stats().lost_units)
     classes = list(admission.spec.classes)
     self._classes = classes
     self._scheduler = PlainScheduler([admission.spec.class_quotas[c] for c in classes])
@@ -158,6 +168,8 @@ class RolloutThread:
         faultpoints.point("rollout")
       for meta in metas:
         self._offer(meta)
+      if lost := set(rollout.stats().lost_units) - self._lost_units:
+        self._lose(lost)
       dt = time.perf_counter() - t0
       self.busy_s += dt
       after = rollout.stats()
@@ -195,9 +207,50 @@ class RolloutThread:
       prompt = self._inflight.pop(meta.group_id)
       started = self._started_at.pop(meta.group_id, None)
       for mb in self.admission.offer(meta):  # a rejected group is released by on_reject
-        self.queue.put(mb)
+        self._put(mb)
+      if not rejected:
+        self._prompt_of[meta.group_id] = prompt
       if self._on_offer is not None:
         self._on_offer(meta, prompt, rejected, started)
       faultpoints.point("admission")
     self.groups_completed += 1
     self.accepted_started -= rejected
+
+  def _put(self, mb) -> None:
+    if self.queue.reopened(mb):  # a reopened mini-batch, refilled: back in its place
+      self.queue.refill(mb)
+    else:
+      self.queue.put(mb)
+
+  @property
+  def lost_units(self) -> frozenset[int]:
+    """Storage units whose loss has been handled (their groups given up)."""
+    return frozenset(self._lost_units)
+
+  def forget(self, group_ids) -> None:
+    """The groups were consumed: their prompts are not needed again."""
+    for gid in group_ids:
+      self._prompt_of.pop(gid, None)
+
+  def _lose(self, units: set[int]) -> None:
+    """Gives up every group the lost ``units`` held that the trainer has not claimed."""
+    with self.lock:
+      lost, released = self.admission.evict(units)
+      where = ["pending"] * len(lost)
+      for mb in self.queue.items(whole=True):
+        ids = [g.group_id for g in mb.groups if g.storage_unit in units]
+        if ids and self.queue.reopen(mb):
+          self.admission.reopen(mb, ids)
+          lost += [g for g in mb.groups if g.group_id in ids]
+          where += ["released"] * len(ids)
+      for mb in released:
+        self._put(mb)
+      # the same prompts start again first (a fresh one of the class if not known: resumed)
+      prompts = [
+        self._prompt_of.pop(g.group_id, None) or self.prompts.next({g.cls: 1})[0] for g in lost
+      ]
+      self._restart.extendleft(reversed(prompts))
+      if self._on_lost is not None:
+        self._on_lost(lost, where, units)
+    self._lost_units |= units
+    self.accepted_started -= len(lost)

@@ -10,6 +10,11 @@ Three policies (docs/admission.md has the rule, a worked example and the definit
 * ``greedy`` (ablation): first come, first placed; only the per-mini-batch max of the group's
   class is respected. Steps may end with wrong class counts: counted as violations, never hidden.
 
+Groups lost with their storage unit (a node gone for good) are given up (`evict`): pending ones
+leave the index and their quota slots reopen; a released mini-batch not yet consumed is reopened
+(`reopen`) and its lost groups' places are filled by the next offered groups of the same classes
+before anything else is admitted, so every mini-batch keeps its class counts.
+
 Feasibility is monotone within one open mini-batch (a state on the way to a feasible state is
 feasible), so a waiting class stays inadmissible until the open mini-batch changes: waiting
 groups are kept per class, and only a release triggers a FIFO rescan of the class queues' heads.
@@ -38,6 +43,7 @@ _COUNTERS = (
   "bound_violations",
   "stalls",
   "checks",
+  "lost",
 )
 
 
@@ -129,6 +135,8 @@ class AdmissionIndex:
     entry = (self._seq, group)
     self._seq += 1
     released: list[MiniBatch] = []
+    if self._fill_hole(group, released):
+      return released
     if self.policy == "train_batch":
       self._wait(c, entry)
       while self._short == 0:
@@ -140,6 +148,69 @@ class AdmissionIndex:
     self._note_stall()
     return released
 
+  def evict(self, units) -> tuple[list[GroupMeta], list[MiniBatch]]:
+    """Gives up the pending groups held by storage units ``units`` (lost with their node).
+
+    Their quota slots reopen: a group leaves the open mini-batch or its class queue, and the
+    step's placed count drops with it. Taking a group out of the open mini-batch keeps the step
+    completable (the state before it was placed led to a feasible one), and the open mini-batch
+    changed, so waiting groups are rescanned and may release mini-batches. Groups filling a
+    reopened mini-batch (`reopen`) that are lost leave their place open again.
+
+    Returns:
+      The lost groups (counted in ``stats()["lost"]``), and the mini-batches released meanwhile.
+    """
+    units = set(units)
+    lost = [g for g in self._open if g.storage_unit in units]
+    for g in lost:
+      c = self._class_index[g.cls]
+      self._open_counts[c] -= 1
+      self._placed[c] -= 1
+    self._open = [g for g in self._open if g.storage_unit not in units]
+    for c, q in enumerate(self._waiting):
+      lost += [g for _, g in q if g.storage_unit in units]
+      self._waiting[c] = collections.deque(e for e in q if e[1].storage_unit not in units)
+    for g in lost:
+      self._pending_ids.discard(g.group_id)
+    lost += self._evict_holes(units)
+    self._tracker.set_state(
+      self._open_counts,
+      [q - p for q, p in zip(self._quotas, self._placed, strict=True)],
+      self.spec.minibatches - 1 - self._index,
+    )
+    self._short = sum(self._is_short(c) for c in range(len(self._quotas)))
+    self._stalled = False
+    self._counters["lost"] += len(lost)
+    released: list[MiniBatch] = []
+    if lost and self.policy != "train_batch":
+      self._rescan(released)
+    self._note_stall()
+    return lost, released
+
+  def reopen(self, minibatch: MiniBatch, lost_ids) -> None:
+    """Reopens a released, unconsumed mini-batch whose groups ``lost_ids`` were lost with their
+    storage unit: the next offered groups of the lost groups' classes take their places (before
+    any admission), and the refilled mini-batch is released again (same step and index, same
+    class counts) by the `offer` that completes it. The lost groups count in ``stats()["lost"]``.
+
+    Raises:
+      ValueError: ``lost_ids`` names no group of the mini-batch.
+    """
+    lost_ids = set(lost_ids)
+    slots = [i for i, g in enumerate(minibatch.groups) if g.group_id in lost_ids]
+    if not slots or len(slots) != len(lost_ids):
+      raise ValueError(
+        f"reopen: groups {sorted(lost_ids)} are not all in mini-batch "
+        f"{(minibatch.step, minibatch.index)}."
+      )
+    self._holes.append([minibatch.step, minibatch.index, list(minibatch.groups), slots])
+    self._counters["lost"] += len(slots)
+
+  @property
+  def refilling(self) -> list[tuple[int, int]]:
+    """(step, index) of the reopened mini-batches still waiting for groups, oldest first."""
+    return [(h[0], h[1]) for h in self._holes]
+
   def open_groups(self) -> tuple[GroupMeta, ...]:
     """Groups placed in the open mini-batch (not released yet), in placed order."""
     return tuple(self._open)
@@ -149,8 +220,9 @@ class AdmissionIndex:
     return [g for _, g in sorted(e for q in self._waiting for e in q)]
 
   def pending(self) -> list[GroupMeta]:
-    """Every offered group not yet released (placed in the open mini-batch, then waiting FIFO)."""
-    return list(self._open) + self.waiting()
+    """Every group the index holds unreleased: placed in the open mini-batch, waiting FIFO, then
+    held in reopened mini-batches (see `reopen`)."""
+    return list(self._open) + self.waiting() + self._held_in_holes()
 
   def stats(self) -> dict:
     """Counters (cumulative) and the current backlog.
@@ -160,15 +232,16 @@ class AdmissionIndex:
     (released steps whose class counts differ from the quotas), ``bound_violations`` (released
     mini-batches with a class outside its min/max), ``violations`` (their sum), ``stalls``
     (mini-batches that stalled, see docs/admission.md), ``checks`` (admissibility checks made),
-    ``pending`` and ``pending_per_class``
-    (offered, not released), ``waiting`` (pending, not yet placed), ``step``, ``minibatch_index``.
+    ``lost`` (given up with their storage unit: `evict`, `reopen`), ``pending`` (held
+    unreleased, reopened mini-batches' groups included) and ``pending_per_class`` (open and
+    waiting only), ``waiting`` (pending, not yet placed), ``step``, ``minibatch_index``.
     """
     pending_per_class = {c: len(q) for c, q in zip(self.spec.classes, self._waiting, strict=True)}
     for g in self._open:
       pending_per_class[g.cls] += 1
     out = dict(self._counters)
     out["violations"] = out["quota_violations"] + out["bound_violations"]
-    out["pending"] = sum(pending_per_class.values())
+    out["pending"] = sum(pending_per_class.values()) + len(self._held_in_holes())
     out["pending_per_class"] = pending_per_class
     out["waiting"] = sum(len(q) for q in self._waiting)
     out["step"] = self._step
@@ -190,7 +263,16 @@ class AdmissionIndex:
     return out
 
   def state_dict(self) -> dict:
-    """Plain-Python checkpoint of the whole index, pending groups and seen group ids included."""
+    """Plain-Python checkpoint of the whole index, pending groups and seen group ids included.
+
+    Raises:
+      RuntimeError: a reopened mini-batch is still waiting for groups (not checkpointed: take
+        the checkpoint once `refilling` is empty).
+    """
+    if self._holes:
+      raise RuntimeError(
+        f"admission state: reopened mini-batches {self.refilling} are still being refilled."
+      )
     waiting = sorted(e for q in self._waiting for e in q)
     return {
       "version": STATE_VERSION,
@@ -214,6 +296,8 @@ class AdmissionIndex:
     The whole state is checked before anything changes: a `ValueError` names the first problem
     and leaves the index as it was.
     """
+    if isinstance(state, dict) and isinstance(state.get("counters"), dict):
+      state = {**state, "counters": {"lost": 0, **state["counters"]}}  # saved before "lost"
     checked = check_state(state, spec=self.spec, policy=self.policy, counter_names=_COUNTERS)
     self._reset(step=checked.step, index=checked.index, seq=checked.seq)
     self._placed = checked.placed
@@ -235,6 +319,40 @@ class AdmissionIndex:
 
   # ---- internals --------------------------------------------------------------------------------
 
+  def _fill_hole(self, group: GroupMeta, released: list[MiniBatch]) -> bool:
+    """Puts ``group`` into the oldest open place of its class in a reopened mini-batch."""
+    for hole in self._holes:
+      step, index, groups, slots = hole
+      slot = next((i for i in slots if groups[i].cls == group.cls), None)
+      if slot is None:
+        continue
+      groups[slot] = group
+      slots.remove(slot)
+      self._counters["admitted"] += 1
+      if not slots:
+        self._holes.remove(hole)
+        for g in groups:
+          self._pending_ids.discard(g.group_id)
+        released.append(MiniBatch(step, index, tuple(groups)))
+      return True
+    return False
+
+  def _held_in_holes(self) -> list[GroupMeta]:
+    return [
+      g for _, _, groups, slots in self._holes for i, g in enumerate(groups) if i not in slots
+    ]
+
+  def _evict_holes(self, units: set) -> list[GroupMeta]:
+    """Groups held in reopened mini-batches that are lost too: their places open again."""
+    lost = []
+    for _, _, groups, slots in self._holes:
+      for i, g in enumerate(groups):
+        if i not in slots and g.storage_unit in units:
+          lost.append(g)
+          slots.append(i)
+          self._pending_ids.discard(g.group_id)
+    return lost
+
   def _reset(self, *, step: int, index: int, seq: int) -> None:
     n = len(self._quotas)
     self._step, self._index, self._seq = step, index, seq
@@ -245,6 +363,8 @@ class AdmissionIndex:
     self._pending_ids: set[int] = set()
     self._short = n  # classes whose waiting groups do not cover the step's remaining quota
     self._stalled = False  # whether the open mini-batch has been counted as stalled
+    # reopened mini-batches: [step, index, groups, open places (indices into groups)]
+    self._holes: list[list] = []
     self._tracker.start_step()
 
   def _is_short(self, c: int) -> bool:

@@ -26,10 +26,13 @@ link, iptables' statistic match) and `partition` (two hosts cannot reach each ot
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 from lab.cluster import net
@@ -170,6 +173,21 @@ class Cluster:
   def set_link(self, i: int, up: bool) -> None:
     """Takes host ``i``'s link down (packets to and from it are lost) or up again."""
     net.sh("ip", "link", "set", self.hosts[i].link, "up" if up else "down")
+
+  def remove(self, i: int, *, grace_s: float = 0.0) -> None:
+    """Removes host ``i`` for good: every process in it killed (SIGKILL unless ``grace_s``) and
+    its namespace deleted (its veth pair goes with it); its index stays, its namespace empty."""
+    ns = self.hosts[i].ns
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+      if not wait:
+        continue
+      for p in net.ns_pids(ns):
+        with contextlib.suppress(ProcessLookupError):
+          os.kill(p, sig)
+      deadline = time.monotonic() + wait
+      while net.ns_pids(ns) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    net.sh("ip", "netns", "del", ns, check=False)
 
   def lossy(self, probability: float, on: bool = True) -> None:
     """Every host drops each packet it sends with ``probability`` (or stops doing so)."""

@@ -8,7 +8,8 @@ and their extremes, payloads, records, prompt files, checkpoints, hostile model 
 ``entry_points`` (every command fed a hostile command line), ``workdir`` (two runs on one workdir,
 SIGINT / SIGTERM, SIGKILL during a resume, a full disk), ``backpressure`` (10x over-production
 against the storage byte budget), and ``network`` (a link down, packet loss, a partition between
-the trainer and the Ray node of its rollout actor, across an emulated cluster; needs root), and
+the trainer and the Ray node of its rollout actor, across an emulated cluster, and one of two Ray
+nodes' hosts removed for good; ``--network_trials`` picks; needs root), and
 ``processes`` (faults across a run's processes: trainer processes started with different configs,
 a second coordinator and garbage on the coordinator's port, SIGTERM to a process that joined Ray).
 The ``entry_points`` and ``workdir`` parts mount (a read-only bind, a small tmpfs) when run as
@@ -53,6 +54,11 @@ _EXAMPLES = flags.DEFINE_integer(
   "examples", 10_000, "Generated bad inputs (at least one per case of each kind is generated)."
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of kill points and generated inputs.")
+_NETWORK_TRIALS = flags.DEFINE_list(
+  "network_trials",
+  ["link_down", "loss", "partition", "node_removed"],
+  "Trials of the network part (node_removed: one of two Ray nodes' hosts removed for good).",
+)
 flags.mark_flag_as_required("workdir")
 
 
@@ -97,6 +103,13 @@ def _table(results: dict) -> str:
     for name, t in r.get("trials", {}).items():
       result = "ok" if t["ok"] else "; ".join(t["problems"])[:160]
       lines.append(f"network        | {name}: {t['outcome']}, {result}")
+      if "groups_lost" in t:
+        lines.append(
+          f"network        | {name}: {t['steps_finished']} steps, {t['groups_lost']} groups lost "
+          f"({t['groups_lost_pending']} pending, {t['groups_lost_released']} released), "
+          f"{t['groups_regenerated']} regenerated, next step "
+          f"{t['removal_to_next_step_s'] or float('nan'):.1f} s after the removal"
+        )
   if "processes" in results:
     from lab.faults import processes
 
@@ -124,6 +137,15 @@ def check_flags() -> None:
       sys.exit(f"error: --kill_modes {','.join(unknown)} not accepted; choose from {modes}.")
     if _KILLS.value < 1:
       sys.exit(f"error: --kills {_KILLS.value} is not accepted; give a count of at least 1.")
+  if "network" in _PARTS.value:
+    from lab.faults import network
+
+    trials = _NETWORK_TRIALS.value
+    if not trials or (unknown := [t for t in trials if t not in network.TRIALS]):
+      given = ",".join(unknown) if trials else "(empty)"
+      sys.exit(
+        f"error: --network_trials {given} not accepted; choose from {', '.join(network.TRIALS)}."
+      )
   if _EXAMPLES.value < 1:
     sys.exit(f"error: --examples {_EXAMPLES.value} is not accepted; give a count of at least 1.")
   if _SEED.value < 0:
@@ -184,7 +206,9 @@ def main(argv):
     elif part == "network":
       from lab.faults import network
 
-      results["network"] = network.run(os.path.join(workdir, "network"))
+      results["network"] = network.run(
+        os.path.join(workdir, "network"), trials=tuple(_NETWORK_TRIALS.value)
+      )
     elif part == "processes":
       from lab.faults import processes
 

@@ -589,8 +589,9 @@ def check_colocated(workdir: str, reference: str, run, steps: int) -> list[str]:
 
 def check_disaggregated(workdir: str, steps: int, run=None) -> list[str]:
   """What a disaggregated run must end with, however often it was stopped and resumed: every
-  train step logged once, no group consumed twice, offered = consumed + rejected + pending as
-  sets of group ids, no quota violation or lost group in the metrics; and, given its ``run``
+  train step logged once, no group consumed twice, offered = consumed + rejected + pending +
+  lost (``lost.jsonl``: given up with a storage unit, each once, never consumed) as sets of
+  group ids, no quota violation or lost group in the metrics; and, given its ``run``
   (a `RUNS` entry), the quotas of every step and mini-batch and the pipeline-depth bound
   (`check_bounds`)."""
   problems = []
@@ -607,19 +608,28 @@ def check_disaggregated(workdir: str, steps: int, run=None) -> list[str]:
   pending += [g["group_id"] for _, g in final["admission"]["waiting"]]
   pending += [g["group_id"] for mb in final["queued"] for g in mb["groups"]]
   rejected = [o["group_id"] for o in offered if o["rejected"]]
-  if sorted(ids + rejected + pending) != sorted(o["group_id"] for o in offered):
-    problems.append("offered != consumed + rejected + pending as sets of group ids")
+  # given up with their storage unit (a node gone for good), one row each
+  lost = [r["group_id"] for r in _jsonl(os.path.join(workdir, "lost.jsonl"))]
+  if len(lost) != len(set(lost)):
+    problems.append("a lost group was logged twice")
+  if set(lost) & set(ids + pending):
+    problems.append("a group logged lost was consumed or is pending")
+  if sorted(ids + rejected + pending + lost) != sorted(o["group_id"] for o in offered):
+    problems.append("offered != consumed + rejected + pending + lost as sets of group ids")
   if any(r.get("quota_violations", 0) for r in rows) or rows and rows[-1].get("groups_lost", 0):
     problems.append("quota violations or lost groups in metrics")
   if run is not None:
     from knitjax.config import from_config_dict
 
     config = from_config_dict(_config(run))
-    problems += check_bounds(consumed, offered, config.admission, config.pipeline)
+    lost_rows = _jsonl(os.path.join(workdir, "lost.jsonl"))
+    problems += check_bounds(consumed, offered, config.admission, config.pipeline, lost_rows)
   return problems
 
 
-def check_bounds(consumed: list[dict], offered: list[dict], admission, pipeline) -> list[str]:
+def check_bounds(
+  consumed: list[dict], offered: list[dict], admission, pipeline, lost: list[dict] = ()
+) -> list[str]:
   """The quotas of every train step and mini-batch (``consumed.jsonl``), and the pipeline-depth
   bound of `knitjax.rollout.versions` at every group's start (``offered.jsonl``).
 
@@ -628,7 +638,8 @@ def check_bounds(consumed: list[dict], offered: list[dict], admission, pipeline)
   (started minus rejected so far). The rollout starts a group only on weights at least as new as
   the version its limit was computed from, so the group's gen version (the oldest it used) gives
   the limit: ``rank < start_limit(gen_version)``, else the group started deeper ahead of the
-  trainer than ``pipeline.max_lag_steps`` allows.
+  trainer than ``pipeline.max_lag_steps`` allows. Groups ``lost`` with their storage unit are not
+  ranked (the rollout stops counting them when they are lost, so this is the weaker check there).
   """
   from knitjax.rollout import versions
 
@@ -655,7 +666,8 @@ def check_bounds(consumed: list[dict], offered: list[dict], admission, pipeline)
       problems.append(f"step {step} consumed {dict(counts)}, quotas {dict(admission.quotas)}")
   lag = versions.lag_groups(pipeline.max_lag_steps, groups_per_step=b, minibatches=m)
   latest = {o["group_id"]: o for o in offered}  # a resumed run offers a group once more at most
-  accepted = sorted(g for g, o in latest.items() if not o["rejected"])
+  gone = {r["group_id"] for r in lost}  # the bound stops counting a lost group (regenerated)
+  accepted = sorted(g for g, o in latest.items() if not o["rejected"] and g not in gone)
   over = []
   for rank, gid in enumerate(accepted):
     version = latest[gid]["gen_version"]

@@ -11,7 +11,14 @@ actors ran is recorded (``placement``). Trials:
   then up again;
 - ``loss``: every link drops ``LOSS`` of the packets it sends, for the whole first attempt;
 - ``partition``: once the first train step is logged, the two hosts stop reaching each other,
-  with fetches and weights in flight, until the trainer has stopped.
+  with fetches and weights in flight, until the trainer has stopped;
+- ``node_removed``: three hosts, a Ray node on hosts 1 and 2 (``topology.rollout_workers=2``,
+  one rollout actor and its storage unit on each); once ``REMOVE_AFTER`` train steps are
+  logged, host 2 is removed for good (every process in it killed, its namespace deleted, never
+  restored). The run must finish on the worker left, without a restart: the groups host 2's
+  unit held are given up (``lost.jsonl``) and generated again. Recorded: the steps logged
+  before the removal, the seconds from the removal to the next step logged, the groups lost
+  (pending in the index or in reopened released mini-batches) and regenerated.
 
 The trainer gets ``DEADLINE_S`` per attempt: one still running then is recorded as a hang (a
 problem), stopped with SIGTERM (SIGKILL if that does not end it) and the network healed. A
@@ -37,19 +44,23 @@ from lab.cluster import net, ray_nodes
 from lab.cluster.hosts import Cluster, HostSpec
 from lab.faults import kill_resume
 
-TRIALS = ("link_down", "loss", "partition")
+TRIALS = ("link_down", "loss", "partition", "node_removed")
 STEPS = 40
 LINK_MBIT = 1000.0
 DOWN_S = 10.0
 LOSS = 0.01
 JITTER_MS = 50.0
 DEADLINE_S = 360.0  # per attempt: an undisturbed run takes about 90 s, a partition about 240 s
+REMOVED_DEADLINE_S = 600.0  # node_removed: two workers on one core, then Ray's node-death checks
 TRAINER, NODE = 0, 1
+GONE = 2  # node_removed: the host removed for good
+REMOVE_AFTER = 8  # node_removed: train steps logged before the removal
 ACTORS = ("_RolloutActor", "_StorageActor")
 
 
-def _run(address: str) -> tuple:
-  """kill_resume's disaggregated run, its rollout in one Ray actor of the cluster at ``address``."""
+def _run(address: str, workers: int = 1) -> tuple:
+  """kill_resume's disaggregated run, its rollout in ``workers`` Ray actors of the cluster at
+  ``address``."""
   config, variant, overrides = kill_resume.RUNS["disaggregated"]
   overrides = {
     **overrides,
@@ -57,30 +68,39 @@ def _run(address: str) -> tuple:
     # the rollout is in the actor: one device trains, one is the (unused) rollout side
     "mesh.cpu_devices": 2,
     "topology.rollout_devices": 1,
-    "topology.rollout_workers": 1,
+    "topology.rollout_workers": workers,
     "topology.ray_address": address,
   }
   return config, variant, overrides
 
 
-def _first_step_logged(workdir: str, proc: subprocess.Popen, timeout_s: float = 300) -> bool:
+def _steps_logged(workdir: str) -> int:
   path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0
+  with open(path, "rb") as f:
+    return f.read().count(b"\n")
+
+
+def _first_step_logged(
+  workdir: str, proc: subprocess.Popen, timeout_s: float = 300, steps: int = 1
+) -> bool:
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline and proc.poll() is None:
-    if os.path.exists(path) and os.path.getsize(path) > 0:
+    if _steps_logged(workdir) >= steps:
       return True
     time.sleep(0.05)
   return False
 
 
-def _placement(cluster: Cluster, proc: subprocess.Popen, out: dict) -> None:
-  """A thread: records the host each Ray actor kind first ran on."""
+def _placement(cluster: Cluster, proc: subprocess.Popen, out: dict, count: int = 1) -> None:
+  """A thread: records the hosts the first ``count`` Ray actors of each kind ran on."""
   seen = out.setdefault("placement", {})
   ours = lambda pid: ray_nodes.host_of(cluster, pid) is not None  # noqa: E731
   while proc.poll() is None and len(seen) < len(ACTORS):
     for kind in ACTORS:
-      if kind not in seen and (pids := kill_resume.actor_pids(kind, ours)):
-        seen[kind] = [ray_nodes.host_of(cluster, p) for p in pids]
+      if kind not in seen and len(pids := kill_resume.actor_pids(kind, ours)) >= count:
+        seen[kind] = sorted(ray_nodes.host_of(cluster, p) for p in pids)
     time.sleep(0.3)
 
 
@@ -107,7 +127,18 @@ def _faults(trial: str):
         time.sleep(0.1)
       cluster.partition(TRAINER, NODE, on=False)
 
-  return {"link_down": link_down, "loss": loss, "partition": partition}[trial]
+  def node_removed(cluster, workdir, trainer, out):
+    if _first_step_logged(workdir, trainer, steps=REMOVE_AFTER):
+      steps = out["steps_before_removal"] = _steps_logged(workdir)
+      cluster.remove(GONE)
+      out["fault_at_s"] = time.time()
+      while trainer.poll() is None and _steps_logged(workdir) <= steps:
+        time.sleep(0.05)
+      if _steps_logged(workdir) > steps:
+        out["removal_to_next_step_s"] = time.time() - out["fault_at_s"]
+
+  faults = {"link_down": link_down, "loss": loss, "partition": partition}
+  return {**faults, "node_removed": node_removed}[trial]
 
 
 def _stop(proc: subprocess.Popen) -> str:
@@ -122,7 +153,9 @@ def _stop(proc: subprocess.Popen) -> str:
     return "SIGKILL"
 
 
-def _attempt(cluster: Cluster, workdir: str, k: int, fault=None) -> dict:
+def _attempt(
+  cluster: Cluster, workdir: str, k: int, fault=None, workers: int = 1, deadline_s=DEADLINE_S
+) -> dict:
   """One start of a fresh Ray cluster and the trainer (``fault`` in a thread beside them); the
   hosts' processes are ended afterwards, whatever state the fault left them in."""
   out: dict = {}
@@ -136,7 +169,7 @@ def _attempt(cluster: Cluster, workdir: str, k: int, fault=None) -> dict:
     address = ray_nodes.start(
       cluster, env, f"{temp_dir}/ray", head_cpus=0, port=port, log=lambda m: None
     )
-    cmd = [sys.executable, "-m", "knitjax.main", *kill_resume._argv(_run(address))]
+    cmd = [sys.executable, "-m", "knitjax.main", *kill_resume._argv(_run(address, workers))]
     with open(err_path, "w") as err:
       trainer = cluster.spawn(
         TRAINER,
@@ -146,7 +179,9 @@ def _attempt(cluster: Cluster, workdir: str, k: int, fault=None) -> dict:
         stdout=subprocess.DEVNULL,
         stderr=err,
       )
-      threads = [threading.Thread(target=_placement, args=(cluster, trainer, out), daemon=True)]
+      threads = [
+        threading.Thread(target=_placement, args=(cluster, trainer, out, workers), daemon=True)
+      ]
       if fault is not None:
         threads.append(
           threading.Thread(target=fault, args=(cluster, workdir, trainer, out), daemon=True)
@@ -154,7 +189,7 @@ def _attempt(cluster: Cluster, workdir: str, k: int, fault=None) -> dict:
       for t in threads:
         t.start()
       try:
-        trainer.wait(timeout=DEADLINE_S)
+        trainer.wait(timeout=deadline_s)
       except subprocess.TimeoutExpired:
         out["hung_after_s"] = time.monotonic() - t0
         out["stopped_by"] = _stop(trainer)
@@ -163,7 +198,7 @@ def _attempt(cluster: Cluster, workdir: str, k: int, fault=None) -> dict:
         t.join(timeout=DOWN_S + 5)
   finally:
     for h in cluster.hosts:
-      ray_nodes.stop(cluster, h.index)
+      ray_nodes.stop(cluster, h.index)  # a removed host's namespace has no process left
     shutil.rmtree(temp_dir, ignore_errors=True)
   with open(err_path) as f:
     text = f.read()
@@ -182,12 +217,13 @@ def _attempt(cluster: Cluster, workdir: str, k: int, fault=None) -> dict:
   return out
 
 
-def _judge(first: dict, last: dict, wd: str) -> list[str]:
+def _judge(first: dict, last: dict, wd: str, nodes=(NODE,)) -> list[str]:
   problems = []
   placed = first.get("placement", {})
   for kind in ACTORS:
-    if placed.get(kind) != [NODE]:
-      problems.append(f"{kind} ran on hosts {placed.get(kind)}, not on the Ray node's host {NODE}")
+    if placed.get(kind) != list(nodes):
+      where = f"host {nodes[0]}" if len(nodes) == 1 else f"hosts {list(nodes)}"
+      problems.append(f"{kind} ran on hosts {placed.get(kind)}, not on the Ray node's {where}")
   if "hung_after_s" in first:
     problems.append(
       f"the faulted trainer hung: still running {first['hung_after_s']:.0f} s after its start, "
@@ -202,8 +238,38 @@ def _judge(first: dict, last: dict, wd: str) -> list[str]:
   if last["trainer_code"] != 0:
     problems.append(f"the resumed run failed: {last['last_line']!r}")
   else:
-    problems += kill_resume.check_disaggregated(wd, STEPS, _run(""))
+    problems += kill_resume.check_disaggregated(wd, STEPS, _run("", len(nodes)))
   return problems
+
+
+def _node_removed(first: dict, attempts: list, wd: str) -> tuple[dict, list[str]]:
+  """The node_removed trial's figures, and what it must show beyond `_judge`: the run finished
+  in its first attempt, on the worker left, with the lost groups given up and generated again."""
+  rows = kill_resume._jsonl(os.path.join(wd, "metrics.jsonl"))
+  lost = kill_resume._jsonl(os.path.join(wd, "lost.jsonl"))
+  last = rows[-1] if rows else {}
+  figures = {
+    "steps_finished": len(rows),
+    "steps_before_removal": first.get("steps_before_removal"),
+    "removal_to_next_step_s": first.get("removal_to_next_step_s"),
+    "groups_lost": len(lost),
+    "groups_lost_pending": sum(r["where"] == "pending" for r in lost),
+    "groups_lost_released": sum(r["where"] == "released" for r in lost),
+    "lost_units": sorted({r["storage_unit"] for r in lost}),
+    # in flight on the removed worker (same ids, made again) plus the lost groups' prompts
+    "groups_regenerated": int(last.get("groups_regenerated", 0)),
+    "groups_lost_with_node_metric": int(last.get("groups_lost_with_node", 0)),
+    "quota_violations": int(last.get("quota_violations", 0)),
+  }
+  problems = []
+  if "fault_at_s" not in first:
+    problems.append(f"host {GONE} was never removed (the run ended before step {REMOVE_AFTER})")
+  if len(attempts) > 1:
+    problems.append("the run did not finish on the worker left: it needed a resume")
+  if figures["groups_lost_with_node_metric"] != len(lost):
+    problems.append(f"metrics count {figures['groups_lost_with_node_metric']} lost groups, "
+                    f"lost.jsonl {len(lost)}")  # fmt: skip
+  return figures, problems
 
 
 def run(workdir: str, *, trials=TRIALS, log=print) -> dict:
@@ -219,17 +285,27 @@ def run(workdir: str, *, trials=TRIALS, log=print) -> dict:
     "deadline_s": DEADLINE_S,
     "trials": {},
   }
-  specs = [HostSpec(cores=(0,), rate_mbit=LINK_MBIT), HostSpec(cores=(1,), rate_mbit=LINK_MBIT)]
   for trial in trials:
     wd = os.path.join(workdir, trial, "run")
     t0 = time.time()
     delay = {"jitter_ms": JITTER_MS} if trial == "loss" and jitter else {}
+    nodes = (NODE, GONE) if trial == "node_removed" else (NODE,)
+    # the trainer on core 0, the Ray nodes on core 1
+    specs = [HostSpec(cores=(0,), rate_mbit=LINK_MBIT)]
+    specs += [HostSpec(cores=(1,), rate_mbit=LINK_MBIT) for _ in nodes]
     with Cluster(specs, log=lambda m: None, **delay) as cluster:
-      attempts = [_attempt(cluster, wd, 0, _faults(trial))]
+      deadline = REMOVED_DEADLINE_S if trial == "node_removed" else DEADLINE_S
+      attempts = [_attempt(cluster, wd, 0, _faults(trial), len(nodes), deadline)]
       while attempts[-1]["trainer_code"] != 0 and len(attempts) < 3:
-        attempts.append(_attempt(cluster, wd, len(attempts)))
+        if trial == "node_removed":  # resumed on the host left, with one worker
+          cluster.hosts = cluster.hosts[:GONE]
+        attempts.append(_attempt(cluster, wd, len(attempts), workers=len(cluster.hosts) - 1))
     first = attempts[0]
-    problems = _judge(first, attempts[-1], wd)
+    problems = _judge(first, attempts[-1], wd, nodes)
+    figures = {}
+    if trial == "node_removed":
+      figures, more = _node_removed(first, attempts, wd)
+      problems += more
     outcome = (
       "finished"
       if first["trainer_code"] == 0
@@ -242,6 +318,7 @@ def run(workdir: str, *, trials=TRIALS, log=print) -> dict:
       "outcome": outcome,
       "problems": problems,
       "attempts": attempts,
+      **figures,
       **kill_resume.staleness(kill_resume._jsonl(os.path.join(wd, "consumed.jsonl"))),
       "seconds": time.time() - t0,
     }

@@ -31,6 +31,10 @@ PARTS = "kill, actors, inputs, entry_points, workdir, backpressure, network, pro
       f"--kill_modes nope not accepted; choose from {KILL_MODES}.",
     ),
     (
+      ["--parts=network", "--network_trials=link_down,gone"],
+      "--network_trials gone not accepted; choose from link_down, loss, partition, node_removed.",
+    ),
+    (
       ["--parts=inputs", "--examples=-5"],
       "--examples -5 is not accepted; give a count of at least 1.",
     ),
